@@ -1,0 +1,31 @@
+// Helpers shared by the XLA FFI handlers: thin decode -> Params -> launch wrappers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace mok::ffi_util {
+
+namespace ffi = xla::ffi;
+
+// Turn a CUDA error from a launch into an FFI error that names the op.
+inline ffi::Error cuda_error(const char* op, cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": CUDA error " + cudaGetErrorName(err) + ": " +
+                              cudaGetErrorString(err));
+}
+
+inline ffi::Error invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+}  // namespace mok::ffi_util
+
+// Define an FFI handler as an exported C symbol (the library hides every other symbol). Python
+// looks the symbol up with ctypes and registers it with jax.ffi.register_ffi_target.
+#define MOK_FFI_HANDLER(name, impl, binding)                                                   \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name(XLA_FFI_CallFrame*); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding)

@@ -1,0 +1,61 @@
+"""Device-synchronised timing of jitted JAX callables.
+
+A sample enqueues ``calls`` back-to-back executions (JAX dispatches asynchronously, so the host
+runs ahead of the device), then blocks until the last result is ready; the sample's time is the
+wall time over ``calls``. With enough calls per sample the device never idles between executions,
+so this is device time per call (host dispatch overhead is hidden whenever it is shorter than one
+call). Warm-up calls (compilation, autotuning, allocation) are excluded. Reported: median, min, max.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+__all__ = ["Timing", "time_fn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    samples: int
+    calls_per_sample: int
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def time_fn(
+    fn: Callable[..., Any],
+    *args: Any,
+    warmup: int = 3,
+    samples: int = 20,
+    target_sample_ms: float = 20.0,
+    max_calls_per_sample: int = 64,
+) -> Timing:
+    """Time ``fn(*args)`` (a jitted callable). Calls per sample are chosen so a sample lasts about
+    ``target_sample_ms`` (at least 1, at most ``max_calls_per_sample``)."""
+    out = None
+    for _ in range(max(1, warmup)):
+        out = fn(*args)
+    jax.block_until_ready(out)
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one_ms = (time.perf_counter() - t0) * 1e3
+    calls = int(min(max_calls_per_sample, max(1, target_sample_ms // max(one_ms, 1e-3))))
+
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return Timing(statistics.median(times), min(times), max(times), samples, calls)

@@ -1,0 +1,149 @@
+"""Static configuration of the layer: model shapes, kernel tuning, and the op's config.
+
+Every static argument of ``mok_jax.moe`` lives in one frozen, keyword-only, validated dataclass
+(``MoEConfig``). Model shapes come from ``configs/models/*.toml`` through ``load_model`` so tests,
+benchmarks and the Flax module share one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+from typing import Literal
+
+__all__ = ["KernelConfig", "ModelShape", "MoEConfig", "list_models", "load_model"]
+
+Implementation = Literal["xla", "mok"]
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+def _require(cond: bool, msg: str, exc: type[Exception] = ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The MoE block of one model. Shared expert absent when ``num_shared_experts == 0``."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    score_func: ScoreFunc = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for f in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
+            v = getattr(self, f)
+            _require(isinstance(v, int) and v > 0, f"ModelShape.{f} must be a positive int, got {v!r}")
+        _require(
+            self.top_k <= self.num_experts,
+            f"ModelShape.top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})",
+        )
+        _require(self.num_shared_experts >= 0, "ModelShape.num_shared_experts must be >= 0")
+        if self.num_shared_experts:
+            _require(self.shared_intermediate_size > 0, "ModelShape.shared_intermediate_size must be > 0")
+        _require(self.score_func in ("softmax", "sigmoid"), f"ModelShape.score_func must be 'softmax' or "
+                 f"'sigmoid', got {self.score_func!r}")
+
+    @property
+    def shared_size(self) -> int:
+        """Intermediate size of the (fused) shared expert; 0 when there is none."""
+        return self.num_shared_experts * self.shared_intermediate_size
+
+    def replace(self, **changes) -> "ModelShape":
+        return dataclasses.replace(self, **changes)
+
+
+def _config_dirs() -> list[pathlib.Path]:
+    here = pathlib.Path(__file__).resolve().parent
+    return [here / "configs" / "models", here.parent / "configs" / "models"]
+
+
+def list_models(tag: str | None = None) -> list[str]:
+    """Names of the model shapes under configs/models (optionally only those tagged ``tag``)."""
+    names = set()
+    for d in _config_dirs():
+        for f in d.glob("*.toml"):
+            if tag is None or tag in load_model(f).tags:
+                names.add(f.stem)
+    return sorted(names)
+
+
+def load_model(name_or_path: str | pathlib.Path) -> ModelShape:
+    """A ModelShape from a model name (``configs/models/<name>.toml``) or a path to a TOML file."""
+    path = pathlib.Path(name_or_path)
+    if not path.suffix == ".toml":
+        found = [d / f"{name_or_path}.toml" for d in _config_dirs() if (d / f"{name_or_path}.toml").is_file()]
+        if not found:
+            known = sorted({f.stem for d in _config_dirs() for f in d.glob("*.toml")})
+            raise ValueError(f"unknown model {name_or_path!r}; known models: {', '.join(known)}")
+        path = found[0]
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    fields = {f.name for f in dataclasses.fields(ModelShape)}
+    unknown = set(raw) - fields
+    _require(not unknown, f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(fields)}")
+    raw["tags"] = tuple(raw.get("tags", ()))
+    return ModelShape(**raw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Tuning of the megakernel (DESIGN.md, "Overlap" and "Memory"). Ignored by implementation='xla'.
+
+    granularity: tokens per microbatch (512..32768).
+    comm_sms_fwd / comm_sms_bwd: SMs given to dispatch/combine in forward / backward.
+    dispatch / combine: communication direction per operator.
+    ring_slots: macrobatch slots in the device-side receive ring.
+    """
+
+    granularity: int = 2048
+    comm_sms_fwd: int = 24
+    comm_sms_bwd: int = 24
+    dispatch: Literal["pull", "push"] = "pull"
+    combine: Literal["push", "pull"] = "push"
+    ring_slots: int = 2
+
+    def __post_init__(self):
+        _require(512 <= self.granularity <= 32768, f"KernelConfig.granularity must be in [512, 32768], "
+                 f"got {self.granularity}")
+        for f in ("comm_sms_fwd", "comm_sms_bwd"):
+            v = getattr(self, f)
+            _require(1 <= v <= 128, f"KernelConfig.{f} must be in [1, 128], got {v}")
+        _require(self.dispatch in ("pull", "push"), f"KernelConfig.dispatch must be 'pull' or 'push', "
+                 f"got {self.dispatch!r}")
+        _require(self.combine in ("push", "pull"), f"KernelConfig.combine must be 'push' or 'pull', "
+                 f"got {self.combine!r}")
+        _require(self.ring_slots >= 1, f"KernelConfig.ring_slots must be >= 1, got {self.ring_slots}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Static arguments of ``mok_jax.moe``.
+
+    implementation: "xla" (pure JAX, runs anywhere; the correctness oracle) or "mok" (the CUDA
+        megakernel; raises until it is available, never falls back silently).
+    ep_axis: name of the expert-parallel mesh axis when ``moe`` runs inside ``shard_map``; None
+        when it runs on one device with every expert local.
+    kernel: tuning of the megakernel; None picks the tuned table or the heuristic.
+    """
+
+    implementation: Implementation = "xla"
+    ep_axis: str | None = None
+    kernel: KernelConfig | None = None
+
+    def __post_init__(self):
+        _require(self.implementation in ("xla", "mok"),
+                 f"MoEConfig.implementation must be 'xla' or 'mok', got {self.implementation!r}")
+        _require(self.ep_axis is None or (isinstance(self.ep_axis, str) and self.ep_axis),
+                 f"MoEConfig.ep_axis must be a mesh axis name or None, got {self.ep_axis!r}", TypeError)
+        _require(self.kernel is None or isinstance(self.kernel, KernelConfig),
+                 f"MoEConfig.kernel must be a KernelConfig or None, got {type(self.kernel).__name__}", TypeError)

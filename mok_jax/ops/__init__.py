@@ -1,0 +1,10 @@
+"""One thin Python function per FFI target of the native library (CUDA only).
+
+Each function checks shapes and dtypes at trace time with errors that name the argument, then
+calls ``jax.ffi.ffi_call``. None of them falls back to another implementation: on a machine
+without the kernels they raise ``NativeLibraryUnavailable``.
+"""
+
+from mok_jax.ops.routing import expert_counts
+
+__all__ = ["expert_counts"]

@@ -1,0 +1,75 @@
+"""Expert FFNs and the single-device MoE, as dense masked einsums.
+
+Precision follows DESIGN.md: matmuls take the input dtype and accumulate in fp32; the SwiGLU
+activation h is rounded to the input dtype (the kernel stores it so); the weighted sum over the
+top-k slots runs in fp32 in slot order j = 0..k-1, then the shared expert is added, then the
+result is rounded to the input dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mok_jax.weights import MoEWeights
+
+__all__ = ["grouped_ffn", "moe", "shared_expert", "swiglu_ffn"]
+
+_F32 = jnp.float32
+
+
+def swiglu_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """One SwiGLU expert: x: [..., H], gate_up: [H, 2I], down: [I, H] -> f32[..., H]."""
+    gu = jnp.einsum("...h,hn->...n", x, gate_up, preferred_element_type=_F32)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    return jnp.einsum("...i,ih->...h", h, down, preferred_element_type=_F32)
+
+
+def shared_expert(x: jax.Array, weights: MoEWeights) -> jax.Array:
+    """The shared expert's f32 output, or zeros when the layer has none."""
+    if weights.shared_gate_up is None:
+        return jnp.zeros(x.shape, _F32)
+    return swiglu_ffn(x, weights.shared_gate_up, weights.shared_down)
+
+
+def routed_sum(expert_out: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, expert_offset=0) -> jax.Array:
+    """sum_j topk_weight[t, j] * expert_out[topk_idx[t, j] - expert_offset, t], in slot order, in f32.
+
+    expert_out: f32[E_local, T, H]. Slots whose expert is not in [offset, offset + E_local) add nothing.
+    """
+    num_local = expert_out.shape[0]
+    tokens = jnp.arange(expert_out.shape[1])
+    acc = jnp.zeros(expert_out.shape[1:], _F32)
+    for j in range(topk_idx.shape[1]):
+        local = topk_idx[:, j] - expert_offset
+        mine = (local >= 0) & (local < num_local)
+        row = expert_out[jnp.clip(local, 0, num_local - 1), tokens]
+        acc = acc + jnp.where(mine[:, None], topk_weight[:, j, None].astype(_F32) * row, 0.0)
+    return acc
+
+
+def moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights) -> jax.Array:
+    """y_t = sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(x_t) + shared(x_t), all experts local.
+
+    x: [T, H] (bf16 or f32), topk_idx: int32[T, k], topk_weight: f32[T, k] -> [T, H] in x.dtype.
+    Dense: every expert runs on every token (E times the work), which is what makes it obvious.
+    """
+    all_out = jax.vmap(swiglu_ffn, in_axes=(None, 0, 0))(x, weights.gate_up, weights.down)  # [E, T, H]
+    y = routed_sum(all_out, topk_idx, topk_weight) + shared_expert(x, weights)
+    return y.astype(x.dtype)
+
+
+def grouped_ffn(x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """SwiGLU FFN over expert-major rows (the layout dispatch produces).
+
+    x: [M, H]; group_sizes: int32[E] with rows [offset_e, offset_e + group_sizes[e]) belonging to
+    expert e; rows past sum(group_sizes) are padding and come out as zeros. Returns [M, H] in x.dtype.
+    """
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(x.shape[0])
+    expert_of_row = jnp.searchsorted(ends, row, side="right")  # == E for padding rows
+    y = jnp.zeros(x.shape, _F32)
+    for e in range(gate_up.shape[0]):
+        y = jnp.where((expert_of_row == e)[:, None], swiglu_ffn(x, gate_up[e], down[e]), y)
+    return y.astype(x.dtype)
