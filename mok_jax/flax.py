@@ -1,0 +1,143 @@
+"""Flax modules of the MoE layer: ``MoELayer`` (NNX) and ``LinenMoELayer`` (a thin Linen wrapper).
+
+The module holds the router, the routed experts (partitioned over ``ep`` on the expert dimension)
+and the shared expert (replicated), routes in ordinary JAX, and calls ``mok_jax.moe`` through
+``expert_parallel_moe`` when given a mesh, or on one device otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen, nnx
+from flax.nnx import bridge
+from jax.sharding import Mesh
+
+from mok_jax.config import KernelConfig, ModelShape, MoEConfig
+from mok_jax.moe import moe
+from mok_jax.reference.router import route
+from mok_jax.sharding import expert_parallel_moe, partition_specs
+from mok_jax.weights import MoEWeights
+
+__all__ = ["LinenMoELayer", "MoELayer", "RouterBias", "load_balancing_loss"]
+
+
+class RouterBias(nnx.Variable):
+    """Selection bias of auxiliary-loss-free balancing (updated by the user, not by gradients)."""
+
+
+def load_balancing_loss(probs: jax.Array, topk_idx: jax.Array, num_experts: int) -> jax.Array:
+    """Switch/GShard auxiliary loss: num_experts * sum_e f_e * P_e, where f_e is the fraction of
+    routed slots that chose expert e and P_e the mean router probability of e. probs: f32[T, E]."""
+    f = jnp.mean(jax.nn.one_hot(topk_idx, num_experts, dtype=jnp.float32).sum(1), axis=0) / topk_idx.shape[1]
+    p = jnp.mean(probs, axis=0)
+    return num_experts * jnp.sum(f * p)
+
+
+def _param(rngs: nnx.Rngs, shape, fan_in: int, dtype, names, mesh: Mesh | None) -> nnx.Param:
+    value = jax.random.normal(rngs.params(), shape, dtype) * (fan_in ** -0.5)
+    if mesh is None:
+        return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, sharding_names=names, mesh=mesh)
+
+
+class MoELayer(nnx.Module):
+    """The MoE block of ``shape``: x [..., H] -> [..., H].
+
+    mesh / ep_axis: run expert-parallel over ``ep_axis`` of ``mesh`` (tokens sharded over every mesh
+        axis unless ``token_axes`` says otherwise); without a mesh every expert is local.
+    implementation: "xla" (pure JAX) or "mok" (the CUDA megakernel).
+    dtype: compute dtype of x and the expert weights (bf16 or f32); param_dtype: storage dtype.
+    use_selection_bias: add a RouterBias (auxiliary-loss-free balancing) to expert selection.
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        mesh: Mesh | None = None,
+        ep_axis: str = "ep",
+        token_axes: tuple[str, ...] | None = None,
+        implementation: str = "xla",
+        kernel: KernelConfig | None = None,
+        dtype: Any = jnp.bfloat16,
+        param_dtype: Any = jnp.float32,
+        use_selection_bias: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(shape, ModelShape):
+            raise TypeError(f"shape must be a mok_jax.ModelShape, got {type(shape).__name__}")
+        self.shape = shape
+        self.mesh, self.ep_axis, self.token_axes = mesh, ep_axis, token_axes
+        self.dtype = dtype
+        if mesh is not None:
+            partition_specs(mesh, ep_axis, token_axes)  # checks the axes
+            if shape.num_experts % mesh.shape[ep_axis]:
+                raise ValueError(f"shape.num_experts ({shape.num_experts}) must be divisible by the size of mesh "
+                                 f"axis {ep_axis!r} ({mesh.shape[ep_axis]})")
+        self.config = MoEConfig(implementation=implementation, ep_axis=ep_axis if mesh is not None else None,
+                                kernel=kernel)
+        E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
+        self.router = _param(rngs, (H, E), H, param_dtype, (None, None), mesh)
+        self.gate_up = _param(rngs, (E, H, 2 * I), H, param_dtype, (ep_axis, None, None), mesh)
+        self.down = _param(rngs, (E, I, H), I, param_dtype, (ep_axis, None, None), mesh)
+        if shape.shared_size:
+            Is = shape.shared_size
+            self.shared_gate_up = _param(rngs, (H, 2 * Is), H, param_dtype, (None, None), mesh)
+            self.shared_down = _param(rngs, (Is, H), Is, param_dtype, (None, None), mesh)
+        else:
+            self.shared_gate_up = self.shared_down = None
+        self.selection_bias = RouterBias(jnp.zeros((E,), jnp.float32)) if use_selection_bias else None
+
+    def weights(self) -> MoEWeights:
+        """The expert weights in the compute dtype."""
+        cast = lambda p: None if p is None else p[...].astype(self.dtype)
+        return MoEWeights(cast(self.gate_up), cast(self.down), cast(self.shared_gate_up), cast(self.shared_down))
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [T, H] -> (topk_idx int32[T, k], topk_weight f32[T, k], probs f32[T, E])."""
+        s = self.shape
+        logits = jnp.einsum("th,he->te", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        bias = None if self.selection_bias is None else self.selection_bias[...]
+        idx, w = route(logits, top_k=s.top_k, score_func=s.score_func, norm_topk_prob=s.norm_topk_prob,
+                       routed_scaling_factor=s.routed_scaling_factor, selection_bias=bias)
+        probs = jax.nn.softmax(logits, -1) if s.score_func == "softmax" else jax.nn.sigmoid(logits)
+        return idx, w, probs
+
+    def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
+        if x.shape[-1] != self.shape.hidden_size:
+            raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
+        lead = x.shape[:-1]
+        tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        idx, w, probs = self.route(tokens)
+        if self.mesh is None:
+            y = moe(tokens, idx, w, self.weights(), config=self.config)
+        else:
+            y = expert_parallel_moe(tokens, idx, w, self.weights(), mesh=self.mesh, config=self.config,
+                                    token_axes=self.token_axes)
+        y = y.reshape(*lead, -1)
+        if return_aux_loss:
+            return y, load_balancing_loss(probs, idx, self.shape.num_experts)
+        return y
+
+
+class LinenMoELayer(linen.Module):
+    """Linen wrapper of ``MoELayer`` (same arguments; parameters live in the 'params' collection)."""
+
+    shape: ModelShape
+    mesh: Mesh | None = None
+    ep_axis: str = "ep"
+    implementation: str = "xla"
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.float32
+
+    @linen.compact
+    def __call__(self, x):
+        layer = bridge.to_linen(
+            MoELayer, self.shape, mesh=self.mesh, ep_axis=self.ep_axis, implementation=self.implementation,
+            dtype=self.dtype, param_dtype=self.param_dtype, name="moe",
+        )
+        return layer(x)

@@ -1,0 +1,89 @@
+"""Running the layer over a device mesh: ``jax.shard_map`` over the expert-parallel axis.
+
+Tokens are sharded over the token axes (by default every mesh axis: data axes and ``ep``); routed
+expert weights are sharded over ``ep`` on their expert dimension (rank r holds experts
+[r*E/ep, (r+1)*E/ep)); the shared expert is replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mok_jax.config import MoEConfig
+from mok_jax.moe import moe
+from mok_jax.weights import MoEWeights
+
+__all__ = ["expert_parallel_moe", "partition_specs"]
+
+
+def _place(a: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Lay ``a`` out as ``sharding`` eagerly or under jit, for meshes of Explicit or Auto axes."""
+    if all(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+        return jax.sharding.reshard(a, sharding)
+    return jax.lax.with_sharding_constraint(a, sharding)
+
+
+def partition_specs(mesh: Mesh, ep_axis: str, token_axes: tuple[str, ...] | None = None):
+    """(x/topk spec, MoEWeights of weight specs) for a mesh. Checks the axes exist."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if ep_axis not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis named {ep_axis!r} (ep_axis); its axes are {mesh.axis_names}")
+    token_axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
+    for a in token_axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"token_axes names {a!r}, which is not an axis of the mesh {mesh.axis_names}")
+    if ep_axis not in token_axes:
+        raise ValueError(f"token_axes {token_axes} must include the expert-parallel axis {ep_axis!r}")
+    tok = P(token_axes)
+    w = MoEWeights(P(ep_axis), P(ep_axis), P(), P())
+    return tok, w
+
+
+def expert_parallel_moe(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    topk_weight: jax.Array,
+    weights: MoEWeights,
+    *,
+    mesh: Mesh,
+    config: MoEConfig = MoEConfig(ep_axis="ep"),
+    token_axes: tuple[str, ...] | None = None,
+) -> jax.Array:
+    """The MoE layer on global arrays over ``mesh``, expert-parallel over ``config.ep_axis``.
+
+    x: [T, H] (T divisible by the number of token shards), topk_idx: int32[T, k] with global expert
+    ids, topk_weight: f32[T, k], weights: global MoEWeights (gate_up [E, H, 2I], E divisible by
+    the ep size). Returns [T, H], sharded like x.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
+    ep_axis = config.ep_axis or "ep"
+    config = config if config.ep_axis else MoEConfig(implementation=config.implementation, ep_axis=ep_axis,
+                                                     kernel=config.kernel)
+    tok, wspec = partition_specs(mesh, ep_axis, token_axes)
+    ep = mesh.shape[ep_axis]
+    num_experts = weights.gate_up.shape[0]
+    if num_experts % ep:
+        raise ValueError(f"the number of experts ({num_experts}, weights.gate_up.shape[0]) must be divisible "
+                         f"by the size of mesh axis {ep_axis!r} ({ep})")
+    shards = math.prod(mesh.shape[a] for a in tok[0])
+    if x.ndim != 2 or x.shape[0] % shards:
+        raise ValueError(f"x must be [tokens, hidden] with tokens divisible by the {shards} token shards "
+                         f"(mesh axes {tok[0]}), got shape {x.shape}")
+    if weights.shared_gate_up is None:
+        wspec = MoEWeights(wspec.gate_up, wspec.down, None, None)
+
+    def place(a, spec):
+        return _place(a, NamedSharding(mesh, spec))
+
+    args = (x, topk_idx, topk_weight, weights)
+    specs = (tok, tok, tok, wspec)
+    args = jax.tree.map(place, args, specs)
+    body = jax.shard_map(
+        lambda x, i, w, W: moe(x, i, w, W, config=config), mesh=mesh, in_specs=specs, out_specs=tok
+    )
+    return body(*args)

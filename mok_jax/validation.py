@@ -1,0 +1,77 @@
+"""Trace-time checks of the layer's arguments. Every error names the argument and what is supported."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax.weights import MoEWeights
+
+__all__ = ["check_moe_args", "check_routing_values"]
+
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def _is_float(dtype) -> bool:
+    return any(dtype == d for d in _FLOAT_DTYPES)
+
+
+def check_moe_args(x, topk_idx, topk_weight, weights, *, num_ep_ranks: int = 1) -> None:
+    """Shapes and dtypes of one rank's arguments to ``moe``. Raises ValueError or TypeError."""
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(f"weights must be a mok_jax.MoEWeights, got {type(weights).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be rank 2 [tokens, hidden], got shape {x.shape}")
+    if not _is_float(x.dtype):
+        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    num_tokens, hidden = x.shape
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != num_tokens:
+        raise ValueError(f"topk_idx must be [tokens={num_tokens}, top_k], got shape {topk_idx.shape}")
+    if topk_idx.dtype != jnp.int32:
+        raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+    top_k = topk_idx.shape[1]
+    if topk_weight.shape != topk_idx.shape:
+        raise ValueError(f"topk_weight must have the shape of topk_idx {topk_idx.shape}, got {topk_weight.shape}")
+    if not _is_float(topk_weight.dtype):
+        raise TypeError(f"topk_weight must be float32 or bfloat16, got {topk_weight.dtype}")
+
+    gu, dn = weights.gate_up, weights.down
+    if gu.ndim != 3 or gu.shape[1] != hidden or gu.shape[2] % 2:
+        raise ValueError(f"weights.gate_up must be [experts, hidden={hidden}, 2*intermediate], got {gu.shape}")
+    num_local, inter = gu.shape[0], gu.shape[2] // 2
+    if dn.shape != (num_local, inter, hidden):
+        raise ValueError(f"weights.down must be [experts={num_local}, intermediate={inter}, hidden={hidden}], "
+                         f"got {dn.shape}")
+    for name, w in (("weights.gate_up", gu), ("weights.down", dn)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    if (weights.shared_gate_up is None) != (weights.shared_down is None):
+        raise ValueError("weights.shared_gate_up and weights.shared_down must both be given or both be None")
+    if weights.shared_gate_up is not None:
+        sgu, sdn = weights.shared_gate_up, weights.shared_down
+        if sgu.ndim != 2 or sgu.shape[0] != hidden or sgu.shape[1] % 2:
+            raise ValueError(f"weights.shared_gate_up must be [hidden={hidden}, 2*shared_intermediate], got {sgu.shape}")
+        if sdn.shape != (sgu.shape[1] // 2, hidden):
+            raise ValueError(f"weights.shared_down must be [{sgu.shape[1] // 2}, {hidden}], got {sdn.shape}")
+        for name, w in (("weights.shared_gate_up", sgu), ("weights.shared_down", sdn)):
+            if w.dtype != x.dtype:
+                raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    num_experts = num_local * num_ep_ranks
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}, from topk_idx) must not exceed the number of experts ({num_experts})")
+
+
+def check_routing_values(topk_idx, num_experts: int) -> None:
+    """When ``topk_idx`` holds concrete values (not traced), check that each row names distinct
+    experts in [0, num_experts). Traced values cannot be checked at trace time."""
+    if isinstance(topk_idx, jax.core.Tracer):
+        return
+    idx = np.asarray(topk_idx)
+    if idx.size == 0:
+        return
+    if idx.min() < 0 or idx.max() >= num_experts:
+        raise ValueError(f"topk_idx values must be in [0, {num_experts}), got min {idx.min()} max {idx.max()}")
+    sorted_idx = np.sort(idx, axis=1)
+    if np.any(sorted_idx[:, 1:] == sorted_idx[:, :-1]):
+        raise ValueError("topk_idx must name distinct experts within each token's row")
