@@ -7,14 +7,14 @@ and the shared expert (replicated), routes in ordinary JAX, and calls ``mok_jax.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 from flax.nnx import bridge
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
 from mok_jax.moe import moe
@@ -40,8 +40,8 @@ def load_balancing_loss(probs: jax.Array, topk_idx: jax.Array, num_experts: int)
 def _param(rngs: nnx.Rngs, shape, fan_in: int, dtype, names, mesh: Mesh | None) -> nnx.Param:
     value = jax.random.normal(rngs.params(), shape, dtype) * (fan_in ** -0.5)
     if mesh is None:
-        return nnx.Param(value, sharding_names=names, eager_sharding=False)
-    return nnx.Param(value, sharding_names=names, mesh=mesh)
+        return nnx.Param(value, out_sharding=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, mesh=mesh)
 
 
 class MoELayer(nnx.Module):
@@ -107,6 +107,20 @@ class MoELayer(nnx.Module):
         probs = jax.nn.softmax(logits, -1) if s.score_func == "softmax" else jax.nn.sigmoid(logits)
         return idx, w, probs
 
+    def _unflatten(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+        """[T, H] -> [*lead, H]. On a mesh of Explicit axes the result keeps the token sharding on the
+        leading dimension when it divides evenly, else it is replicated."""
+        mesh = self.mesh
+        if mesh is None or not all(t == AxisType.Explicit for t in mesh.axis_types):
+            return y.reshape(*lead, y.shape[-1])
+        axes = tuple(mesh.axis_names) if self.token_axes is None else tuple(self.token_axes)
+        shards = math.prod(mesh.shape[a] for a in axes)
+        first = axes if lead and lead[0] % shards == 0 else None
+        spec = P(first, *([None] * len(lead)))
+        if first is None:
+            y = jax.sharding.reshard(y, NamedSharding(mesh, P()))
+        return jax.lax.reshape(y, (*lead, y.shape[-1]), out_sharding=NamedSharding(mesh, spec))
+
     def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
         if x.shape[-1] != self.shape.hidden_size:
             raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
@@ -118,7 +132,7 @@ class MoELayer(nnx.Module):
         else:
             y = expert_parallel_moe(tokens, idx, w, self.weights(), mesh=self.mesh, config=self.config,
                                     token_axes=self.token_axes)
-        y = y.reshape(*lead, -1)
+        y = self._unflatten(y, lead)
         if return_aux_loss:
             return y, load_balancing_loss(probs, idx, self.shape.num_experts)
         return y

@@ -1,0 +1,34 @@
+"""Test setup: 8 host devices for the multi-device CPU tests, and GPU markers that skip with a reason."""
+
+import os
+
+# Must precede the first import of jax anywhere in the test session.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = _gpu_count()
+    for item in items:
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (not a pass)"))
+        elif "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs; this machine has {gpus} (not a pass)"))
+
+
+@pytest.fixture
+def cpu_devices():
+    devs = jax.devices("cpu")
+    if len(devs) < 8:
+        pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax import)")
+    return devs

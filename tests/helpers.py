@@ -1,0 +1,46 @@
+"""Shared test helpers: random MoE problems (never zeros) and named tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax.config import ModelShape
+from mok_jax.reference import route
+from mok_jax.weights import MoEWeights
+
+# fp32 math reordered (per-rank partial sums, different matmul blocking): a few ulps of the output.
+TOL_F32_REORDER = 2e-5
+# bf16 outputs: one rounding of the output is 2^-8 relative; the expert-parallel path also rounds
+# each owner's partial to bf16 before the final sum (DESIGN.md's wire format), so allow 4 ulps.
+TOL_BF16_REORDER = 4 * 2.0**-8
+
+
+def random_problem(shape: ModelShape, num_tokens: int, *, dtype=jnp.float32, seed: int = 0, scale: float = 1.0):
+    """x, topk_idx, topk_weight, weights for ``shape`` with fresh random values."""
+    ks = jax.random.split(jax.random.key(seed), 7)
+    E, H, I, Is = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size
+    x = (jax.random.normal(ks[0], (num_tokens, H)) * scale).astype(dtype)
+    logits = jax.random.normal(ks[1], (num_tokens, E))
+    idx, w = route(logits, top_k=shape.top_k, score_func=shape.score_func, norm_topk_prob=shape.norm_topk_prob,
+                   routed_scaling_factor=shape.routed_scaling_factor)
+    weights = MoEWeights(
+        (jax.random.normal(ks[2], (E, H, 2 * I)) * H**-0.5).astype(dtype),
+        (jax.random.normal(ks[3], (E, I, H)) * I**-0.5).astype(dtype),
+        (jax.random.normal(ks[4], (H, 2 * Is)) * H**-0.5).astype(dtype) if Is else None,
+        (jax.random.normal(ks[5], (Is, H)) * Is**-0.5).astype(dtype) if Is else None,
+    )
+    return x, idx, w, weights
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def max_ulp_err(a, b, dtype) -> float:
+    """max |a - b| / (eps(dtype) * max(|b|, tiny)) per element: error in units of the output's rounding."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    eps = float(jnp.finfo(dtype).eps)
+    return float(np.max(np.abs(a - b) / (eps * np.maximum(np.abs(b), 1e-3))))

@@ -1,0 +1,98 @@
+"""The Flax modules: parameter partitioning, a jitted optax training step on 8 CPU devices, Linen."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import mok_jax as mj
+from helpers import TOL_F32_REORDER, rel_err
+from mok_jax.flax import LinenMoELayer, MoELayer
+
+
+def _loss(model, x, target):
+    y, aux = model(x, return_aux_loss=True)
+    return jnp.mean((y - target) ** 2) + 1e-2 * aux
+
+
+def _train(model, x, target, steps):
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, target):
+        loss, grads = nnx.value_and_grad(_loss)(model, x, target)
+        optimizer.update(model, grads)
+        return loss
+
+    return [float(step(model, optimizer, x, target)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 4), (1, 8)])
+def test_training_step_reduces_loss_and_matches_reference_grads(cpu_devices, dp, ep):
+    shape = mj.load_model("ci")
+    mesh = jax.make_mesh((dp, ep), ("dp", "ep"))
+    model = MoELayer(shape, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert model.gate_up[...].sharding.spec == P("ep", None, None)
+    assert model.shared_gate_up[...].sharding.spec == P(None, None)
+
+    x = jax.random.normal(jax.random.key(1), (4, 16, shape.hidden_size))  # batch dims are flattened
+    target = jnp.tanh(x @ jax.random.normal(jax.random.key(2), (shape.hidden_size, shape.hidden_size)) * 0.3)
+
+    # gradients of the sharded module equal jax.grad of the single-device reference module
+    single = MoELayer(shape, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    g_ep = nnx.jit(nnx.grad(_loss))(model, x, target)
+    g_1 = nnx.grad(_loss)(single, x, target)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_ep, nnx.Param)), jax.tree.leaves(nnx.state(g_1, nnx.Param))):
+        assert rel_err(a, b) < TOL_F32_REORDER
+
+    losses = _train(model, x, target, steps=6)
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_bf16_compute_with_f32_params(cpu_devices):
+    shape = mj.load_model("ci")
+    model = MoELayer(shape, mesh=jax.make_mesh((2, 4), ("dp", "ep")), rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (32, shape.hidden_size))
+    y = model(x)
+    assert y.dtype == jnp.bfloat16 and model.gate_up[...].dtype == jnp.float32
+    ref = MoELayer(shape, dtype=jnp.float32, rngs=nnx.Rngs(3))(x)
+    assert rel_err(y, ref) < 2e-2  # bf16 inputs, weights, h and output: a few bf16 roundings (2^-8 each)
+
+
+def test_selection_bias_and_no_shared_expert():
+    shape = mj.load_model("qwen3-30b-a3b").replace(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
+    model = MoELayer(shape, use_selection_bias=True, dtype=jnp.float32, rngs=nnx.Rngs(5))
+    assert model.shared_gate_up is None
+    model.selection_bias[...] = jnp.zeros((8,)).at[5].set(1e3)
+    idx, _, _ = model.route(jax.random.normal(jax.random.key(6), (10, 32)))
+    assert np.all(np.any(np.asarray(idx) == 5, axis=1))
+
+
+def test_module_argument_errors(cpu_devices):
+    shape = mj.load_model("ci")
+    with pytest.raises(ValueError, match="mesh has no axis named 'ep'"):
+        MoELayer(shape, mesh=jax.make_mesh((8,), ("dp",)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_experts \(16\) must be divisible"):
+        MoELayer(shape, mesh=jax.make_mesh((3,), ("ep",), devices=jax.devices("cpu")[:3]), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="shape must be a mok_jax.ModelShape"):
+        MoELayer("ci", rngs=nnx.Rngs(0))
+    model = MoELayer(shape, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="hidden_size=64"):
+        model(jnp.ones((4, 32)))
+
+
+def test_linen_wrapper():
+    shape = mj.load_model("ci")
+    layer = LinenMoELayer(shape, dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(7), (12, shape.hidden_size))
+    variables = layer.init(jax.random.key(0), x)
+    params = variables["params"]["moe"]
+    assert set(params) == {"router", "gate_up", "down", "shared_gate_up", "shared_down"}
+    y = layer.apply(variables, x)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+    grads = jax.grad(lambda v: jnp.sum(layer.apply(v, x) ** 2))(variables)
+    assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
