@@ -35,17 +35,15 @@ _state: dict[str, object] = {}
 
 
 def _candidates() -> list[pathlib.Path]:
-    """Where the library may live, in order: $MOK_JAX_LIB, the installed package, the source build."""
-    out = []
+    """Where the library may live: $MOK_JAX_LIB alone when set; else the installed package's copy and
+    the source tree's build (scripts/build_native.sh), newest first, so a rebuild is never shadowed."""
     if env := os.environ.get("MOK_JAX_LIB"):
-        out.append(pathlib.Path(env))
+        return [pathlib.Path(env)]
     import mok_jax
 
-    for entry in getattr(mok_jax, "__path__", []):
-        out.append(pathlib.Path(entry) / "_native" / LIBRARY_NAME)
-    repo = pathlib.Path(__file__).resolve().parent.parent
-    out.append(repo / "build" / "native" / LIBRARY_NAME)
-    return out
+    out = [pathlib.Path(entry) / "_native" / LIBRARY_NAME for entry in getattr(mok_jax, "__path__", [])]
+    out.append(pathlib.Path(__file__).resolve().parent.parent / "build" / "native" / LIBRARY_NAME)
+    return sorted(out, key=lambda p: p.stat().st_mtime if p.is_file() else 0.0, reverse=True)
 
 
 def _load() -> None:

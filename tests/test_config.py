@@ -61,3 +61,12 @@ def test_configs_are_frozen_and_keyword_only():
         mj.MoEConfig("xla")  # keyword-only
     k = mj.KernelConfig(granularity=4096, comm_sms_fwd=16)
     assert hash(mj.MoEConfig(kernel=k)) == hash(mj.MoEConfig(kernel=mj.KernelConfig(granularity=4096, comm_sms_fwd=16)))
+
+
+def test_ci_runs_the_readme_test_command():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    ci = [l for l in (root / ".ci" / "run").read_text().splitlines() if l and not l.startswith(("#", "set ", "cd "))]
+    readme = (root / "README.md").read_text()
+    assert len(ci) == 1 and ci[0] in readme, "the README's test command and .ci/run must stay the same"

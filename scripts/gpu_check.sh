@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build-check-benchmark on the GPU machine, in one command:
+#   1. the machine and the software it has; the native library built on the CPU machine (carried
+#      as build/native) loads and registers its FFI targets;
+#   2. the GPU test subset (tests marked gpu / multigpu), each file under a timeout;
+#   3. the benchmark (scripts/gpu_bench.sh when present, else mok-bench's default run).
+# Logs go under $OUT (or ./out); a short table is printed last.
+# Usage there: NCCL_NVLS_ENABLE=0 bash scripts/gpu_check.sh [pytest -k expression]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+declare -a SUMMARY
+
+step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the outcome
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local verdict=ok; [ $rc -ne 0 ] && verdict="FAILED rc=$rc"; [ $rc -eq 124 ] && verdict="TIMED OUT"
+  SUMMARY+=("$(printf '%-22s %-14s %4ds  %s' "$name" "$verdict" $((SECONDS - t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
+  echo "== $name: $verdict"; tail -n 15 "$OUT/$name.log"
+}
+
+step environment 120 bash -c "nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5; $PY -c '
+import jax, flax, numpy, sys
+print(\"python\", sys.version.split()[0], \"jax\", jax.__version__, \"flax\", flax.__version__, \"numpy\", numpy.__version__)
+print(\"devices\", jax.devices())
+import mok_jax
+from mok_jax._native import native_status, FFI_TARGETS
+print(\"native library:\", native_status()); print(\"ffi targets:\", sorted(FFI_TARGETS))
+'"
+step gpu_tests 420 $PY -m pytest -q -rs -m "gpu or multigpu" tests ${1:+-k "$1"}
+if [ -f scripts/gpu_bench.sh ]; then
+  step benchmark 420 bash scripts/gpu_bench.sh
+else
+  step benchmark 420 $PY -m mok_jax.bench --json "$OUT/bench.json"
+fi
+
+echo; echo "=== summary (logs in $OUT) ==="
+printf '%s\n' "${SUMMARY[@]}"
