@@ -70,10 +70,11 @@ def expert_parallel_moe(
     if num_experts % ep:
         raise ValueError(f"the number of experts ({num_experts}, weights.gate_up.shape[0]) must be divisible "
                          f"by the size of mesh axis {ep_axis!r} ({ep})")
-    shards = math.prod(mesh.shape[a] for a in tok[0])
+    axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
+    shards = math.prod(mesh.shape[a] for a in axes)
     if x.ndim != 2 or x.shape[0] % shards:
         raise ValueError(f"x must be [tokens, hidden] with tokens divisible by the {shards} token shards "
-                         f"(mesh axes {tok[0]}), got shape {x.shape}")
+                         f"(mesh axes {axes}), got shape {x.shape}")
     if weights.shared_gate_up is None:
         wspec = MoEWeights(wspec.gate_up, wspec.down, None, None)
 

@@ -5,7 +5,7 @@
 #   2. the GPU test subset (tests marked gpu / multigpu), each file under a timeout;
 #   3. the benchmark (scripts/gpu_bench.sh when present, else mok-bench's default run).
 # Logs go under $OUT (or ./out); a short table is printed last.
-# Usage there: NCCL_NVLS_ENABLE=0 bash scripts/gpu_check.sh [pytest -k expression]
+# Usage there: NCCL_NVLS_ENABLE=0 [SKIP_BENCH=1] bash scripts/gpu_check.sh [pytest -k expression]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,7 +34,9 @@ from mok_jax._native import native_status, FFI_TARGETS
 print(\"native library:\", native_status()); print(\"ffi targets:\", sorted(FFI_TARGETS))
 '"
 step gpu_tests 420 $PY -m pytest -q -rs -m "gpu or multigpu" tests ${1:+-k "$1"}
-if [ -f scripts/gpu_bench.sh ]; then
+if [ -n "${SKIP_BENCH:-}" ]; then
+  echo "benchmark skipped (SKIP_BENCH set)"
+elif [ -f scripts/gpu_bench.sh ]; then
   step benchmark 420 bash scripts/gpu_bench.sh
 else
   step benchmark 420 $PY -m mok_jax.bench --json "$OUT/bench.json"

@@ -70,3 +70,10 @@ def test_router_weight_gradient_is_expert_output_dot_dy():
             e = int(idx[t, j])
             want = float(jnp.dot(dy[t], swiglu_ffn(x[t], W.gate_up[e], W.down[e])))
             assert abs(float(dw[t, j]) - want) <= 1e-4 * max(1.0, abs(want))
+
+
+def test_one_axis_mesh(cpu_devices):
+    shape = mj.load_model("ci")
+    x, idx, w, W = random_problem(shape, 16, seed=17)
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("cpu")[:2])
+    assert rel_err(mj.expert_parallel_moe(x, idx, w, W, mesh=mesh), mj.moe(x, idx, w, W)) < TOL_F32_REORDER
