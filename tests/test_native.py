@@ -54,3 +54,29 @@ def test_expert_counts_bitwise_repeatable_and_skewed():
     b, _ = f(idx, 16)
     assert int(a[0]) == 800_000 and int(jnp.sum(a)) == 800_000
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_missing_library_is_reported_once_and_xla_still_works(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, jax.numpy as jnp, mok_jax, mok_jax.ops\n"
+        "from mok_jax import _native\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(3): assert _native.library() is None\n"
+        "    try:\n"
+        "        mok_jax.ops.expert_counts(jnp.zeros((2, 1), jnp.int32), 4)\n"
+        "    except _native.NativeLibraryUnavailable as e: print('RAISED', e)\n"
+        "print('WARNINGS', sum('not available' in str(w.message) for w in caught))\n"
+        "x = jnp.ones((2, 4)); W = mok_jax.MoEWeights(jnp.ones((2, 4, 4)), jnp.ones((2, 2, 4)))\n"
+        "print('XLA', mok_jax.moe(x, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), W).shape)\n"
+    )
+    env = dict(os.environ, MOK_JAX_LIB=str(tmp_path / "absent.so"), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "WARNINGS 1" in out.stdout
+    assert "RAISED" in out.stdout and "absent.so (missing)" in out.stdout
+    assert "XLA (2, 4)" in out.stdout
