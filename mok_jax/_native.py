@@ -23,6 +23,7 @@ LIBRARY_NAME = "libmok_ffi.so"
 # FFI target name -> exported handler symbol. One entry per handler in ffi/src/ffi_*.cu.
 FFI_TARGETS: dict[str, str] = {
     "mok_expert_counts": "MokExpertCounts",
+    "mok_grouped_ffn": "MokGroupedFfn",
 }
 
 

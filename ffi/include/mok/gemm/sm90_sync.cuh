@@ -1,0 +1,45 @@
+// mok gemm: synchronisation wrappers for the Hopper (sm_90a) kernels.
+//
+// Every wait here is bounded: a wait that outlives kWaitTimeoutNs (a lost TMA transaction, a broken
+// arrive count) sets a status bit if the caller gave a status word and traps, so the host sees a launch
+// error instead of a hung stream. (No printf: a function call inside the wgmma pipeline would make
+// ptxas serialise every wgmma, warning C7510.) Inline PTX lives only in these
+// named wrappers; the mbarrier primitives themselves come from CUTLASS (cutlass/arch/barrier.h).
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/arch/barrier.h>
+
+namespace mok::gemm {
+
+// Far above any legitimate intra-CTA wait (a k-tile takes microseconds), far below a test timeout.
+constexpr uint64_t kWaitTimeoutNs = 10ull * 1000 * 1000 * 1000;
+// Status bit set when a bounded wait timed out (the kernel then traps).
+constexpr int32_t kStatusWaitTimeout = 1 << 30;
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Wait until the mbarrier phase with parity `phase` has completed (bounded).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t phase, int32_t* status) {
+  if (cutlass::arch::ClusterBarrier::try_wait(bar, phase)) return;
+  const uint64_t start = global_timer_ns();
+  uint32_t spins = 0;
+  while (!cutlass::arch::ClusterBarrier::try_wait(bar, phase)) {
+    if ((++spins & 0x3ff) == 0 && global_timer_ns() - start > kWaitTimeoutNs) {
+      if (status) atomicOr(status, kStatusWaitTimeout);
+      __trap();
+    }
+  }
+}
+
+// bar.sync on a named hardware barrier shared by `num_threads` threads (a multiple of 32).
+__device__ __forceinline__ void named_barrier_sync(uint32_t barrier_id, uint32_t num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier_id), "r"(num_threads) : "memory");
+}
+
+}  // namespace mok::gemm

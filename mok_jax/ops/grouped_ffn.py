@@ -1,0 +1,85 @@
+"""FFI wrapper for mok_grouped_ffn (ffi/src/ffi_grouped_ffn.cu): the Hopper grouped expert FFN."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax._native import require_native
+
+__all__ = ["GroupedFfnOutput", "grouped_ffn", "GROUPED_FFN_MAX_EXPERTS", "GROUPED_FFN_STATUS_NEGATIVE_GROUP",
+           "GROUPED_FFN_STATUS_ROW_OVERFLOW"]
+
+GROUPED_FFN_MAX_EXPERTS = 1024  # kGroupedFfnMaxExperts in ffi/include/mok/grouped_ffn.cuh
+GROUPED_FFN_STATUS_NEGATIVE_GROUP = 1  # status bit: some group size < 0
+GROUPED_FFN_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
+
+
+class GroupedFfnOutput(NamedTuple):
+    """y: bf16[M, H]; h: bf16[M, I] (the SwiGLU activation, kept for the backward pass); status: int32[]."""
+
+    y: jax.Array
+    h: jax.Array
+    status: jax.Array
+
+
+def grouped_ffn(
+    x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None
+) -> GroupedFfnOutput:
+    """SwiGLU expert FFN over expert-major rows, on the GPU (persistent TMA + wgmma grouped GEMMs).
+
+    x: bf16[M, H]; group_sizes: int32[E] (device values: rows [offset_e, offset_e + group_sizes[e]) are
+    expert e's, offset = exclusive prefix sum); gate_up: bf16[E, H, 2I] (gate = first I columns, up = last
+    I); down: bf16[E, I, H]. Returns (y: bf16[M, H], h: bf16[M, I], status: int32[]) with
+    h = silu(x @ gate) * (x @ up) and y = h @ down per expert (fp32 accumulation). Rows past
+    sum(group_sizes) are zeros in y and h. status is 0, or a bit mask of GROUPED_FFN_STATUS_* when the
+    group sizes are bad (negative, or summing past M); then y and h are all zeros.
+
+    num_sms: persistent CTAs (one per SM) to use; None uses every SM. The result does not depend on it.
+    Same semantics as mok_jax.reference.grouped_ffn for y.
+    """
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"x must be rank 2 [M, H], got shape {getattr(x, 'shape', None)}")
+    if getattr(group_sizes, "ndim", None) != 1:
+        raise ValueError(f"group_sizes must be rank 1 [E], got shape {getattr(group_sizes, 'shape', None)}")
+    if getattr(gate_up, "ndim", None) != 3:
+        raise ValueError(f"gate_up must be rank 3 [E, H, 2I], got shape {getattr(gate_up, 'shape', None)}")
+    if getattr(down, "ndim", None) != 3:
+        raise ValueError(f"down must be rank 3 [E, I, H], got shape {getattr(down, 'shape', None)}")
+    for name, arr, want in (("x", x, jnp.bfloat16), ("group_sizes", group_sizes, jnp.int32),
+                            ("gate_up", gate_up, jnp.bfloat16), ("down", down, jnp.bfloat16)):
+        if arr.dtype != want:
+            raise TypeError(f"{name} must be {jnp.dtype(want).name}, got {arr.dtype}")
+    m, hidden = x.shape
+    (num_experts,) = group_sizes.shape
+    if gate_up.shape[0] != num_experts or gate_up.shape[1] != hidden or gate_up.shape[2] % 2:
+        raise ValueError(f"gate_up must be [E, H, 2I] = [{num_experts}, {hidden}, 2I] (E from group_sizes, "
+                         f"H from x), got {gate_up.shape}")
+    inter = gate_up.shape[2] // 2
+    if down.shape != (num_experts, inter, hidden):
+        raise ValueError(f"down must be [E, I, H] = {(num_experts, inter, hidden)}, got {down.shape}")
+    if not 1 <= num_experts <= GROUPED_FFN_MAX_EXPERTS:
+        raise ValueError(f"group_sizes: number of experts must be in [1, {GROUPED_FFN_MAX_EXPERTS}], "
+                         f"got {num_experts}")
+    if hidden <= 0 or hidden % 8:
+        raise ValueError(f"x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), got {hidden}")
+    if inter <= 0 or inter % 8:
+        raise ValueError(f"gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
+    if m >= 2**31:
+        raise ValueError(f"x: rows M must be below 2^31, got {m}")
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))
+                                or num_sms < 1):
+        raise ValueError(f"num_sms must be None (all SMs) or a positive int, got {num_sms!r}")
+    require_native("mok_jax.ops.grouped_ffn")
+    out = (
+        jax.ShapeDtypeStruct((m, hidden), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, inter), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    y, h, status = jax.ffi.ffi_call("mok_grouped_ffn", out)(
+        x, group_sizes, gate_up, down, num_sms=np.int32(0 if num_sms is None else num_sms)
+    )
+    return GroupedFfnOutput(y, h, status)
