@@ -24,6 +24,7 @@ LIBRARY_NAME = "libmok_ffi.so"
 FFI_TARGETS: dict[str, str] = {
     "mok_expert_counts": "MokExpertCounts",
     "mok_grouped_ffn": "MokGroupedFfn",
+    "mok_comm_dispatch": "MokCommDispatch", "mok_comm_combine": "MokCommCombine",  # ffi_comm.cu
 }
 
 

@@ -5,7 +5,8 @@ calls ``jax.ffi.ffi_call``. None of them falls back to another implementation: o
 without the kernels they raise ``NativeLibraryUnavailable``.
 """
 
+from mok_jax.ops.comm import DispatchLayout, combine, dispatch
 from mok_jax.ops.grouped_ffn import grouped_ffn
 from mok_jax.ops.routing import expert_counts
 
-__all__ = ["expert_counts", "grouped_ffn"]
+__all__ = ["DispatchLayout", "combine", "dispatch", "expert_counts", "grouped_ffn"]

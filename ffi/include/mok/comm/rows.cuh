@@ -1,0 +1,161 @@
+// mok comm: warp-cooperative row movers shared by dispatch and combine.
+//
+// A row is `nvec` 16-byte vectors (H bf16 values, H a multiple of 8). One warp moves one row:
+// lane l handles vectors l, l + 32, ...; each pass keeps kUnroll vectors per lane in flight
+// (32 * kUnroll * 16 bytes per warp), which is what hides NVLink and HBM latency with few SMs.
+// Destinations (or sources) are held one per lane (lane j <-> top-k slot j, or j-th owner rank)
+// and broadcast with shuffles, so one load feeds every destination: a token row crosses NVLink
+// once per destination rank and is expanded to its local experts' rows from registers.
+//
+// Arithmetic of the reductions is fixed: fp32, one rounding per multiply and per add
+// (__fmul_rn/__fadd_rn never contract into FMA), slots in ascending lane order, so results are
+// bitwise reproducible and equal to the reference.
+#pragma once
+
+#include "mok/comm/ptx.cuh"
+
+namespace mok::comm {
+
+constexpr uint32_t kFullMask = 0xffffffffu;
+
+// Copy src (nvec vectors) to the destination of every lane in `lanes` (lane j's is my_dst).
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy_row(const int4* src, int nvec, int4* my_dst, uint32_t lanes, int lane) {
+  for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
+    int4 buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < nvec) buf[u] = ld_v4_na(src + v);
+    }
+    uint32_t m = lanes;
+    while (m) {
+      const int j = __ffs(m) - 1;
+      m &= m - 1;
+      int4* dst = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < nvec) st_v4(dst + v, buf[u]);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void accumulate8(float* acc, const int4& x) {
+  const uint32_t w[4] = {uint32_t(x.x), uint32_t(x.y), uint32_t(x.z), uint32_t(x.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = __fadd_rn(acc[2 * i], bf16_lo(w[i]));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], bf16_hi(w[i]));
+  }
+}
+
+__device__ __forceinline__ void accumulate8_weighted(float* acc, const int4& x, float wt) {
+  const uint32_t w[4] = {uint32_t(x.x), uint32_t(x.y), uint32_t(x.z), uint32_t(x.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wt, bf16_lo(w[i])));
+    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wt, bf16_hi(w[i])));
+  }
+}
+
+__device__ __forceinline__ int4 round8(const float* acc) {
+  int4 r;
+  r.x = int(pack_bf16x2(acc[0], acc[1]));
+  r.y = int(pack_bf16x2(acc[2], acc[3]));
+  r.z = int(pack_bf16x2(acc[4], acc[5]));
+  r.w = int(pack_bf16x2(acc[6], acc[7]));
+  return r;
+}
+
+// dst = bf16( sum over lanes j in `lanes`, ascending, of my_w[j] * rows[my_row[j]] ), fp32 inside.
+// Slots are taken two at a time so two rows' loads are in flight before either is accumulated;
+// the accumulation order stays ascending.
+template <int kUnroll>
+__device__ __forceinline__ void warp_weighted_sum_row(const int4* rows, int nvec, int my_row, float my_w,
+                                                      uint32_t lanes, int4* dst, int lane) {
+  for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+    uint32_t m = lanes;
+    while (m) {
+      const int ja = __ffs(m) - 1;
+      m &= m - 1;
+      const int jb = m ? __ffs(m) - 1 : -1;  // warp-uniform
+      if (m) m &= m - 1;
+      const int4* src_a = rows + size_t(__shfl_sync(kFullMask, my_row, ja)) * nvec;
+      const float wa = __shfl_sync(kFullMask, my_w, ja);
+      const int row_b = __shfl_sync(kFullMask, my_row, jb < 0 ? ja : jb);
+      const float wb = __shfl_sync(kFullMask, my_w, jb < 0 ? ja : jb);
+      const int4* src_b = rows + size_t(row_b) * nvec;
+      int4 buf_a[kUnroll], buf_b[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < nvec) {
+          buf_a[u] = ld_v4_na(src_a + v);
+          if (jb >= 0) buf_b[u] = ld_v4_na(src_b + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * 32 + lane < nvec) {
+          accumulate8_weighted(acc[u], buf_a[u], wa);
+          if (jb >= 0) accumulate8_weighted(acc[u], buf_b[u], wb);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < nvec) st_v4(dst + v, round8(acc[u]));
+    }
+  }
+}
+
+// dst = bf16( sum over i < num_src, ascending, of src_i ), fp32 inside; lane i holds src_i.
+// Sources are taken two at a time (loads of both in flight), accumulated in ascending order.
+template <int kUnroll>
+__device__ __forceinline__ void warp_sum_rows(const int4* my_src, int num_src, int nvec, int4* dst, int lane) {
+  for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
+    for (int i = 0; i < num_src; i += 2) {
+      const bool two = i + 1 < num_src;  // warp-uniform
+      const auto* src_a = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), i));
+      const auto* src_b = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), two ? i + 1 : i));
+      int4 buf_a[kUnroll], buf_b[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < nvec) {
+          buf_a[u] = ld_v4_na(src_a + v);
+          if (two) buf_b[u] = ld_v4_na(src_b + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * 32 + lane < nvec) {
+          accumulate8(acc[u], buf_a[u]);
+          if (two) accumulate8(acc[u], buf_b[u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v < nvec) st_v4(dst + v, round8(acc[u]));
+    }
+  }
+}
+
+}  // namespace mok::comm

@@ -1,0 +1,360 @@
+// Host side of the symmetric workspace (mok/comm/workspace.cuh): allocation, peer mapping, kernel
+// preloading, error reporting and teardown, as plain C functions that Python calls through ctypes.
+//
+// Life cycle, per workspace id and EP group (Python: mok_jax/workspace.py):
+//   1. mok_comm_alloc     on every local rank: cudaMalloc one region of make_layout().total_bytes,
+//                         zero it, a host-mapped pinned error word, a device peer table, preload every
+//                         comm kernel on that device (lazy loading can deadlock a kernel that spins on
+//                         a peer), and export a CUDA IPC handle of the region.
+//   2. (multi-process)    Python all-gathers the IPC handles between processes.
+//   3. mok_comm_connect   fills the peer table: a rank of this process is reached through peer access
+//                         (cudaDeviceEnablePeerAccess), a rank of another process through
+//                         cudaIpcOpenMemHandle; the table is copied to the device.
+//   4. mok_comm_release_peers, then (after a barrier between processes) mok_comm_free.
+// NVLink multicast is never used.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mok/comm/combine.cuh"
+#include "mok/comm/dispatch.cuh"
+#include "mok/comm/registry.h"
+
+namespace mok::comm {
+namespace {
+
+struct RankEntry {
+  int64_t ws_id = 0;
+  int32_t group = 0, rank = 0, device = 0;
+  CommShape shape{};
+  SymLayout layout{};
+  uint64_t timeout_ns = 0;
+  uint8_t* base = nullptr;
+  uint8_t** d_peer_bases = nullptr;
+  uint64_t* host_error = nullptr;      // host address of the mapped word
+  uint64_t* host_error_dev = nullptr;  // its device address
+  std::vector<uint8_t*> peers;
+  std::vector<bool> ipc_opened;
+  bool connected = false;
+  CommView view{};
+};
+
+std::mutex g_mu;
+std::map<std::pair<int64_t, int>, std::unique_ptr<RankEntry>> g_entries;
+
+void set_err(char* buf, int32_t len, const std::string& msg) {
+  if (buf != nullptr && len > 0) std::snprintf(buf, size_t(len), "%s", msg.c_str());
+}
+
+std::string cuda_msg(const std::string& what, cudaError_t e) {
+  return what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+}
+
+// Restores the calling thread's current device on scope exit.
+struct DeviceGuard {
+  int prev = -1;
+  DeviceGuard() { cudaGetDevice(&prev); }
+  ~DeviceGuard() {
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+};
+
+std::string validate_shape(const CommShape& s, int32_t rank) {
+  if (s.ep < 1 || s.ep > kMaxRanks) return "ep must be in [1, " + std::to_string(kMaxRanks) + "]";
+  if (rank < 0 || rank >= s.ep) return "rank must be in [0, ep)";
+  if (s.max_tokens < 1) return "max_tokens must be >= 1";
+  if (s.hidden < 8 || s.hidden % 8 != 0) return "hidden_size must be a positive multiple of 8 (16-byte rows)";
+  if (s.top_k < 1 || s.top_k > kMaxTopK) return "top_k must be in [1, " + std::to_string(kMaxTopK) + "]";
+  if (s.num_experts < s.ep || s.num_experts % s.ep != 0) return "num_experts must be a positive multiple of ep";
+  if (s.num_local_experts() > kMaxLocalExperts)
+    return "num_experts / ep must be <= " + std::to_string(kMaxLocalExperts);
+  if (int64_t(s.ep) * s.max_tokens * s.top_k >= (int64_t(1) << 31)) return "ep * max_tokens * top_k must fit int32";
+  return "";
+}
+
+void free_entry(RankEntry& e) {
+  DeviceGuard guard;
+  cudaSetDevice(e.device);
+  cudaDeviceSynchronize();
+  for (size_t p = 0; p < e.peers.size(); ++p)
+    if (e.ipc_opened[p] && e.peers[p] != nullptr) cudaIpcCloseMemHandle(e.peers[p]);
+  if (e.base) cudaFree(e.base);
+  if (e.d_peer_bases) cudaFree(e.d_peer_bases);
+  if (e.host_error) cudaFreeHost(e.host_error);
+  cudaGetLastError();  // teardown is best effort; never leave a sticky error for the next call
+  e = RankEntry{};
+}
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case kOpDispatch: return "dispatch";
+    case kOpCombine: return "combine";
+    default: return "comm op";
+  }
+}
+
+}  // namespace
+
+std::string lookup_view(int64_t ws_id, int device, CommView* view, uint64_t* host_error) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_entries.find({ws_id, device});
+  if (it == g_entries.end())
+    return "no mok workspace with id " + std::to_string(ws_id) + " on CUDA device " + std::to_string(device) +
+           " (closed, or created on other devices)";
+  const RankEntry& e = *it->second;
+  if (!e.connected) return "mok workspace " + std::to_string(ws_id) + " is allocated but not connected to its peers";
+  *view = e.view;
+  *host_error = *reinterpret_cast<volatile uint64_t*>(e.host_error);
+  return "";
+}
+
+std::string describe_error(uint64_t packed) {
+  if (packed == 0) return "no error";
+  const ErrorInfo e = unpack_error(packed);
+  std::string what;
+  switch (e.code) {
+    case kErrTimeoutRouting: what = "timed out waiting for the routing of EP rank " + std::to_string(e.peer); break;
+    case kErrTimeoutData:
+      what = std::string("timed out waiting for the ") + (e.op == kOpCombine ? "partial sums" : "token rows") +
+             " of EP rank " + std::to_string(e.peer);
+      break;
+    case kErrTimeoutAck:
+      what = "timed out waiting for EP rank " + std::to_string(e.peer) +
+             " to release the buffers of the previous call";
+      break;
+    case kErrOverflow: what = "received more rows than the output capacity"; break;
+    default: what = "error code " + std::to_string(e.code); break;
+  }
+  return std::string("mok ") + op_name(e.op) + " on EP rank " + std::to_string(e.rank) + ": " + what +
+         " (epoch " + std::to_string(e.epoch_lo) + " mod 65536). A rank that did not make the same call, a "
+         "too-short timeout_s, or a crashed peer causes this; the workspace is poisoned: close it and create "
+         "a new one";
+}
+
+}  // namespace mok::comm
+
+using namespace mok::comm;
+
+#define MOK_EXPORT extern "C" __attribute__((visibility("default")))
+
+MOK_EXPORT int64_t mok_comm_workspace_bytes(int32_t ep, int32_t max_tokens, int32_t hidden, int32_t top_k,
+                                            int32_t num_experts) {
+  const CommShape s{ep, max_tokens, hidden, top_k, num_experts};
+  if (!validate_shape(s, 0).empty()) return -1;
+  return int64_t(make_layout(s).total_bytes);
+}
+
+MOK_EXPORT int32_t mok_comm_ipc_handle_bytes() { return int32_t(sizeof(cudaIpcMemHandle_t)); }
+
+MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, int32_t rank, int32_t ep,
+                                  int32_t max_tokens, int32_t hidden, int32_t top_k, int32_t num_experts,
+                                  double timeout_s, int32_t want_ipc, uint8_t* ipc_handle_out, char* err,
+                                  int32_t err_len) {
+  const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
+  if (std::string why = validate_shape(shape, rank); !why.empty()) {
+    set_err(err, err_len, why);
+    return 1;
+  }
+  if (!(timeout_s > 0.0)) {
+    set_err(err, err_len, "timeout_s must be > 0");
+    return 1;
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_entries.count({ws_id, device})) {
+      set_err(err, err_len, "workspace " + std::to_string(ws_id) + " already has CUDA device " +
+                                std::to_string(device) + " (one rank per device per workspace)");
+      return 1;
+    }
+  }
+  DeviceGuard guard;
+  auto e = std::make_unique<RankEntry>();
+  e->ws_id = ws_id;
+  e->group = group;
+  e->rank = rank;
+  e->device = device;
+  e->shape = shape;
+  e->layout = make_layout(shape);
+  e->timeout_ns = uint64_t(timeout_s * 1e9);
+  e->peers.assign(ep, nullptr);
+  e->ipc_opened.assign(ep, false);
+  auto fail = [&](const std::string& msg) {
+    set_err(err, err_len, msg);
+    free_entry(*e);
+    return 1;
+  };
+  cudaError_t st = cudaSetDevice(device);
+  if (st != cudaSuccess) return fail(cuda_msg("cudaSetDevice(" + std::to_string(device) + ")", st));
+  if ((st = cudaMalloc(reinterpret_cast<void**>(&e->base), e->layout.total_bytes)) != cudaSuccess)
+    return fail(cuda_msg("cudaMalloc of the " + std::to_string(e->layout.total_bytes) + "-byte workspace", st));
+  if ((st = cudaMemset(e->base, 0, e->layout.total_bytes)) != cudaSuccess) return fail(cuda_msg("cudaMemset", st));
+  if ((st = cudaMalloc(reinterpret_cast<void**>(&e->d_peer_bases), sizeof(uint8_t*) * ep)) != cudaSuccess)
+    return fail(cuda_msg("cudaMalloc of the peer table", st));
+  if ((st = cudaHostAlloc(reinterpret_cast<void**>(&e->host_error), sizeof(uint64_t),
+                          cudaHostAllocMapped | cudaHostAllocPortable)) != cudaSuccess)
+    return fail(cuda_msg("cudaHostAlloc of the error word", st));
+  *reinterpret_cast<volatile uint64_t*>(e->host_error) = 0;
+  if ((st = cudaHostGetDevicePointer(reinterpret_cast<void**>(&e->host_error_dev), e->host_error, 0)) != cudaSuccess)
+    return fail(cuda_msg("cudaHostGetDevicePointer", st));
+  if ((st = preload_dispatch_kernels()) != cudaSuccess) return fail(cuda_msg("preloading dispatch kernels", st));
+  if ((st = preload_combine_kernels()) != cudaSuccess) return fail(cuda_msg("preloading combine kernels", st));
+  if (want_ipc) {
+    cudaIpcMemHandle_t h;
+    if ((st = cudaIpcGetMemHandle(&h, e->base)) != cudaSuccess) return fail(cuda_msg("cudaIpcGetMemHandle", st));
+    std::memcpy(ipc_handle_out, &h, sizeof(h));
+  }
+  if ((st = cudaDeviceSynchronize()) != cudaSuccess) return fail(cuda_msg("cudaDeviceSynchronize", st));
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_entries[{ws_id, device}] = std::move(e);
+  return 0;
+}
+
+MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t* ipc_handles, char* err,
+                                    int32_t err_len) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_entries.find({ws_id, device});
+  if (it == g_entries.end()) {
+    set_err(err, err_len, "connect: no workspace " + std::to_string(ws_id) + " on device " + std::to_string(device));
+    return 1;
+  }
+  RankEntry& e = *it->second;
+  DeviceGuard guard;
+  cudaError_t st = cudaSetDevice(e.device);
+  if (st != cudaSuccess) {
+    set_err(err, err_len, cuda_msg("cudaSetDevice", st));
+    return 1;
+  }
+  for (int p = 0; p < e.shape.ep; ++p) {
+    if (p == e.rank) {
+      e.peers[p] = e.base;
+      continue;
+    }
+    const RankEntry* local_peer = nullptr;
+    for (const auto& kv : g_entries) {
+      const RankEntry& o = *kv.second;
+      if (o.ws_id == ws_id && o.group == e.group && o.rank == p) local_peer = &o;
+    }
+    if (local_peer != nullptr) {
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, e.device, local_peer->device);
+      if (!can) {
+        set_err(err, err_len, "CUDA device " + std::to_string(e.device) + " cannot access device " +
+                                  std::to_string(local_peer->device) + " as a peer (no NVLink/P2P path)");
+        return 1;
+      }
+      st = cudaDeviceEnablePeerAccess(local_peer->device, 0);
+      if (st == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else if (st != cudaSuccess) {
+        set_err(err, err_len, cuda_msg("cudaDeviceEnablePeerAccess", st));
+        return 1;
+      }
+      e.peers[p] = local_peer->base;
+    } else {
+      if (ipc_handles == nullptr) {
+        set_err(err, err_len, "EP rank " + std::to_string(p) + " is not in this process and no IPC handle was given");
+        return 1;
+      }
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, ipc_handles + size_t(p) * sizeof(h), sizeof(h));
+      void* ptr = nullptr;
+      st = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+      if (st != cudaSuccess) {
+        set_err(err, err_len, cuda_msg("cudaIpcOpenMemHandle of EP rank " + std::to_string(p), st));
+        return 1;
+      }
+      e.peers[p] = static_cast<uint8_t*>(ptr);
+      e.ipc_opened[p] = true;
+    }
+  }
+  st = cudaMemcpy(e.d_peer_bases, e.peers.data(), sizeof(uint8_t*) * e.shape.ep, cudaMemcpyHostToDevice);
+  if (st != cudaSuccess) {
+    set_err(err, err_len, cuda_msg("copying the peer table", st));
+    return 1;
+  }
+  e.view.base = e.base;
+  e.view.peer_bases = e.d_peer_bases;
+  e.view.host_error = e.host_error_dev;
+  e.view.timeout_ns = e.timeout_ns;
+  e.view.shape = e.shape;
+  e.view.layout = e.layout;
+  e.view.rank = e.rank;
+  e.connected = true;
+  return 0;
+}
+
+// Waits for each local device of the workspace and unmaps the peers this process opened through IPC.
+MOK_EXPORT int32_t mok_comm_release_peers(int64_t ws_id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceGuard guard;
+  for (auto& kv : g_entries) {
+    RankEntry& e = *kv.second;
+    if (e.ws_id != ws_id) continue;
+    cudaSetDevice(e.device);
+    cudaDeviceSynchronize();
+    for (size_t p = 0; p < e.peers.size(); ++p) {
+      if (e.ipc_opened[p] && e.peers[p] != nullptr) cudaIpcCloseMemHandle(e.peers[p]);
+      e.ipc_opened[p] = false;
+      e.peers[p] = nullptr;
+    }
+    e.connected = false;
+  }
+  cudaGetLastError();
+  return 0;
+}
+
+// Frees every local allocation of the workspace (after every process released its peers).
+MOK_EXPORT int32_t mok_comm_free(int64_t ws_id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto it = g_entries.begin(); it != g_entries.end();) {
+    if (it->first.first == ws_id) {
+      free_entry(*it->second);
+      it = g_entries.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return 0;
+}
+
+// The host-mapped error word of (ws_id, device): 0 when healthy (no device synchronisation).
+MOK_EXPORT uint64_t mok_comm_error_word(int64_t ws_id, int32_t device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_entries.find({ws_id, device});
+  if (it == g_entries.end() || it->second->host_error == nullptr) return 0;
+  return *reinterpret_cast<volatile uint64_t*>(it->second->host_error);
+}
+
+MOK_EXPORT int32_t mok_comm_describe_error(uint64_t packed, char* out, int32_t out_len) {
+  set_err(out, out_len, describe_error(packed));
+  return 0;
+}
+
+// Diagnostics outside jit (synchronous copy): out = {dispatch epoch, combine epoch, device error word,
+// rows received by the last dispatch}.
+MOK_EXPORT int32_t mok_comm_read_state(int64_t ws_id, int32_t device, uint64_t* out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_entries.find({ws_id, device});
+  if (it == g_entries.end()) return 1;
+  const RankEntry& e = *it->second;
+  DeviceGuard guard;
+  cudaSetDevice(e.device);
+  LocalState st{};
+  uint64_t err_word = 0;
+  if (cudaMemcpy(&st, e.base + e.layout.state, sizeof(st), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(&err_word, e.base + e.layout.error, sizeof(err_word), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  out[0] = st.disp_epoch;
+  out[1] = st.comb_epoch;
+  out[2] = err_word;
+  out[3] = uint64_t(int64_t(st.total_rows));
+  return 0;
+}

@@ -1,0 +1,343 @@
+"""Symmetric communication workspaces: set up outside ``jit``, used by the comm ops inside it.
+
+A :class:`Workspace` owns, for one layer instance, one device region per EP rank, laid out at the same
+offsets on every rank (``ffi/include/mok/comm/workspace.cuh``): staging buffers, routing, flags, the
+device-side epoch counters and a poison word. Each rank gets a device table of its peers' base
+addresses. Two backends sit behind the same interface:
+
+* one process driving every GPU of the EP group: per-device ``cudaMalloc`` + peer access;
+* one process per GPU (``jax.distributed``): CUDA IPC handles, exchanged between processes with
+  ``jax.experimental.multihost_utils.process_allgather``.
+
+EP rank = position along the mesh's ``axis_name`` axis; with other mesh axes there are several EP
+groups, each with its own peer table (one workspace covers them all).
+
+Typical use::
+
+    with Workspace.create(mesh, "ep", max_tokens=4096, hidden_size=7168, top_k=8, num_experts=12) as ws:
+        f = jax.jit(jax.shard_map(lambda x, i, w: ops.combine(ws, *ops.dispatch(ws, x, i, w)), ...))
+        y, status = f(x, topk_idx, topk_weight)
+        ws.check()   # raises CommTimeoutError naming the op and the rank if a peer never came
+
+Calls on one workspace must happen in the same order on every rank (SPMD programs do this); a rank
+that skips a call makes its peers time out after ``timeout_s``: the op's status output says so, the
+workspace becomes poisoned, :meth:`Workspace.check` raises, and the next call's handler fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import threading
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax import _native
+
+__all__ = ["CommConfig", "CommError", "CommTimeoutError", "Workspace"]
+
+Mode = Literal["pull", "push"]
+MODES: dict[str, int] = {"pull": 0, "push": 1}
+
+# Limits of the kernels (ffi/include/mok/comm/workspace.cuh).
+MAX_TOP_K = 32
+MAX_LOCAL_EXPERTS = 2048
+MAX_RANKS = 1024
+# Error codes of the poison word (workspace.cuh ErrorCode).
+_TIMEOUT_CODES = {1, 2, 3}
+
+
+class CommError(RuntimeError):
+    """A communication op failed on the device (see the message for the op and the rank)."""
+
+
+class CommTimeoutError(CommError):
+    """A rank waited longer than ``timeout_s`` for a peer (a peer skipped a call, or hung)."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """Static shape of a workspace, identical on every rank. Calls may use fewer tokens
+    (``T <= max_tokens``) and a smaller top-k (``k <= top_k``)."""
+
+    ep: int
+    max_tokens: int
+    hidden_size: int
+    top_k: int
+    num_experts: int
+    timeout_s: float = 10.0
+    num_sms: int = 24
+    dispatch_mode: Mode = "pull"
+    combine_mode: Mode = "push"
+
+    def __post_init__(self):
+        for f in ("ep", "max_tokens", "hidden_size", "top_k", "num_experts", "num_sms"):
+            v = getattr(self, f)
+            _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0,
+                     f"CommConfig.{f} must be a positive int, got {v!r}")
+        _require(self.ep <= MAX_RANKS, f"CommConfig.ep must be <= {MAX_RANKS}, got {self.ep}")
+        _require(self.hidden_size % 8 == 0,
+                 f"CommConfig.hidden_size must be a multiple of 8 (rows move in 16-byte vectors), got {self.hidden_size}")
+        _require(self.top_k <= MAX_TOP_K, f"CommConfig.top_k must be <= {MAX_TOP_K}, got {self.top_k}")
+        _require(self.num_experts % self.ep == 0,
+                 f"CommConfig.num_experts ({self.num_experts}) must be a multiple of ep ({self.ep})")
+        _require(self.num_experts // self.ep <= MAX_LOCAL_EXPERTS,
+                 f"CommConfig: num_experts / ep must be <= {MAX_LOCAL_EXPERTS}, got {self.num_experts // self.ep}")
+        _require(self.ep * self.max_tokens * self.top_k < 2**31, "CommConfig: ep * max_tokens * top_k must fit int32")
+        _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0,
+                 f"CommConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        for f in ("dispatch_mode", "combine_mode"):
+            _require(getattr(self, f) in MODES, f"CommConfig.{f} must be 'pull' or 'push', got {getattr(self, f)!r}")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep
+
+    def capacity(self, tokens: int, top_k: int | None = None) -> int:
+        """Dropless worst case of received rows per rank: ep * T * min(k, E_local)."""
+        k = self.top_k if top_k is None else top_k
+        return self.ep * tokens * min(k, self.num_local_experts)
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the symmetric region per rank (the two bf16 staging buffers dominate)."""
+        lib = _native.library()
+        if lib is None:  # same formula as make_layout, without the small control regions
+            return 2 * self.ep * self.max_tokens * self.hidden_size * 2
+        _declare(lib)
+        return int(lib.mok_comm_workspace_bytes(self.ep, self.max_tokens, self.hidden_size, self.top_k,
+                                                self.num_experts))
+
+
+_declared = False
+_declare_lock = threading.Lock()
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    global _declared
+    with _declare_lock:
+        if _declared:
+            return
+        i32, i64, u64, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+        lib.mok_comm_workspace_bytes.argtypes = [i32] * 5
+        lib.mok_comm_workspace_bytes.restype = i64
+        lib.mok_comm_ipc_handle_bytes.argtypes = []
+        lib.mok_comm_ipc_handle_bytes.restype = i32
+        lib.mok_comm_alloc.argtypes = [i64, i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_double, i32, p, p, i32]
+        lib.mok_comm_alloc.restype = i32
+        lib.mok_comm_connect.argtypes = [i64, i32, p, p, i32]
+        lib.mok_comm_connect.restype = i32
+        lib.mok_comm_release_peers.argtypes = [i64]
+        lib.mok_comm_release_peers.restype = i32
+        lib.mok_comm_free.argtypes = [i64]
+        lib.mok_comm_free.restype = i32
+        lib.mok_comm_error_word.argtypes = [i64, i32]
+        lib.mok_comm_error_word.restype = u64
+        lib.mok_comm_describe_error.argtypes = [u64, p, i32]
+        lib.mok_comm_describe_error.restype = i32
+        lib.mok_comm_read_state.argtypes = [i64, i32, p]
+        lib.mok_comm_read_state.restype = i32
+        _declared = True
+
+
+def _lib() -> ctypes.CDLL:
+    _native.require_native("mok_jax.Workspace")
+    lib = _native.library()
+    assert lib is not None
+    _declare(lib)
+    return lib
+
+
+def describe_error(word: int) -> str:
+    """The message of a packed error word (the op, the rank that detected it, the awaited peer)."""
+    lib = _lib()
+    buf = ctypes.create_string_buffer(1024)
+    lib.mok_comm_describe_error(ctypes.c_uint64(word), buf, len(buf))
+    return buf.value.decode()
+
+
+_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalRank:
+    device: jax.Device
+    group: int
+    rank: int
+
+    @property
+    def ordinal(self) -> int:
+        return int(self.device.local_hardware_id)
+
+
+def ep_groups(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
+    """Devices of the mesh as [num_groups, ep]: row g is EP group g in rank order (the position along
+    ``axis_name``); the other mesh axes enumerate the groups."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis_name!r} (axes: {mesh.axis_names})")
+    axis = mesh.axis_names.index(axis_name)
+    devs = np.moveaxis(np.asarray(mesh.devices), axis, -1)
+    return devs.reshape(-1, devs.shape[-1])
+
+
+class Workspace:
+    """A library-owned symmetric workspace for one layer instance over ``mesh[axis_name]``.
+
+    Create it outside ``jit`` with :meth:`create`; pass the object (a static Python value) to
+    ``mok_jax.ops.dispatch`` / ``combine`` inside ``shard_map``; :meth:`close` it (or use ``with``).
+    """
+
+    def __init__(self, *, ws_id: int, config: CommConfig, mesh: jax.sharding.Mesh, axis_name: str,
+                 local: list[_LocalRank]):
+        self.id = ws_id
+        self.config = config
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self._local = local
+        self._closed = False
+
+    # --- setup / teardown -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, mesh: jax.sharding.Mesh, axis_name: str = "ep", *, max_tokens: int, hidden_size: int,
+               top_k: int, num_experts: int, dtype=jnp.bfloat16, timeout_s: float = 10.0, num_sms: int = 24,
+               dispatch_mode: Mode = "pull", combine_mode: Mode = "push") -> "Workspace":
+        """Allocate and connect the workspace on every local device of the mesh (collective across
+        processes: every process must call it, in the same order as its other workspaces)."""
+        if jnp.dtype(dtype) != jnp.bfloat16:
+            raise NotImplementedError(f"Workspace: only bfloat16 rows are supported, got {jnp.dtype(dtype)}")
+        groups = ep_groups(mesh, axis_name)
+        config = CommConfig(ep=groups.shape[1], max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
+                            num_experts=num_experts, timeout_s=float(timeout_s), num_sms=num_sms,
+                            dispatch_mode=dispatch_mode, combine_mode=combine_mode)
+        lib = _lib()
+        for d in groups.flat:
+            if d.platform != "gpu":
+                raise ValueError(f"Workspace needs GPU devices; the mesh holds {d.platform} device {d}")
+        ws_id = next(_ids)
+        me = jax.process_index()
+        multi = jax.process_count() > 1
+        hbytes = int(lib.mok_comm_ipc_handle_bytes())
+        handles = np.zeros((*groups.shape, hbytes), np.uint8)
+        present = np.zeros(groups.shape, np.int32)
+        local: list[_LocalRank] = []
+        err = ctypes.create_string_buffer(1024)
+        try:
+            for g, row in enumerate(groups):
+                for r, d in enumerate(row):
+                    if d.process_index != me:
+                        continue
+                    lr = _LocalRank(d, g, r)
+                    out = np.zeros(hbytes, np.uint8)
+                    rc = lib.mok_comm_alloc(ws_id, g, lr.ordinal, r, config.ep, config.max_tokens,
+                                            config.hidden_size, config.top_k, config.num_experts,
+                                            config.timeout_s, int(multi), out.ctypes.data, err, len(err))
+                    if rc != 0:
+                        raise CommError(f"Workspace.create: rank {r} of group {g} on {d}: {err.value.decode()}")
+                    local.append(lr)
+                    handles[g, r] = out
+                    present[g, r] = 1
+            if multi:
+                from jax.experimental import multihost_utils
+
+                all_handles, all_present = multihost_utils.process_allgather((handles, present))
+                all_present = np.asarray(all_present)
+                all_handles = np.asarray(all_handles)
+                owner = np.argmax(all_present, axis=0)  # [G, ep]: the process that holds each rank
+                if not np.all(all_present.sum(axis=0) == 1):
+                    raise CommError("Workspace.create: every EP rank must be held by exactly one process")
+                g_idx, r_idx = np.indices(groups.shape)
+                handles = np.ascontiguousarray(all_handles[owner, g_idx, r_idx])
+            for lr in local:
+                table = np.ascontiguousarray(handles[lr.group])
+                rc = lib.mok_comm_connect(ws_id, lr.ordinal, table.ctypes.data, err, len(err))
+                if rc != 0:
+                    raise CommError(f"Workspace.create: connecting rank {lr.rank} of group {lr.group}: "
+                                    f"{err.value.decode()}")
+            if multi:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"mok_comm_workspace_{ws_id}_connected")
+        except BaseException:
+            lib.mok_comm_release_peers(ws_id)
+            lib.mok_comm_free(ws_id)
+            raise
+        return cls(ws_id=ws_id, config=config, mesh=mesh, axis_name=axis_name, local=local)
+
+    def close(self) -> None:
+        """Free every device allocation (waits for the local devices first). Idempotent. Collective
+        across processes, like :meth:`create`."""
+        if self._closed:
+            return
+        self._closed = True
+        lib = _lib()
+        lib.mok_comm_release_peers(self.id)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"mok_comm_workspace_{self.id}_released")
+        lib.mok_comm_free(self.id)
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def require_open(self, what: str) -> None:
+        if self._closed:
+            raise CommError(f"{what}: workspace {self.id} is closed")
+
+    # --- health -----------------------------------------------------------------------------------
+    def error_words(self) -> dict[int, int]:
+        """{EP rank: packed error word} for this process's ranks (0 = healthy); no device sync."""
+        lib = _lib()
+        return {lr.rank + lr.group * self.config.ep: int(lib.mok_comm_error_word(self.id, lr.ordinal))
+                for lr in self._local}
+
+    def check(self) -> None:
+        """Raise CommTimeoutError / CommError if any local rank recorded an error. Call it after the
+        results of the ops are ready (``jax.block_until_ready``)."""
+        self.require_open("Workspace.check")
+        for lr in self._local:
+            word = int(_lib().mok_comm_error_word(self.id, lr.ordinal))
+            if word:
+                code = word & 0xFF
+                exc = CommTimeoutError if code in _TIMEOUT_CODES else CommError
+                raise exc(f"{describe_error(word)} [workspace {self.id}, EP group {lr.group}, device {lr.device}]")
+
+    def device_state(self) -> dict[int, dict[str, int]]:
+        """Diagnostics (synchronous device read, outside jit): per local EP rank, the device-side
+        epochs, the device poison word and the rows the last dispatch received."""
+        lib = _lib()
+        out = {}
+        for lr in self._local:
+            buf = np.zeros(4, np.uint64)
+            if lib.mok_comm_read_state(self.id, lr.ordinal, buf.ctypes.data) != 0:
+                raise CommError(f"Workspace.device_state: cannot read rank {lr.rank} on {lr.device}")
+            out[lr.rank + lr.group * self.config.ep] = {
+                "dispatch_epoch": int(buf[0]), "combine_epoch": int(buf[1]), "error_word": int(buf[2]),
+                "total_rows": int(buf[3:4].view(np.int64)[0]),
+            }
+        return out
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Workspace(id={self.id}, {self.config}, {state})"
+
+    def __hash__(self) -> int:  # static argument of jitted functions
+        return hash(("mok_workspace", self.id))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Workspace) and other.id == self.id

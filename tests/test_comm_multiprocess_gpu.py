@@ -1,0 +1,118 @@
+"""Multi-process backend of the comm workspace: 2 processes with 1 GPU each under jax.distributed
+(local coordinator), the workspace regions shared through CUDA IPC handles that Workspace.create
+exchanges with process_allgather. Each process checks its own rank's outputs bitwise against the
+numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_gpu.py PID PORT``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NUM_PROCS = 2
+WORKER_TIMEOUT_S = 180
+
+
+def _gpu_count() -> int:
+    import jax
+
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_two_processes_one_gpu_each():
+    from mok_jax._native import library, native_status
+
+    if _gpu_count() < NUM_PROCS:
+        pytest.skip(f"needs {NUM_PROCS} GPUs (not a pass)")
+    if library() is None:
+        pytest.skip(f"native library unavailable: {native_status()} (not a pass)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(NUM_PROCS)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outs.append(p.communicate()[0])
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed (rc {p.returncode}):\n{out[-4000:]}"
+        assert f"MP_OK process {i}" in out, out[-4000:]
+
+
+def _worker(pid: int, port: int) -> None:
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NUM_PROCS, process_id=pid,
+                               local_device_ids=[pid], initialization_timeout=120)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mok_jax import ops
+    from mok_jax.bench.comm import routing_case, self_identifying_tokens
+    from mok_jax.reference.comm import dispatch_combine_identity_numpy, dispatch_layout_numpy
+    from mok_jax.workspace import Workspace
+
+    devices = jax.devices()
+    assert len(devices) == NUM_PROCS and len(jax.local_devices()) == 1, (devices, jax.local_devices())
+    mesh = Mesh(np.array(devices), ("ep",))
+    rank = list(mesh.devices.flat).index(jax.local_devices()[0])
+    ep, tokens, k, experts, hidden = NUM_PROCS, 200, 8, 16, 264
+    idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=experts, seed=21)
+    x = self_identifying_tokens(ep, tokens, hidden, seed=21)
+    layout = dispatch_layout_numpy(x, idx, w, experts)[rank]
+    y_ref = dispatch_combine_identity_numpy(x, idx, w, experts)[rank]
+    sharding = NamedSharding(mesh, P("ep"))
+
+    def global_array(a):
+        flat = a.reshape(ep * tokens, *a.shape[2:])
+        return jax.make_array_from_callback(flat.shape, sharding, lambda index: flat[index])
+
+    args = [global_array(a) for a in (x, idx, w)]
+    with Workspace.create(mesh, "ep", max_tokens=256, hidden_size=hidden, top_k=k, num_experts=experts,
+                          timeout_s=10.0) as ws:
+        def body(xs, i, ww):
+            outs = []
+            for dmode, cmode in (("pull", "push"), ("push", "pull")):
+                recv, lay = ops.dispatch(ws, xs, i, ww, mode=dmode)
+                y, st = ops.combine(ws, recv, lay, mode=cmode)
+                outs += [recv[None], lay.group_sizes[None], y, jnp.stack([lay.status, st])[None]]
+            return tuple(outs)
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"), check_vma=False))
+        for _ in range(3):  # a few calls: epochs advance on both processes
+            outs = jax.block_until_ready(f(*args))
+        ws.check()
+        local = [np.asarray(o.addressable_shards[0].data) for o in outs]
+        for m in range(2):
+            recv, sizes, y, status = local[4 * m: 4 * m + 4]
+            assert np.all(status == 0), f"mode pair {m}: status {status}"
+            np.testing.assert_array_equal(sizes[0], layout["group_sizes"])
+            assert np.array_equal(recv[0].view(np.uint16), layout["recv_x"].view(np.uint16)), f"recv_x, pair {m}"
+            assert np.array_equal(y.view(np.uint16), y_ref.view(np.uint16)), f"combine output, pair {m}"
+        state = ws.device_state()
+        assert all(s["dispatch_epoch"] == 6 and s["combine_epoch"] == 6 for s in state.values()), state
+    jax.distributed.shutdown()
+    print(f"MP_OK process {pid} (EP rank {rank})", flush=True)
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]))
