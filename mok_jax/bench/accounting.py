@@ -1,0 +1,195 @@
+"""FLOP and byte accounting of one MoE layer call, per GPU, and the rooflines it implies.
+
+The problem a run measures (``BenchShape``): ``num_gpus`` EP ranks, each with ``experts_per_gpu``
+routed experts and ``tokens`` tokens; every token picks ``top_k`` of the ``total_experts`` experts.
+
+- ``full``: the model's E experts split over the GPUs present (E/num_gpus per GPU).
+- ``ep64-slice``: E/64 experts per GPU, as at expert-parallel degree 64 on an NVL72 rack, so the
+  per-GPU work matches the paper's headline setting on however many GPUs are here
+  (total experts = num_gpus * E/64; HARDWARE.md).
+
+Useful FLOPs per GPU, forward (SwiGLU: gate, up and down projections are 3 GEMMs of H x I):
+    routed 2*T*k*3*H*I  +  shared 2*T*3*H*Is
+and backward about twice that (dgrad + wgrad per GEMM), so fwd+bwd = 3 x forward.
+
+Bytes: dispatch sends T*k rows of H elements per GPU (one per (token, slot)), a fraction (ep-1)/ep of
+them to other GPUs under uniform routing; combine returns as many. A token whose k experts live on
+fewer than k other ranks need cross NVLink only once per destination rank ("unique remote rows").
+Backward moves the same again (the output gradient out to the experts, the input gradient back).
+The communication floor is the busiest GPU's max(bytes sent, bytes received) over the link
+bandwidth, per transfer: with ep GPUs on NVLink each GPU sends and receives at that rate at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from mok_jax.config import ModelShape
+
+__all__ = [
+    "EP_MODES", "PASSES", "BenchShape", "Traffic", "bench_shape", "capacity", "dispatch_bytes_per_gpu",
+    "executed_rows_per_gpu", "flops_per_gpu", "pass_multiplier", "routing_traffic", "transfers_per_pass",
+    "uniform_remote_fraction",
+]
+
+EP_MODES = ("full", "ep64-slice")
+PASSES = ("fwd", "fwd+bwd")
+SLICE_EP = 64  # the expert-parallel degree ep64-slice imitates
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchShape:
+    """The per-GPU problem: the model's dimensions and how its experts sit on the GPUs."""
+
+    model: str
+    ep_mode: str
+    num_gpus: int
+    experts_per_gpu: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    shared_size: int  # fused shared-expert intermediate size Is (0: no shared expert)
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_gpus * self.experts_per_gpu
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total_experts": self.total_experts}
+
+
+def bench_shape(model: ModelShape, num_gpus: int, ep_mode: str) -> BenchShape:
+    """The BenchShape of ``model`` on ``num_gpus`` GPUs in ``ep_mode`` (one of EP_MODES)."""
+    if ep_mode not in EP_MODES:
+        raise ValueError(f"ep mode must be one of {', '.join(EP_MODES)}, got {ep_mode!r}")
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    E = model.num_experts
+    if ep_mode == "full":
+        if E % num_gpus:
+            raise ValueError(f"ep mode 'full' splits {model.name}'s {E} experts over the GPUs, but {E} is not "
+                             f"divisible by {num_gpus} GPUs")
+        per_gpu = E // num_gpus
+    else:
+        if E % SLICE_EP:
+            raise ValueError(f"ep mode 'ep64-slice' gives each GPU E/64 experts, but {model.name} has {E} experts "
+                             f"(not a multiple of 64); use --ep-mode full")
+        per_gpu = E // SLICE_EP
+    if model.top_k > per_gpu * num_gpus:
+        raise ValueError(f"{model.name} in {ep_mode} on {num_gpus} GPU(s) has {per_gpu * num_gpus} experts in all, "
+                         f"fewer than top_k={model.top_k} (a token picks k distinct experts); use more GPUs")
+    return BenchShape(model=model.name, ep_mode=ep_mode, num_gpus=num_gpus, experts_per_gpu=per_gpu,
+                      top_k=model.top_k, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+                      shared_size=model.shared_size)
+
+
+def pass_multiplier(pass_: str) -> int:
+    """FLOPs of the pass in units of the forward's: backward is about 2x forward."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {', '.join(PASSES)}, got {pass_!r}")
+    return 1 if pass_ == "fwd" else 3
+
+
+def transfers_per_pass(pass_: str) -> int:
+    """Row transfers of the pass: dispatch + combine forward; the same again backward."""
+    return 2 if pass_multiplier(pass_) == 1 else 4
+
+
+def flops_per_gpu(shape: BenchShape, tokens: int, pass_: str = "fwd") -> float:
+    """Useful FLOPs per GPU: 2*T*k*3*H*I (routed) + 2*T*3*H*Is (shared), x3 for fwd+bwd."""
+    H, I, Is, k = shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
+    fwd = 2 * tokens * k * 3 * H * I + 2 * tokens * 3 * H * Is
+    return float(fwd * pass_multiplier(pass_))
+
+
+def executed_flops_per_gpu(shape: BenchShape, tokens: int, rows: int, pass_: str = "fwd") -> float:
+    """FLOPs a padded implementation executes when its expert GEMMs run ``rows`` rows per GPU."""
+    H, I, Is = shape.hidden_size, shape.intermediate_size, shape.shared_size
+    return float((2 * rows * 3 * H * I + 2 * tokens * 3 * H * Is) * pass_multiplier(pass_))
+
+
+def capacity(tokens: int, top_k: int, total_experts: int, capacity_factor: float) -> int:
+    """Slots per (source rank, expert) of the capacity baseline: ceil(cf * T*k / E), at least 1."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity factor must be > 0, got {capacity_factor}")
+    return max(1, math.ceil(capacity_factor * tokens * top_k / total_experts))
+
+
+def executed_rows_per_gpu(impl: str, shape: BenchShape, tokens: int, capacity_factor: float) -> int | None:
+    """Rows the expert GEMMs of a baseline process per GPU (None: not known in advance).
+
+    ``xla``/``reference`` run every local expert over every (source rank, token) slot: E_total*T rows
+    (the useful count is T*k); ``xla-capacity`` runs E_total * capacity rows.
+    """
+    if impl in ("xla", "reference"):
+        return shape.total_experts * tokens
+    if impl == "xla-capacity":
+        return shape.total_experts * capacity(tokens, shape.top_k, shape.total_experts, capacity_factor)
+    return None
+
+
+def dispatch_bytes_per_gpu(shape: BenchShape, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the rows one GPU dispatches, local and remote: T*k*H*dtype_bytes."""
+    return tokens * shape.top_k * shape.hidden_size * dtype_bytes
+
+
+def uniform_remote_fraction(num_gpus: int) -> float:
+    """Share of uniformly routed rows whose expert is on another GPU: (ep-1)/ep."""
+    return (num_gpus - 1) / num_gpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Rows crossing GPU boundaries for one dispatch, from an actual routing (index: EP rank).
+
+    sent_slots[r]: (token, slot) rows of rank r whose expert is on another rank.
+    recv_slots[r]: such rows arriving at rank r.
+    sent_unique[r] / recv_unique[r]: the same counting each (token, destination rank) once.
+    owner_rows[r]: (token, slot) rows whose expert rank r owns (its routed expert work).
+    """
+
+    sent_slots: np.ndarray
+    recv_slots: np.ndarray
+    sent_unique: np.ndarray
+    recv_unique: np.ndarray
+    owner_rows: np.ndarray
+
+    @property
+    def link_rows(self) -> int:
+        """Rows per transfer on the busiest GPU's link: max over ranks of max(sent, received)."""
+        return int(max(self.sent_slots.max(), self.recv_slots.max()))
+
+    @property
+    def link_rows_unique(self) -> int:
+        return int(max(self.sent_unique.max(), self.recv_unique.max()))
+
+    @property
+    def load_imbalance(self) -> float:
+        """Busiest rank's routed rows over the mean (1.0: perfectly balanced)."""
+        mean = self.owner_rows.mean()
+        return float(self.owner_rows.max() / mean) if mean else 1.0
+
+
+def routing_traffic(topk_idx: np.ndarray, num_gpus: int, experts_per_gpu: int) -> Traffic:
+    """Traffic of ``topk_idx`` (int[num_gpus*T, k], rank r holds rows [r*T, (r+1)*T)), experts of rank r
+    being [r*experts_per_gpu, (r+1)*experts_per_gpu)."""
+    idx = np.asarray(topk_idx)
+    n, _ = idx.shape
+    if n % num_gpus:
+        raise ValueError(f"{n} tokens do not split over {num_gpus} GPUs")
+    tokens = n // num_gpus
+    src = np.repeat(np.arange(num_gpus), tokens)[:, None]  # [N, 1]
+    dest = idx // experts_per_gpu  # [N, k]
+    remote = dest != src
+    hit = np.zeros((n, num_gpus), bool)
+    np.put_along_axis(hit, dest, True, axis=1)  # token t needs rank d
+    hit[np.arange(n), src[:, 0]] = False  # its own rank costs no link traffic
+    sent_slots = remote.reshape(num_gpus, tokens, -1).sum(axis=(1, 2))
+    recv_slots = np.bincount(dest[remote], minlength=num_gpus)
+    sent_unique = hit.reshape(num_gpus, tokens, num_gpus).sum(axis=(1, 2))
+    recv_unique = hit.sum(axis=0)
+    owner_rows = np.bincount(dest.ravel(), minlength=num_gpus)
+    return Traffic(sent_slots, recv_slots, sent_unique, recv_unique, owner_rows)

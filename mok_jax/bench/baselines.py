@@ -1,0 +1,302 @@
+"""JAX-native expert-parallel MoE layers: what a JAX user would write instead of mok.
+
+Each builder takes a mesh with an expert-parallel axis (default ``"ep"``) and returns a jitted
+
+    fn(x, topk_idx, topk_weight, weights) -> (y, stats)
+
+on global arrays: x: [T_total, H] (bf16 or f32) sharded over ep; topk_idx: int32[T_total, k] (global
+expert ids, k distinct per token); topk_weight: f32[T_total, k]; weights: mok_jax.MoEWeights with
+gate_up [E, H, 2I] and down [E, I, H] sharded over ep on dim 0 (rank r owns experts
+[r*E/ep, (r+1)*E/ep)) and the shared pair replicated. y: [T_total, H] in x.dtype, sharded like x;
+stats: a dict of int32 scalars (``dropped_slots`` for the capacity baseline). Differentiable
+w.r.t. x, topk_weight and weights.
+
+Precision, as in the reference: matmuls accumulate in fp32, the SwiGLU activation h is rounded to
+x.dtype, each expert output row is rounded to x.dtype before it crosses the network, and the
+weighted sum over a token's k slots runs in fp32 in slot order before the final rounding.
+
+- ``xla`` (dropless): dispatch to per-(destination rank, local expert) slots of capacity T (tokens per
+  rank): a token picks an expert at most once, so slot [e, t] can be token t's own and nothing is
+  ever dropped; ``all_to_all``; a batched einsum over the local experts; ``all_to_all`` back; gather
+  each token's k rows and combine. The price of static shapes: the experts run E_total*T rows per
+  GPU where T*k are useful (1.5x for kimi-k2 in ep64-slice on 2 GPUs; E/k in general).
+- ``xla-capacity``: slots per (source rank, expert) = ceil(cf * T*k / E_total); a token's slot keeps
+  its place in token order and slots past capacity are dropped (counted in ``dropped_slots``).
+- ``ragged``: ``ragged_all_to_all`` straight into expert-major order on the receiver, then
+  ``jax.lax.ragged_dot``: dropless with no padding in the math, the API JAX offers for this.
+  XLA:CPU cannot run ragged-all-to-all; ``emulate_collective=True`` swaps in an all_gather-based
+  equivalent (for CPU tests of the offset logic only).
+- ``reference``: ``mok_jax.expert_parallel_moe`` with implementation="xla" (dense; small shapes only).
+- ``mok``: the same with implementation="mok" (raises until the megakernel exists).
+
+Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
+``/shared``) so profiler traces read by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mok_jax.bench.accounting import capacity as _capacity
+from mok_jax.config import MoEConfig
+from mok_jax.reference.experts import swiglu_ffn
+from mok_jax.weights import MoEWeights
+
+__all__ = ["BASELINES", "IMPLEMENTATIONS", "build", "mok", "ragged", "reference", "xla_capacity", "xla_dropless"]
+
+_F32 = jnp.float32
+MoEFn = Callable[..., tuple[jax.Array, dict]]
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _experts(recv: jax.Array, weights: MoEWeights) -> jax.Array:
+    """Local SwiGLU experts over slot-major rows: recv [S, E_local, C, H] -> [S, E_local, C, H] in recv.dtype."""
+    S, E_local, C, H = recv.shape
+    with jax.named_scope("experts"):
+        rows = recv.transpose(1, 0, 2, 3).reshape(E_local, S * C, H)  # expert-major: one GEMM batch per expert
+        gu = jnp.einsum("erh,ehn->ern", rows, weights.gate_up, preferred_element_type=_F32)
+        gate, up = jnp.split(gu, 2, axis=-1)
+        h = (jax.nn.silu(gate) * up).astype(recv.dtype)
+        out = jnp.einsum("eri,eih->erh", h, weights.down, preferred_element_type=_F32).astype(recv.dtype)
+        return out.reshape(E_local, S, C, H).transpose(1, 0, 2, 3)
+
+
+def _combine_rows(rows: jax.Array, topk_weight: jax.Array) -> jax.Array:
+    """sum_j topk_weight[t, j] * rows[t, j] in fp32, slot order j = 0..k-1: rows [T, k, H] -> f32[T, H]."""
+    acc = jnp.zeros((rows.shape[0], rows.shape[2]), _F32)
+    for j in range(rows.shape[1]):
+        acc = acc + topk_weight[:, j, None].astype(_F32) * rows[:, j].astype(_F32)
+    return acc
+
+
+def _finish(y_routed: jax.Array, x: jax.Array, weights: MoEWeights) -> jax.Array:
+    if weights.shared_gate_up is not None:
+        with jax.named_scope("shared"):
+            y_routed = y_routed + swiglu_ffn(x, weights.shared_gate_up, weights.shared_down)
+    return y_routed.astype(x.dtype)
+
+
+def _place(a: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    sharding = NamedSharding(mesh, spec)
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(a, sharding)
+    return lax.with_sharding_constraint(a, sharding)
+
+
+def _ep_callable(body: Callable, mesh: Mesh, axis: str, name: str, stat_names: tuple[str, ...] = ()) -> MoEFn:
+    """jit(shard_map(body)) over ``axis``; body(x, topk_idx, topk_weight, weights) -> (y, stats) per rank."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {mesh.axis_names}")
+    others = [a for a in mesh.axis_names if a != axis and mesh.shape[a] != 1]
+    if others:
+        raise ValueError(f"the baselines run on a mesh with only the {axis!r} axis; got axes {dict(mesh.shape)}")
+    ep = mesh.shape[axis]
+
+    def fn(x, topk_idx, topk_weight, weights: MoEWeights):
+        if not isinstance(weights, MoEWeights):
+            raise TypeError(f"weights must be a mok_jax.MoEWeights, got {type(weights).__name__}")
+        if weights.gate_up.shape[0] % ep:
+            raise ValueError(f"the number of experts ({weights.gate_up.shape[0]}) must be divisible by the "
+                             f"{axis!r} axis size ({ep})")
+        if x.ndim != 2 or x.shape[0] % ep:
+            raise ValueError(f"x must be [tokens, hidden] with tokens divisible by {ep}, got {x.shape}")
+        tok = P(axis)
+        shared = P() if weights.shared_gate_up is not None else None
+        wspec = MoEWeights(P(axis), P(axis), shared, shared)
+        specs = (tok, tok, tok, wspec)
+        args = (x, topk_idx, topk_weight.astype(_F32), weights)
+        args = jax.tree.map(lambda a, s: _place(a, mesh, s), args, specs)
+        with jax.named_scope(name):
+            return jax.shard_map(functools.partial(body, axis=axis), mesh=mesh, in_specs=specs,
+                                 out_specs=(tok, {s: P() for s in stat_names}))(*args)
+
+    fn.__name__ = fn.__qualname__ = name.replace("-", "_") + "_moe"
+    return jax.jit(fn)
+
+
+# ----------------------------------------------------------------------------- xla (dropless)
+
+
+def _dropless_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str):
+    ep, num_local = lax.axis_size(axis), weights.num_local_experts
+    num_experts = ep * num_local
+    T, H = x.shape
+    with jax.named_scope("dispatch"):
+        picked = jnp.any(topk_idx[:, :, None] == jnp.arange(num_experts, dtype=topk_idx.dtype), axis=1)  # [T, E]
+        send = jnp.where(picked.T[:, :, None], x[None], jnp.zeros((), x.dtype))  # slot [e, t] = x_t or 0
+        recv = lax.all_to_all(send.reshape(ep, num_local, T, H), axis, 0, 0, tiled=True)  # [src, E_local, T, H]
+    out = _experts(recv, weights)
+    with jax.named_scope("combine"):
+        back = lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(num_experts, T, H)  # [global expert, T, H]
+        rows = back[topk_idx, jnp.arange(T)[:, None]]  # [T, k, H]
+        y = _combine_rows(rows, topk_weight)
+    return _finish(y, x, weights), {}
+
+
+def xla_dropless(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
+    """Dropless shard_map + all_to_all + batched einsum (capacity T per (rank, expert) slot)."""
+    return _ep_callable(_dropless_body, mesh, axis, "xla")
+
+
+# ----------------------------------------------------------------------------- xla-capacity
+
+
+def _slot_positions(flat_e: jax.Array, num_experts: int) -> jax.Array:
+    """Position of each (token, slot) among the slots choosing the same expert, in token order."""
+    n = flat_e.shape[0]
+    order = jnp.argsort(flat_e, stable=True)
+    counts = jnp.bincount(flat_e, length=num_experts)
+    starts = jnp.cumsum(counts) - counts
+    rank_in_sorted = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    return rank_in_sorted - starts[flat_e]
+
+
+def _capacity_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str, capacity_factor: float):
+    ep, num_local = lax.axis_size(axis), weights.num_local_experts
+    num_experts = ep * num_local
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    cap = _capacity(T, k, num_experts, capacity_factor)
+    with jax.named_scope("dispatch"):
+        flat_e = topk_idx.reshape(-1)
+        pos = _slot_positions(flat_e, num_experts)
+        kept = pos < cap
+        slot = jnp.where(kept, flat_e * cap + pos, num_experts * cap)  # past the end: dropped
+        token_of_slot = jnp.full(num_experts * cap, T, jnp.int32).at[slot].set(
+            jnp.arange(T * k, dtype=jnp.int32) // k, mode="drop", unique_indices=True)
+        x_pad = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])  # row T: the empty slot
+        send = x_pad[token_of_slot].reshape(ep, num_local, cap, H)
+        recv = lax.all_to_all(send, axis, 0, 0, tiled=True)  # [src, E_local, cap, H]
+    out = _experts(recv, weights)
+    with jax.named_scope("combine"):
+        back = lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(num_experts * cap, H)
+        back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])  # a dropped slot reads zeros
+        rows = back[slot].reshape(T, k, H)
+        y = _combine_rows(rows, topk_weight)
+    dropped = lax.psum(jnp.sum(~kept, dtype=jnp.int32), axis)
+    return _finish(y, x, weights), {"dropped_slots": dropped}
+
+
+def xla_capacity(mesh: Mesh, *, capacity_factor: float = 1.25, axis: str = "ep") -> MoEFn:
+    """Capacity-padded shard_map + all_to_all + batched einsum; stats["dropped_slots"] counts (token, slot)
+    pairs over capacity, summed over ranks."""
+    _capacity(1, 1, 1, capacity_factor)  # validates
+    body = functools.partial(_capacity_body, capacity_factor=capacity_factor)
+    return _ep_callable(body, mesh, axis, "xla-capacity", ("dropped_slots",))
+
+
+# ----------------------------------------------------------------------------- ragged
+
+
+def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """lax.ragged_all_to_all's result built from all_gathers (XLA:CPU has no ragged-all-to-all). Tests only."""
+    del recv_sizes  # implied by the senders' sizes
+    ep, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    per_dest = input_offsets.shape[0] // ep
+    gather = functools.partial(lax.all_gather, axis_name=axis_name)
+    ops, ioff, size, ooff = gather(operand), gather(input_offsets), gather(send_sizes), gather(output_offsets)
+    mine = lambda a: lax.dynamic_slice_in_dim(a, me * per_dest, per_dest, axis=1)  # slices sent to me: [src, n]
+    ioff, size, ooff = mine(ioff), mine(size), mine(ooff)
+    m = jnp.arange(output.shape[0])[:, None, None]
+    inside = ((m >= ooff) & (m < ooff + size)).reshape(output.shape[0], -1)  # [M, src*n]
+    which = jnp.argmax(inside, axis=1)
+    src, i = which // per_dest, which % per_dest
+    row = jnp.clip(ioff[src, i] + m[:, 0, 0] - ooff[src, i], 0, operand.shape[0] - 1)
+    got = ops[src, row]
+    return jnp.where(jnp.any(inside, axis=1)[:, None], got, output)
+
+
+def _ragged_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str, emulate_collective: bool):
+    ep, me, num_local = lax.axis_size(axis), lax.axis_index(axis), weights.num_local_experts
+    num_experts = ep * num_local
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    a2a = functools.partial(_ragged_all_to_all_emulated if emulate_collective else lax.ragged_all_to_all,
+                            axis_name=axis)
+    worst_rows = ep * T * min(k, num_local)  # every source sends each token at most min(k, E_local) times
+    with jax.named_scope("dispatch"):
+        flat_e = topk_idx.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)  # slots grouped by (dest rank, local expert)
+        xs = x[order // k]  # [T*k, H]
+        counts = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)  # slice i = (dest, local expert)
+        in_off = jnp.cumsum(counts) - counts
+        all_counts = lax.all_gather(counts, axis).reshape(ep, ep, num_local)  # [src, dest, local expert]
+        per_expert = all_counts.sum(axis=0)  # rows each (dest, local expert) receives: [dest, E_local]
+        expert_start = jnp.cumsum(per_expert, axis=1) - per_expert
+        before = jnp.cumsum(all_counts, axis=0) - all_counts  # rows of earlier sources
+        out_off_all = (expert_start[None] + before).astype(jnp.int32)  # receiver offset: expert-major, then source
+        recv_sizes = all_counts[:, me, :].reshape(-1)  # slice i = (src, local expert)
+        recv = a2a(xs, jnp.zeros((worst_rows, H), x.dtype), in_off, counts, out_off_all[me].reshape(-1), recv_sizes)
+    with jax.named_scope("experts"):
+        group_sizes = per_expert[me]
+        gu = lax.ragged_dot(recv, weights.gate_up, group_sizes, preferred_element_type=_F32)
+        gate, up = jnp.split(gu, 2, axis=-1)
+        h = (jax.nn.silu(gate) * up).astype(x.dtype)
+        out = lax.ragged_dot(h, weights.down, group_sizes, preferred_element_type=_F32).astype(x.dtype)
+    with jax.named_scope("combine"):
+        src_in_off = lax.all_gather(in_off, axis).reshape(ep, ep, num_local)[:, me, :].reshape(-1)
+        back = a2a(out, jnp.zeros((T * k, H), x.dtype), out_off_all[:, me, :].reshape(-1), recv_sizes,
+                   src_in_off, counts)  # [T*k, H] in sorted slot order
+        rows = jnp.zeros_like(back).at[order].set(back, unique_indices=True).reshape(T, k, H)
+        y = _combine_rows(rows, topk_weight)
+    return _finish(y, x, weights), {}
+
+
+def ragged(mesh: Mesh, *, axis: str = "ep", emulate_collective: bool = False) -> MoEFn:
+    """ragged_all_to_all + ragged_dot, dropless. ``emulate_collective``: for CPU tests only."""
+    body = functools.partial(_ragged_body, emulate_collective=emulate_collective)
+    return _ep_callable(body, mesh, axis, "ragged")
+
+
+# ----------------------------------------------------------------------------- the library's own paths
+
+
+def _library(mesh: Mesh, axis: str, implementation: str) -> MoEFn:
+    from mok_jax.sharding import expert_parallel_moe
+
+    config = MoEConfig(implementation=implementation, ep_axis=axis)
+
+    def fn(x, topk_idx, topk_weight, weights):
+        with jax.named_scope(implementation if implementation == "mok" else "reference"):
+            return expert_parallel_moe(x, topk_idx, topk_weight, weights, mesh=mesh, config=config), {}
+
+    fn.__name__ = fn.__qualname__ = ("mok" if implementation == "mok" else "reference") + "_moe"
+    return jax.jit(fn)
+
+
+def reference(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
+    """mok_jax.expert_parallel_moe(implementation="xla"): the dense reference (small shapes only)."""
+    return _library(mesh, axis, "xla")
+
+
+def mok(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
+    """mok_jax.expert_parallel_moe(implementation="mok"): the megakernel."""
+    return _library(mesh, axis, "mok")
+
+
+BASELINES: dict[str, Callable[..., MoEFn]] = {
+    "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "reference": reference,
+}
+IMPLEMENTATIONS = (*BASELINES, "mok")
+
+
+def build(name: str, mesh: Mesh, *, axis: str = "ep", capacity_factor: float = 1.25) -> MoEFn:
+    """The jitted callable of implementation ``name`` (one of IMPLEMENTATIONS)."""
+    if name == "mok":
+        return mok(mesh, axis=axis)
+    if name not in BASELINES:
+        raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    if name == "xla-capacity":
+        return xla_capacity(mesh, capacity_factor=capacity_factor, axis=axis)
+    return BASELINES[name](mesh, axis=axis)

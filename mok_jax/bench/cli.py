@@ -1,0 +1,635 @@
+"""mok-bench: how fast the MoE layer runs here, against what a JAX user would write instead.
+
+For every (model, tokens per GPU, pass, implementation): warm up, time many calls with device
+synchronisation (``mok_jax.bench.timing.time_fn``), and report median/min/max, TFLOP/s, the fraction
+of the compute roofline and of the NVLink communication floor, and the ratio to a baseline measured
+in the same process (accounting: ``mok_jax.bench.accounting``; implementations:
+``mok_jax.bench.baselines``). Writes a table, and on request a JSON report, a plot and a profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from mok_jax.bench import accounting as acc
+from mok_jax.bench.report import eprint
+from mok_jax.bench.routing import ROUTINGS
+
+__all__ = ["BenchOptions", "Unavailable", "UsageError", "build_parser", "main", "parse_args", "parse_tokens", "run"]
+
+# Defaults. Roofline figures are HARDWARE.md's measurements on the H200 machines.
+PEAK_TFLOPS = {"bf16": 805.0}  # cuBLAS bf16 GEMM 8192^3
+NVLINK_GBPS = 394.0  # peer copy GPU0 -> GPU1, one direction
+GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice", "impls": ("mok", "xla", "xla-capacity")}
+CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("reference", "xla", "xla-capacity")}
+CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok")
+DTYPES = ("bf16", "fp8")
+CPU_NOTICE = ("CPU NUMBERS: no GPU found, so mok-bench ran the pure-JAX paths on CPU devices; the times below "
+              "are CPU times, not GPU performance.")
+
+EXAMPLES = """\
+examples:
+  mok-bench                                   # defaults: kimi-k2, ep64-slice, 2048 tokens/GPU (ci model on CPU)
+  mok-bench --model bench --pass fwd,fwd+bwd --impl xla,xla-capacity --json out.json
+  mok-bench glm-5 --tokens 512..16384 --plot sweep.png        # 512, 1024, ..., 16384
+  mok-bench kimi-k2 --routing zipf --zipf-s 1.2 --impl xla,xla-capacity --capacity-factor 2
+  mok-bench kimi-k2 --profile /tmp/prof       # jax.profiler trace per run (TensorBoard / Perfetto)
+"""
+
+
+class UsageError(ValueError):
+    """A bad option: main() prints it and returns 2."""
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """'2048' | '512,1024,4096' | '512..16384' (doubling from the first to the last) | mixes of those."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        try:
+            if ".." in part:
+                lo, hi = (int(v) for v in part.split(".."))
+                if lo <= 0 or hi < lo:
+                    raise ValueError
+                v = lo
+                while v <= hi:
+                    out.append(v)
+                    v *= 2
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise UsageError(f"--tokens: cannot read {part!r}; give N, N1,N2,... or LO..HI (doubling)") from None
+    if not out or min(out) <= 0:
+        raise UsageError(f"--tokens must be positive integers, got {text!r}")
+    return tuple(dict.fromkeys(out))
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if not names:
+        raise UsageError(f"empty list {text!r}")
+    return names
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """The parsed command line. None means "the platform's default" (GPU_DEFAULTS / CPU_DEFAULTS)."""
+
+    models: tuple[str, ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    ep_mode: str | None = None
+    dtype: str = "bf16"
+    passes: tuple[str, ...] = ("fwd",)
+    impls: tuple[str, ...] | None = None
+    baseline: str | None = None
+    routing: str = "uniform"
+    zipf_s: float = 1.2
+    seed: int = 0
+    capacity_factor: float = 1.25
+    warmup: int = 3
+    samples: int = 20
+    target_sample_ms: float = 20.0
+    ragged_samples: int = 3
+    peak_tflops: float | None = None
+    nvlink_gbps: float = NVLINK_GBPS
+    devices: int | None = None
+    reference_max_gb: float = 8.0
+    time_budget_s: float | None = None
+    json: str | None = None
+    plot: str | None = None
+    profile: str | None = None
+    progress: bool = True
+    quiet: bool = False
+    markdown: bool = False
+    from_json: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        def need(cond, msg):
+            if not cond:
+                raise UsageError(msg)
+
+        if self.dtype == "fp8":
+            raise NotImplementedError(
+                "--dtype fp8 is not implemented yet: the FP8 path (DESIGN.md, Precision) has not landed; "
+                "use --dtype bf16")
+        need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.ep_mode in (None, *acc.EP_MODES), f"--ep-mode must be one of {', '.join(acc.EP_MODES)}")
+        for p in self.passes:
+            need(p in acc.PASSES, f"--pass: {p!r} is not one of {', '.join(acc.PASSES)}")
+        for i in self.impls or ():
+            need(i in IMPLEMENTATIONS, f"--impl: {i!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+        need(self.baseline is None or self.baseline in IMPLEMENTATIONS,
+             f"--baseline must be one of {', '.join(IMPLEMENTATIONS)}")
+        need(self.routing in ROUTINGS, f"--routing must be one of {', '.join(ROUTINGS)}")
+        need(self.zipf_s >= 0, "--zipf-s must be >= 0")
+        need(self.capacity_factor > 0, "--capacity-factor must be > 0")
+        need(self.warmup >= 1 and self.samples >= 1 and self.ragged_samples >= 1,
+             "--warmup, --samples and --ragged-samples must be >= 1")
+        need(self.target_sample_ms > 0, "--target-sample-ms must be > 0")
+        need(self.peak_tflops is None or self.peak_tflops > 0, "--peak-tflops must be > 0")
+        need(self.nvlink_gbps > 0, "--nvlink-gbps must be > 0")
+        need(self.devices is None or self.devices >= 1, "--devices must be >= 1")
+        need(self.time_budget_s is None or self.time_budget_s > 0, "--time-budget must be > 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mok-bench", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="model name (configs/models), TOML path, comma list, or 'bench' for "
+                   f"the four benchmark models (default: {GPU_DEFAULTS['model']}; {CPU_DEFAULTS['model']} on CPU)")
+    w = p.add_argument_group("what to run")
+    w.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as the positional MODEL")
+    w.add_argument("-t", "--tokens", help=f"tokens per GPU: N, N1,N2,... or LO..HI doubling (default "
+                   f"{GPU_DEFAULTS['tokens']}; {CPU_DEFAULTS['tokens']} on CPU)")
+    w.add_argument("--ep-mode", choices=acc.EP_MODES, help="full: the model's experts split over the GPUs; "
+                   "ep64-slice: E/64 experts per GPU (default ep64-slice on GPU, full on CPU)")
+    w.add_argument("--dtype", default="bf16", choices=DTYPES, help="bf16 (fp8: not implemented yet)")
+    w.add_argument("--pass", dest="passes", default="fwd", help="fwd, fwd+bwd or both: 'fwd,fwd+bwd'")
+    w.add_argument("--impl", help=f"comma list of {', '.join(IMPLEMENTATIONS)} (default: "
+                   f"{','.join(GPU_DEFAULTS['impls'])} on GPU, mok only once it is available; "
+                   f"{','.join(CPU_DEFAULTS['impls'])} on CPU)")
+    w.add_argument("--baseline", help="implementation the others are compared with (default: xla if run, else "
+                   "the first)")
+    w.add_argument("--routing", default="uniform", choices=ROUTINGS, help="uniform (balanced), zipf or one-expert")
+    w.add_argument("--zipf-s", type=float, default=1.2, help="zipf exponent s: expert popularity ~ 1/rank**s")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="xla-capacity: slots per (source rank, expert) = ceil(cf * T*k / E)")
+    w.add_argument("--devices", type=int, help="EP degree: use the first N devices (default: all)")
+    t = p.add_argument_group("timing and rooflines")
+    t.add_argument("--warmup", type=int, default=3)
+    t.add_argument("--samples", type=int, default=20, help="timed samples (each several calls)")
+    t.add_argument("--target-sample-ms", type=float, default=20.0, help="calls per sample chosen to last this long")
+    t.add_argument("--ragged-samples", type=int, default=3, help="samples for 'ragged' (slow: 1 call each)")
+    t.add_argument("--peak-tflops", type=float, help=f"compute roofline (default {PEAK_TFLOPS['bf16']:g} bf16)")
+    t.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS, help="GB/s per GPU per direction")
+    t.add_argument("--reference-max-gb", type=float, default=8.0,
+                   help="on GPU, skip 'reference' when its dense activations exceed this")
+    t.add_argument("--time-budget", dest="time_budget_s", type=float,
+                   help="seconds; runs not started by then are recorded as skipped")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write every figure, device, versions, git commit, config")
+    o.add_argument("--plot", metavar="FILE.png", help="time and TFLOP/s against tokens per GPU")
+    o.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each run under DIR/<run>/")
+    o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    o.add_argument("-q", "--quiet", action="store_true", help="no per-run lines")
+    o.add_argument("--markdown", action="store_true", help="print the table as markdown (for the README)")
+    o.add_argument("--from-json", nargs="+", metavar="FILE", help="run nothing: print the table of saved "
+                   "reports (and --plot them)")
+    o.add_argument("--list-models", action="store_true", help="print the known model shapes and exit")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
+    """BenchOptions from a command line (None for --list-models, which prints and returns).
+
+    Raises UsageError (ValueError) for a bad value and NotImplementedError for --dtype fp8;
+    argparse's own errors exit with status 2."""
+    ns = build_parser().parse_args(argv)
+    if ns.list_models:
+        _print_models()
+        return None
+    if ns.model and ns.model_opt:
+        raise UsageError("give the model once: positional MODEL or --model")
+    return BenchOptions(
+        models=_names(ns.model or ns.model_opt), tokens=parse_tokens(ns.tokens) if ns.tokens else None,
+        ep_mode=ns.ep_mode, dtype=ns.dtype, passes=_names(ns.passes), impls=_names(ns.impl), baseline=ns.baseline,
+        routing=ns.routing, zipf_s=ns.zipf_s, seed=ns.seed, capacity_factor=ns.capacity_factor, warmup=ns.warmup,
+        samples=ns.samples, target_sample_ms=ns.target_sample_ms, ragged_samples=ns.ragged_samples,
+        peak_tflops=ns.peak_tflops, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
+        reference_max_gb=ns.reference_max_gb, time_budget_s=ns.time_budget_s, json=ns.json, plot=ns.plot,
+        profile=ns.profile, progress=ns.progress, quiet=ns.quiet, markdown=ns.markdown,
+        from_json=tuple(ns.from_json) if ns.from_json else None)
+
+
+def _print_models() -> None:
+    from mok_jax.config import list_models, load_model
+
+    bench = set(list_models(tag="bench"))
+    print(f"{'model':<20} {'E':>4} {'k':>3} {'H':>6} {'I':>6} {'Is':>6}  tags")
+    for name in list_models():
+        m = load_model(name)
+        tags = ",".join(m.tags) + (" (in 'bench')" if name in bench else "")
+        print(f"{name:<20} {m.num_experts:>4} {m.top_k:>3} {m.hidden_size:>6} {m.intermediate_size:>6} "
+              f"{m.shared_size:>6}  {tags}")
+
+
+def _resolve_models(names: tuple[str, ...]):
+    from mok_jax.config import list_models, load_model
+
+    out = []
+    for name in names:
+        for n in (list_models(tag="bench") if name == "bench" else [name]):
+            out.append(load_model(n))
+    return out
+
+
+def _ask_for_cpu_devices() -> None:
+    """On a CPU-only machine, run EP over CPU_DEVICES host devices (unless XLA_FLAGS already sets a count)."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    except RuntimeError:  # backends already initialised (mok-bench called in-process): keep what exists
+        pass
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+class Unavailable(RuntimeError):
+    """An implementation asked for by name cannot run here (main() prints it and returns 2)."""
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(f"stopped by signal {signum}")
+
+
+def _jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"bf16": jnp.bfloat16}[name]
+
+
+def _init_weights(shape: acc.BenchShape, mesh, dtype, seed: int):
+    """Random routed (sharded over ep) and shared (replicated) weights, made on the devices."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mok_jax.weights import MoEWeights
+
+    E, H, I, Is = shape.total_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size
+    routed, rep = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P())
+
+    def make(key):
+        k = jax.random.split(key, 4)
+        normal = lambda key, s, fan_in: jax.random.normal(key, s, dtype) * jax.numpy.asarray(fan_in**-0.5, dtype)
+        return MoEWeights(normal(k[0], (E, H, 2 * I), H), normal(k[1], (E, I, H), I),
+                          normal(k[2], (H, 2 * Is), H) if Is else None, normal(k[3], (Is, H), Is) if Is else None)
+
+    out = MoEWeights(routed, routed, rep if Is else None, rep if Is else None)
+    return jax.jit(make, out_shardings=out)(jax.random.key(seed))
+
+
+def _routing(shape: acc.BenchShape, tokens: int, opts: BenchOptions):
+    """(topk_idx, topk_weight) as numpy arrays, and their Traffic."""
+    from mok_jax.bench.routing import make_routing
+
+    idx, w = make_routing(opts.routing, num_ranks=shape.num_gpus, tokens_per_rank=tokens,
+                          num_experts=shape.total_experts, top_k=shape.top_k, seed=opts.seed, zipf_s=opts.zipf_s)
+    return (idx, w), acc.routing_traffic(idx, shape.num_gpus, shape.experts_per_gpu)
+
+
+def _inputs(shape: acc.BenchShape, tokens: int, routing, mesh, dtype, seed: int):
+    """(x, topk_idx, topk_weight, dy) on the devices, sharded over ep."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    tok = NamedSharding(mesh, P("ep"))
+    kx, kdy = jax.random.split(jax.random.key(seed + 1))
+    normal = jax.jit(lambda key: jax.random.normal(key, (shape.num_gpus * tokens, shape.hidden_size), dtype),
+                     out_shardings=tok)
+    return normal(kx), jax.device_put(routing[0], tok), jax.device_put(routing[1], tok), normal(kdy)
+
+
+def _step(fn, pass_: str):
+    """What one timed call runs: fn itself for fwd; for fwd+bwd the gradient of sum(y * dy) with respect to
+    x, topk_weight and the weights (fixed random dy)."""
+    if pass_ == "fwd":
+        return lambda x, idx, w, W, dy: fn(x, idx, w, W)
+    import jax
+    import jax.numpy as jnp
+
+    def loss(x, idx, w, W, dy):
+        y, _ = fn(x, idx, w, W)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=(0, 2, 3)))
+
+
+def _record(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, opts: BenchOptions, traffic: acc.Traffic,
+            peak_tflops: float) -> dict:
+    """A result record with everything known before timing (the accounting)."""
+    from mok_jax.bench.report import RESULT_KEYS
+
+    r: dict[str, Any] = dict.fromkeys(RESULT_KEYS)
+    d = shape.as_dict()
+    r.update({k: d[k] for k in ("model", "ep_mode", "num_gpus", "experts_per_gpu", "total_experts", "top_k",
+                                "hidden_size", "intermediate_size", "shared_size")})
+    r.update(tokens_per_gpu=tokens, dtype=opts.dtype, routing=opts.routing, seed=opts.seed, impl=impl, status="pending",
+             zipf_s=opts.zipf_s if opts.routing == "zipf" else None)
+    r["pass"] = pass_
+    row_bytes = shape.hidden_size * 2  # bf16 rows
+    flops = acc.flops_per_gpu(shape, tokens, pass_)
+    r["flops_per_gpu"] = flops
+    r["compute_floor_ms"] = flops / (peak_tflops * 1e12) * 1e3
+    rows = acc.executed_rows_per_gpu(impl, shape, tokens, opts.capacity_factor)
+    if rows is not None:
+        r["executed_flops_per_gpu"] = acc.executed_flops_per_gpu(shape, tokens, rows, pass_)
+        r["padding_overhead"] = r["executed_flops_per_gpu"] / flops
+    r["load_imbalance"] = traffic.load_imbalance
+    r["dispatch_bytes_per_gpu"] = acc.dispatch_bytes_per_gpu(shape, tokens)
+    r["remote_dispatch_bytes_per_gpu_uniform"] = r["dispatch_bytes_per_gpu"] * acc.uniform_remote_fraction(
+        shape.num_gpus)
+    r["remote_dispatch_bytes_per_gpu"] = float(traffic.sent_slots.mean()) * row_bytes
+    r["unique_remote_dispatch_bytes_per_gpu"] = float(traffic.sent_unique.mean()) * row_bytes
+    transfers = acc.transfers_per_pass(pass_)
+    to_ms = lambda rows_: transfers * rows_ * row_bytes / (opts.nvlink_gbps * 1e9) * 1e3
+    r["comm_floor_ms"] = to_ms(traffic.link_rows)
+    r["comm_floor_unique_ms"] = to_ms(traffic.link_rows_unique)
+    if impl == "xla-capacity":
+        r["capacity"] = acc.capacity(tokens, shape.top_k, shape.total_experts, opts.capacity_factor)
+    return r
+
+
+def _fill_timing(r: dict, timing, peak_tflops: float) -> None:
+    r.update(status="ok", median_ms=timing.median_ms, min_ms=timing.min_ms, max_ms=timing.max_ms,
+             samples=timing.samples, calls_per_sample=timing.calls_per_sample)
+    r["tflops"] = r["flops_per_gpu"] / (timing.median_ms * 1e-3) / 1e12
+    r["compute_fraction"] = r["tflops"] / peak_tflops
+    r["comm_fraction"] = r["comm_floor_ms"] / timing.median_ms
+    r["comm_fraction_unique"] = r["comm_floor_unique_ms"] / timing.median_ms
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+def _reference_gb(shape: acc.BenchShape, tokens: int, pass_: str) -> float:
+    """The dense reference's fp32 activations per GPU: every local expert on every received row."""
+    rows = shape.total_experts * tokens
+    per_row = 2 * shape.intermediate_size * 4 + shape.hidden_size * 4
+    return rows * per_row * (1 if pass_ == "fwd" else 2) / 1e9
+
+
+def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype) -> str | None:
+    """None when ``impl`` can run here, else why not (traced with abstract inputs: no device work)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mok_jax.bench import baselines
+    from mok_jax.weights import MoEWeights
+
+    if impl not in ("mok", "reference"):
+        return None
+    try:
+        fn = baselines.build(impl, mesh)
+        n, E, H, I, Is, k = (shape.num_gpus * tokens, shape.total_experts, shape.hidden_size,
+                             shape.intermediate_size, shape.shared_size, shape.top_k)
+        tok, rep = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P())
+        sds = lambda s, dt, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh)
+        W = MoEWeights(sds((E, H, 2 * I), dtype, tok), sds((E, I, H), dtype, tok),
+                       sds((H, 2 * Is), dtype, rep) if Is else None, sds((Is, H), dtype, rep) if Is else None)
+        jax.eval_shape(fn, sds((n, H), dtype, tok), sds((n, k), jnp.int32, tok), sds((n, k), jnp.float32, tok), W)
+    except Exception as e:  # noqa: BLE001 - the reason is the message
+        return _error_text(e)
+    return None
+
+
+def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
+    """Run every configuration of ``opts``; print the table; write JSON / plot / profile as asked.
+    Returns the report (the JSON's content)."""
+    import jax
+    from jax.sharding import AxisType
+
+    from mok_jax.bench import baselines, report as rep
+
+    t_start = time.perf_counter()
+    devices = jax.devices()
+    on_gpu = devices[0].platform == "gpu"
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    n = opts.devices or len(devices)
+    if n > len(devices):
+        raise UsageError(f"--devices {n}: only {len(devices)} {devices[0].platform} device(s) here")
+    models = _resolve_models(opts.models or (defaults["model"],))
+    tokens_list = opts.tokens or (defaults["tokens"],)
+    ep_mode = opts.ep_mode or defaults["ep_mode"]
+    peak = opts.peak_tflops or PEAK_TFLOPS[opts.dtype]
+    dtype = _jnp_dtype(opts.dtype)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n], axis_types=(AxisType.Explicit,))
+    shapes = [acc.bench_shape(m, n, ep_mode) for m in models]  # ValueError -> usage error below
+    if not on_gpu:
+        eprint(CPU_NOTICE)
+
+    impls = list(opts.impls or defaults["impls"])
+    dropped_impls = {}
+    for impl in list(impls):
+        why = _availability(impl, mesh, shapes[0], tokens_list[0], dtype)
+        if why is None:
+            continue
+        if opts.impls:
+            raise Unavailable(f"implementation {impl!r} is not available yet: {why}")
+        impls.remove(impl)
+        dropped_impls[impl] = why
+    if not impls:
+        raise Unavailable(f"no implementation can run here: {dropped_impls}")
+    baseline = opts.baseline or ("xla" if "xla" in impls else impls[0])
+    if baseline not in impls:
+        impls.insert(0, baseline)
+    impls.sort(key=lambda i: i != baseline)  # the baseline first, so every ratio has its denominator
+
+    config = dataclasses.asdict(opts)
+    config.update(models=[m.name for m in models], tokens=list(tokens_list), ep_mode=ep_mode, impls=impls,
+                  baseline=baseline, peak_tflops=peak, devices=n, passes=list(opts.passes))
+    report = {"schema": rep.SCHEMA, "created_utc": rep.now_utc(), "command": argv or ["mok-bench"], "config": config,
+              "cpu_numbers": not on_gpu, "notice": None if on_gpu else CPU_NOTICE,
+              **rep.environment(devices, n), "git": rep.git_info(),
+              "roofline": {"peak_tflops": peak, "nvlink_gbps": opts.nvlink_gbps},
+              "unavailable_impls": dropped_impls, "results": []}
+    results = report["results"]
+    # pass-major, so a sweep cut short by --time-budget still has whole curves for the first pass
+    plan = [(s, p, t, i) for s in shapes for p in opts.passes for t in tokens_list for i in impls]
+
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal only (a log file gets the per-run lines instead)
+    bar = tqdm(total=len(plan), desc="mok-bench", unit="run", file=sys.stderr,
+               disable=None if opts.progress else True, dynamic_ncols=True)
+    say = (lambda msg: None) if opts.quiet else (lambda msg: tqdm.write(msg, file=sys.stderr))
+    old_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
+    fns: dict[str, Any] = {}
+    steps: dict[tuple[str, str], Any] = {}
+    cur = {"shape": None, "weights": None, "tokens": None, "problem": None}
+    routings: dict[int, Any] = {}  # per tokens, for the current model (host arrays)
+    base_ms: dict[tuple, float] = {}  # baseline median per (model, tokens, pass)
+    dropped: dict[tuple, int] = {}  # dropped slots per (model, tokens, impl)
+    stop_reason = None
+    try:
+        for shape, pass_, tokens, impl in plan:
+            if cur["shape"] is not shape:
+                cur.update(shape=shape, weights=None, tokens=None, problem=None)
+                routings.clear()
+            if tokens not in routings:
+                routings[tokens] = _routing(shape, tokens, opts)
+            routing, traffic = routings[tokens]
+            r = _record(shape, tokens, pass_, impl, opts, traffic, peak)
+            r["baseline"] = baseline
+            results.append(r)
+            label = f"[{len(results)}/{len(plan)}] {shape.model} T={tokens} {pass_} {impl}"
+            try:
+                if stop_reason:
+                    raise _Skip(stop_reason)
+                if opts.time_budget_s and time.perf_counter() - t_start > opts.time_budget_s:
+                    raise _Skip(f"time budget of {opts.time_budget_s:g} s (--time-budget) spent")
+                gb = _reference_gb(shape, tokens, pass_)
+                if impl == "reference" and on_gpu and gb > opts.reference_max_gb:
+                    raise _Skip(f"reference is dense: {gb:.1f} GB of activations > --reference-max-gb "
+                                f"{opts.reference_max_gb:g}")
+                if cur["weights"] is None:
+                    cur["weights"] = _init_weights(shape, mesh, dtype, opts.seed)
+                if cur["tokens"] != tokens:
+                    cur.update(tokens=None, problem=None)  # free the previous inputs first
+                    cur.update(tokens=tokens, problem=_inputs(shape, tokens, routing, mesh, dtype, opts.seed))
+                if impl not in fns:
+                    fns[impl] = baselines.build(impl, mesh, capacity_factor=opts.capacity_factor)
+                if (impl, pass_) not in steps:
+                    steps[impl, pass_] = _step(fns[impl], pass_)
+                x, idx, w, dy = cur["problem"]
+                args = (x, idx, w, cur["weights"], dy)
+                _measure(r, steps[impl, pass_], args, slow=impl == "ragged", opts=opts, peak=peak)
+                if impl == "xla-capacity":
+                    key = (shape.model, tokens, impl)
+                    if key not in dropped:
+                        dropped[key] = int(fns[impl](*args[:4])[1]["dropped_slots"])
+                    r["dropped_slots"] = dropped[key]
+                    r["dropped_fraction"] = dropped[key] / (n * tokens * shape.top_k)
+                if impl == baseline:
+                    base_ms[shape.model, tokens, pass_] = r["median_ms"]
+                if (shape.model, tokens, pass_) in base_ms:
+                    r["baseline_median_ms"] = base_ms[shape.model, tokens, pass_]
+                    r["speedup_vs_baseline"] = r["baseline_median_ms"] / r["median_ms"]
+                say(f"{label}: {r['median_ms']:.3f} ms ({r['tflops']:.1f} TFLOP/s, "
+                    f"{r['compute_fraction'] * 100:.1f}% of peak; first call {r['first_call_s']:.1f} s)")
+                if opts.profile:
+                    _profile(opts.profile, r, steps[impl, pass_], args)
+            except _Skip as e:
+                r.update(status="skipped", error=str(e))
+                say(f"{label}: skipped ({e})")
+            except _Interrupted as e:
+                stop_reason = str(e)
+                r.update(status="skipped", error=stop_reason)
+            except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
+                r.update(status="error", error=_error_text(e))
+                say(f"{label}: ERROR {_error_text(e).splitlines()[0][:300]}")
+            bar.update(1)
+            if opts.json:
+                rep.write_json(opts.json, report)
+    except KeyboardInterrupt:
+        stop_reason = "interrupted (Ctrl-C)"
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+        bar.close()
+        cur.clear()
+    report["elapsed_s"] = time.perf_counter() - t_start
+    report["stopped"] = stop_reason
+    if opts.json:
+        rep.write_json(opts.json, report)
+    title = f"{report['device']['kind']} x{n}"
+    if opts.markdown:
+        print(rep.format_markdown(results, peak_tflops=peak, cpu=not on_gpu), flush=True)
+    else:
+        print(rep.format_table(results, cpu=not on_gpu), flush=True)
+    if dropped_impls:
+        eprint(f"mok-bench: not run (unavailable here): {', '.join(dropped_impls)}")
+    if opts.plot:
+        models_txt = ",".join(dict.fromkeys(r["model"] for r in results))
+        path = rep.plot_sweep(opts.plot, results, peak_tflops=peak if on_gpu else None,
+                              title=f"{models_txt} ({ep_mode}, {opts.dtype}, {opts.routing} routing) on {title}")
+        eprint(f"mok-bench: plot written to {path}")
+    if opts.json:
+        eprint(f"mok-bench: JSON written to {opts.json}")
+    return report
+
+
+class _Skip(Exception):
+    pass
+
+
+def _measure(r: dict, step, args, *, slow: bool, opts: BenchOptions, peak: float) -> None:
+    """First call (compilation included), then time_fn; fills r's timing figures. ``slow``: 'ragged', timed with
+    one warm-up and one call per sample."""
+    import jax
+
+    from mok_jax.bench.timing import time_fn
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    r["first_call_s"] = time.perf_counter() - t0
+    r["warmup"] = 1 if slow else opts.warmup
+    timing = time_fn(step, *args, warmup=r["warmup"], samples=opts.ragged_samples if slow else opts.samples,
+                     target_sample_ms=opts.target_sample_ms, max_calls_per_sample=1 if slow else 64)
+    _fill_timing(r, timing, peak)
+
+
+def _profile(directory: str, r: dict, step, args) -> None:
+    """A jax.profiler trace of three calls under DIR/<model>_<mode>_T<tokens>_<pass>_<impl>/."""
+    import jax
+
+    label = f"{r['model']}_{r['ep_mode']}_T{r['tokens_per_gpu']}_{r['pass'].replace('+', '_')}_{r['impl']}"
+    with jax.profiler.trace(os.path.join(directory, label)):
+        with jax.profiler.TraceAnnotation(f"mok-bench {label}"):
+            out = None
+            for _ in range(3):
+                out = step(*args)
+            jax.block_until_ready(out)
+
+
+def _from_json(opts: BenchOptions) -> int:
+    """Print (and plot) saved reports without running anything."""
+    from mok_jax.bench import report as rep
+
+    results, reports = rep.load_results(opts.from_json)
+    cpu = any(r.get("cpu_numbers") for r in reports)
+    peak = reports[0]["roofline"]["peak_tflops"] if reports else None
+    if opts.markdown:
+        print(rep.format_markdown(results, peak_tflops=peak, cpu=cpu), flush=True)
+    else:
+        print(rep.format_table(results, cpu=cpu), flush=True)
+    if opts.plot:
+        dev = reports[0]["device"] if reports else {}
+        models = ",".join(dict.fromkeys(r["model"] for r in results))
+        r0 = results[0] if results else {}
+        title = (f"{models} ({r0.get('ep_mode')}, {r0.get('dtype')}, {r0.get('routing')} routing) on "
+                 f"{dev.get('kind')} x{dev.get('used')}")
+        path = rep.plot_sweep(opts.plot, results, peak_tflops=None if cpu else peak, title=title)
+        eprint(f"mok-bench: plot written to {path}")
+    return 0 if results else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point. Returns 0 when at least one run succeeded, 1 when none did, 2 on bad options."""
+    try:
+        opts = parse_args(argv)
+        if opts is None:
+            return 0
+        if opts.from_json:
+            return _from_json(opts)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # HARDWARE.md: NVLink multicast stays off
+        _ask_for_cpu_devices()
+        report = run(opts, argv=["mok-bench", *(sys.argv[1:] if argv is None else argv)])
+    except (ValueError, NotImplementedError, Unavailable) as e:
+        eprint(f"mok-bench: error: {e}")
+        return 2
+    return 0 if any(r["status"] == "ok" for r in report["results"]) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""mok-bench output: the terminal table, the JSON report (schema below) and the sweep plot.
+
+JSON (``SCHEMA``): {
+  "schema": "mok-bench/1", "created_utc": ISO time, "command": argv, "config": the parsed options,
+  "cpu_numbers": true when measured on CPU, "notice": a sentence saying so (or null),
+  "device": {"platform", "kind", "count", "used", "platform_version"},
+  "versions": {"python", "jax", "jaxlib", "flax", "numpy", "mok_jax"},
+  "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "nvlink_gbps"},
+  "results": [one record per (model, tokens, pass, implementation); RESULT_KEYS, see ``result_record``]
+}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform as _platform
+import subprocess
+import sys
+from typing import Any, Iterable
+
+__all__ = [
+    "RESULT_KEYS", "SCHEMA", "environment", "format_markdown", "format_table", "git_info", "load_results",
+    "plot_sweep", "write_json",
+]
+
+SCHEMA = "mok-bench/1"
+
+# Every result record has exactly these keys (None where a figure does not apply or a run failed).
+RESULT_KEYS = (
+    # what ran
+    "model", "ep_mode", "num_gpus", "experts_per_gpu", "total_experts", "top_k", "hidden_size",
+    "intermediate_size", "shared_size", "tokens_per_gpu", "pass", "dtype", "routing", "zipf_s", "seed", "impl",
+    "status", "error",
+    # time (ms per call, device-synchronised; first_call_s includes compilation)
+    "median_ms", "min_ms", "max_ms", "samples", "calls_per_sample", "warmup", "first_call_s",
+    # compute
+    "flops_per_gpu", "tflops", "compute_floor_ms", "compute_fraction", "executed_flops_per_gpu",
+    "padding_overhead", "load_imbalance",
+    # communication (per GPU, one dispatch; comm floors count every transfer of the pass)
+    "dispatch_bytes_per_gpu", "remote_dispatch_bytes_per_gpu_uniform", "remote_dispatch_bytes_per_gpu",
+    "unique_remote_dispatch_bytes_per_gpu", "comm_floor_ms", "comm_fraction", "comm_floor_unique_ms",
+    "comm_fraction_unique",
+    # against the baseline measured in the same process
+    "baseline", "baseline_median_ms", "speedup_vs_baseline",
+    # capacity baseline
+    "capacity", "dropped_slots", "dropped_fraction",
+)
+
+
+def git_info() -> dict[str, Any]:
+    """Commit of the source tree (or $MOK_GIT_COMMIT where there is no git checkout) and whether it is dirty."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    info: dict[str, Any] = {"commit": os.environ.get("MOK_GIT_COMMIT") or "unknown", "dirty": None}
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=10)
+        head = run("rev-parse", "HEAD")
+        if head.returncode == 0:
+            info["commit"] = head.stdout.strip()
+            info["dirty"] = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def environment(devices: list, used: int) -> dict[str, Any]:
+    """The "device" and "versions" sections."""
+    import jax
+    import jaxlib
+    import numpy
+
+    import mok_jax
+
+    versions = {"python": _platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                "numpy": numpy.__version__, "mok_jax": mok_jax.__version__}
+    try:
+        import flax
+
+        versions["flax"] = flax.__version__
+    except ImportError:
+        versions["flax"] = None
+    d0 = devices[0]
+    try:
+        platform_version = jax.extend.backend.get_backend(d0.platform).platform_version
+    except Exception:  # noqa: BLE001 - informative only
+        platform_version = None
+    device = {"platform": d0.platform, "kind": d0.device_kind, "count": len(devices), "used": used,
+              "platform_version": platform_version, "host": _platform.node()}
+    return {"device": device, "versions": versions}
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def _finite(o):
+    """NaN and infinities (not JSON) become null."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def write_json(path: str | os.PathLike, report: dict) -> None:
+    """Write ``report`` atomically (a reader never sees half a file; rewritten after every run)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_finite(report), indent=1, default=_json_default, allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    """format(v, spec), but with 3 significant digits where ``spec`` would show fewer (CPU-sized figures)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    if v and abs(v) < 10.0 ** (1 - int(spec[1:-1] or 0)):
+        return format(v, ".3g")
+    return format(v, spec)
+
+
+def _note(r: dict) -> str:
+    if r["status"] != "ok":
+        msg = (r.get("error") or "").splitlines()[0] if r.get("error") else ""
+        return f"{r['status']}: {msg[:70]}"
+    notes = []
+    if r.get("dropped_slots") is not None:
+        notes.append(f"dropped {r['dropped_fraction'] * 100:.1f}%")
+    if r.get("padding_overhead") and r["padding_overhead"] > 1.0001:
+        notes.append(f"pads {r['padding_overhead']:.2f}x")
+    return ", ".join(notes)
+
+
+def format_table(results: Iterable[dict], *, cpu: bool = False) -> str:
+    """Aligned text table, one row per result."""
+    head = ("model", "mode", "T/GPU", "pass", "impl", "median ms", "min..max ms", "TFLOP/s", "%peak",
+            "comm ms", "%comm", "vs base", "note")
+    rows = []
+    for r in results:
+        ok = r["status"] == "ok"
+        rows.append((
+            r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], r["impl"],
+            _fmt(r["median_ms"], ".3f") if ok else "-",
+            f"{r['min_ms']:.3f}..{r['max_ms']:.3f}" if ok else "-",
+            _fmt(r["tflops"], ".1f") if ok else "-",
+            _fmt(r["compute_fraction"] and r["compute_fraction"] * 100, ".1f") if ok else "-",
+            _fmt(r["comm_floor_ms"], ".3f"),
+            _fmt(r["comm_fraction"] and r["comm_fraction"] * 100, ".1f") if ok else "-",
+            (_fmt(r["speedup_vs_baseline"], ".2f") + "x") if ok and r["speedup_vs_baseline"] else "-",
+            _note(r),
+        ))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    numeric = {2, 5, 6, 7, 8, 9, 10, 11}
+    line = lambda cells: "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out = [line(head), line(["-" * w for w in widths])] + [line(row) for row in rows]
+    foot = ("%peak: TFLOP/s over the compute roofline; comm ms: dispatch+combine floor at the NVLink bandwidth "
+            "(busiest GPU); %comm: that floor over the median; vs base: baseline median / this median.")
+    out.append(foot)
+    if cpu:
+        banner = "CPU NUMBERS: no GPU here; these are CPU times of the pure-JAX paths, not GPU performance."
+        out = [banner] + out + [banner]
+    return "\n".join(out)
+
+
+def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None, cpu: bool = False) -> str:
+    """A short markdown table (for the README): one row per result."""
+    peak = f"% of {peak_tflops:g}" if peak_tflops else "% of peak"
+    head = ("model", "mode", "T/GPU", "pass", "impl", "median ms", "TFLOP/s", peak, "comm floor ms", "vs baseline",
+            "note")
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["--:"] * 5 + ["---"]) + "|"]
+    for r in results:
+        ok = r["status"] == "ok"
+        cells = (r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], f"`{r['impl']}`",
+                 _fmt(r["median_ms"], ".3f") if ok else "-", _fmt(r["tflops"], ".1f") if ok else "-",
+                 _fmt(r["compute_fraction"] * 100, ".1f") if ok else "-", _fmt(r["comm_floor_ms"], ".3f"),
+                 (_fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}") if ok and r["speedup_vs_baseline"]
+                 else "-", _note(r).replace("|", "/"))
+        out.append("| " + " | ".join(cells) + " |")
+    if cpu:
+        out.append("\n**CPU NUMBERS**: measured without a GPU; CPU times of the pure-JAX paths, not GPU performance.")
+    return "\n".join(out)
+
+
+def load_results(paths: Iterable[str | os.PathLike]) -> tuple[list[dict], list[dict]]:
+    """(results, reports) from mok-bench JSON files, results concatenated in file order."""
+    reports = []
+    for p in paths:
+        rep = json.loads(pathlib.Path(p).read_text())
+        if rep.get("schema") != SCHEMA:
+            raise ValueError(f"{p}: not a {SCHEMA} report (schema {rep.get('schema')!r})")
+        reports.append(rep)
+    return [r for rep in reports for r in rep["results"]], reports
+
+
+def plot_sweep(path: str | os.PathLike, results: Iterable[dict], *, peak_tflops: float | None = None,
+               title: str | None = None) -> pathlib.Path:
+    """Time and TFLOP/s against tokens per GPU, one line per implementation (and model / pass when several)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    ok = [r for r in results if r["status"] == "ok"]
+    keys = ("model", "ep_mode", "pass", "impl")
+    varying = [k for k in keys[:-1] if len({r[k] for r in ok}) > 1]
+    series: dict[tuple, list[dict]] = {}
+    for r in ok:
+        series.setdefault(tuple(r[k] for k in keys), []).append(r)
+    fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(12, 4.6))
+    # one colour per implementation (per model too when several), dashed for fwd+bwd
+    colour_keys = list(dict.fromkeys((k[0], k[3]) for k in sorted(series)))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key, rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["tokens_per_gpu"])
+        label = " ".join([key[-1]] + [str(key[keys.index(k)]) for k in varying])
+        tokens = [r["tokens_per_gpu"] for r in rs]
+        style = dict(linestyle="--" if key[2] == "fwd+bwd" else "-", marker="o", label=label,
+                     color=colours[colour_keys.index((key[0], key[3])) % len(colours)])
+        ax_t.plot(tokens, [r["median_ms"] for r in rs], **style)
+        ax_f.plot(tokens, [r["tflops"] for r in rs], **style)
+    all_tokens = sorted({r["tokens_per_gpu"] for r in ok})
+    for ax in (ax_t, ax_f):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_tokens, [str(t) for t in all_tokens])
+        ax.minorticks_off()
+        ax.set_xlabel("tokens per GPU")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.set_yscale("log")
+    ax_t.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_t.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_t.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax_t.legend(fontsize=8)
+    ax_t.set_ylabel("time per call (ms, median)")
+    ax_f.set_ylabel("TFLOP/s per GPU (useful FLOPs)")
+    if peak_tflops:
+        ax_f.axhline(peak_tflops, color="gray", linestyle=":", label=f"roofline {peak_tflops:g}")
+    ax_f.set_ylim(bottom=0)
+    ax_f.legend(fontsize=8)
+    if ok:
+        r0 = ok[0]
+        default = f"{r0['model']} ({r0['ep_mode']}, {r0['num_gpus']} device(s), {r0['dtype']}, {r0['routing']} routing)"
+        fig.suptitle(title or default)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def eprint(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)

@@ -1,0 +1,106 @@
+"""mok-bench FLOP and byte accounting, on small cases worked by hand and on HARDWARE.md's figures."""
+
+import numpy as np
+import pytest
+
+from mok_jax import load_model
+from mok_jax.bench import accounting as acc
+
+
+def _shape(**kw):
+    base = dict(model="hand", ep_mode="full", num_gpus=2, experts_per_gpu=2, top_k=2, hidden_size=4,
+                intermediate_size=2, shared_size=3)
+    return acc.BenchShape(**{**base, **kw})
+
+
+def test_flops_by_hand():
+    s = _shape()
+    # T = 5: routed 2*T*k*3*H*I = 2*5*2*3*4*2 = 480; shared 2*T*3*H*Is = 2*5*3*4*3 = 360
+    assert acc.flops_per_gpu(s, 5, "fwd") == 480 + 360
+    assert acc.flops_per_gpu(s, 5, "fwd+bwd") == 3 * 840  # backward ~ 2x forward
+    assert acc.flops_per_gpu(_shape(shared_size=0), 5) == 480  # no shared expert
+
+
+def test_executed_flops_and_rows_by_hand():
+    s = _shape()  # 2 GPUs x 2 experts = 4 experts, k = 2
+    # dropless xla runs every (source rank, token) slot of each local expert: E_total*T = 4*5 = 20 rows
+    assert acc.executed_rows_per_gpu("xla", s, 5, 1.25) == 20
+    # capacity ceil(1.0 * T*k/E) = ceil(10/4) = 3 per (source rank, expert): 4*3 = 12 rows
+    assert acc.capacity(5, 2, 4, 1.0) == 3
+    assert acc.executed_rows_per_gpu("xla-capacity", s, 5, 1.0) == 12
+    assert acc.executed_rows_per_gpu("ragged", s, 5, 1.0) is None
+    # 20 rows: 2*20*3*4*2 = 960 routed, plus the shared 360
+    assert acc.executed_flops_per_gpu(s, 5, 20, "fwd") == 960 + 360
+    assert acc.capacity(1, 1, 100, 0.01) == 1  # never zero slots
+    with pytest.raises(ValueError, match="capacity factor"):
+        acc.capacity(5, 2, 4, 0.0)
+
+
+def test_bytes_by_hand():
+    s = _shape()
+    # T*k*H*2 bytes: 5*2*4*2 = 80; half of it remote at 2 GPUs
+    assert acc.dispatch_bytes_per_gpu(s, 5) == 80
+    assert acc.uniform_remote_fraction(2) == 0.5
+    assert acc.uniform_remote_fraction(8) == 7 / 8
+    assert acc.uniform_remote_fraction(1) == 0.0
+    assert acc.transfers_per_pass("fwd") == 2 and acc.transfers_per_pass("fwd+bwd") == 4
+
+
+def test_traffic_by_hand():
+    # 2 ranks x 2 experts (rank 0 owns 0,1; rank 1 owns 2,3), 2 tokens per rank, k = 2
+    idx = np.array([[0, 2], [2, 3],    # rank 0: t0 -> ranks {0,1}, t1 -> {1,1}
+                    [0, 1], [3, 1]])   # rank 1: t2 -> {0,0},   t3 -> {1,0}
+    t = acc.routing_traffic(idx, num_gpus=2, experts_per_gpu=2)
+    # remote (token, slot) rows: rank 0 sends t0's slot 1 and both of t1's = 3; rank 1 both of t2's + t3's
+    # slot 1 = 3
+    np.testing.assert_array_equal(t.sent_slots, [3, 3])
+    np.testing.assert_array_equal(t.recv_slots, [3, 3])
+    # counted once per (token, destination rank): t0, t1 -> rank 1; t2, t3 -> rank 0
+    np.testing.assert_array_equal(t.sent_unique, [2, 2])
+    np.testing.assert_array_equal(t.recv_unique, [2, 2])
+    # rows per owner: rank 0 owns t0.0, t2.0, t2.1, t3.1 = 4; rank 1 the other 4
+    np.testing.assert_array_equal(t.owner_rows, [4, 4])
+    assert t.link_rows == 3 and t.link_rows_unique == 2 and t.load_imbalance == 1.0
+
+
+def test_traffic_skewed_by_hand():
+    # every token picks experts 0 and 1, both on rank 0: rank 1 sends 2 tokens x 2 slots, rank 0 nothing
+    idx = np.tile([0, 1], (4, 1))
+    t = acc.routing_traffic(idx, num_gpus=2, experts_per_gpu=2)
+    np.testing.assert_array_equal(t.sent_slots, [0, 4])
+    np.testing.assert_array_equal(t.recv_slots, [4, 0])
+    np.testing.assert_array_equal(t.sent_unique, [0, 2])
+    np.testing.assert_array_equal(t.owner_rows, [8, 0])
+    assert t.link_rows == 4 and t.link_rows_unique == 2
+    assert t.load_imbalance == 2.0  # rank 0 does all 8 rows, the mean is 4
+
+
+@pytest.mark.parametrize("name,floor_ms", [("kimi-k2", 2.02), ("glm-5", 1.73), ("qwen3.5-397b-a17b", 0.70),
+                                           ("deepseek-v4-pro", 2.35)])
+def test_compute_floors_match_hardware_md(name, floor_ms):
+    s = acc.bench_shape(load_model(name), 2, "ep64-slice")
+    ms = acc.flops_per_gpu(s, 2048, "fwd") / 805e12 * 1e3
+    assert round(ms, 2) == floor_ms
+
+
+def test_kimi_dispatch_bytes_match_hardware_md():
+    s = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
+    remote = acc.dispatch_bytes_per_gpu(s, 2048) * acc.uniform_remote_fraction(2)
+    assert round(remote / 1e6) == 117  # "117 MB remote"
+    assert round(remote / 394e9 * 1e3, 1) == 0.3  # "about 0.3 ms at 394 GB/s"
+
+
+def test_bench_shape_modes():
+    kimi = load_model("kimi-k2")
+    s = acc.bench_shape(kimi, 2, "ep64-slice")
+    assert (s.experts_per_gpu, s.total_experts) == (6, 12)
+    assert acc.bench_shape(kimi, 2, "full").experts_per_gpu == 192
+    assert acc.bench_shape(load_model("ci"), 8, "full").total_experts == 16
+    with pytest.raises(ValueError, match="fewer than top_k"):
+        acc.bench_shape(kimi, 1, "ep64-slice")  # 6 experts < k = 8
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        acc.bench_shape(load_model("ci"), 2, "ep64-slice")
+    with pytest.raises(ValueError, match="not divisible"):
+        acc.bench_shape(load_model("ci"), 3, "full")
+    with pytest.raises(ValueError, match="ep mode"):
+        acc.bench_shape(kimi, 2, "ep8")

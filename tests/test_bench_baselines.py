@@ -1,0 +1,147 @@
+"""The mok-bench baselines compute the MoE layer: each equals the single-device reference (8 CPU devices).
+
+``ragged`` runs with its all_gather stand-in for ragged_all_to_all (XLA:CPU has no ragged-all-to-all),
+which checks its offset bookkeeping and its ragged_dot experts; the real collective runs on GPU only.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mok_jax as mj
+from helpers import TOL_BF16_REORDER, TOL_F32_REORDER, random_problem, rel_err
+from mok_jax.bench import baselines
+from mok_jax.bench.accounting import capacity
+
+# A capacity factor at which no (source rank, expert) slot can overflow: capacity >= T (E/k * T*k/E).
+NO_DROP_FACTOR = 64.0
+
+BUILDERS = {
+    "xla": baselines.xla_dropless,
+    "xla-capacity": functools.partial(baselines.xla_capacity, capacity_factor=NO_DROP_FACTOR),
+    "ragged": functools.partial(baselines.ragged, emulate_collective=True),
+    "reference": baselines.reference,
+}
+
+
+def _mesh(ep):
+    return jax.make_mesh((ep,), ("ep",), devices=jax.devices("cpu")[:ep])
+
+
+_reference = jax.jit(mj.reference.moe)
+
+
+@functools.cache
+def _grad_problem():
+    """A problem, dy and the reference's gradients (computed once for every implementation)."""
+    x, idx, w, W = random_problem(mj.load_model("ci"), 32, seed=40)
+    dy = jax.random.normal(jax.random.key(41), x.shape)
+    want = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.reference.moe(x, idx, w, W) * dy), argnums=(0, 1, 2)))(x, w, W)
+    return (x, idx, w, W), dy, want
+
+
+def _one_expert_idx(tokens, k):
+    return jnp.tile(jnp.arange(k, dtype=jnp.int32)[None], (tokens, 1))
+
+
+@pytest.mark.parametrize("impl,ep", [("xla", 2), ("xla", 8), ("xla-capacity", 8), ("ragged", 2), ("ragged", 8),
+                                     ("reference", 8)])
+def test_forward_f32_equals_reference(cpu_devices, impl, ep):
+    x, idx, w, W = random_problem(mj.load_model("ci"), 64, seed=20 + ep)
+    y, stats = BUILDERS[impl](_mesh(ep))(x, idx, w, W)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_err(y, _reference(x, idx, w, W)) < TOL_F32_REORDER
+    if impl == "xla-capacity":
+        assert int(stats["dropped_slots"]) == 0
+
+
+@pytest.mark.parametrize("impl", list(BUILDERS))
+def test_forward_bf16_equals_reference(cpu_devices, impl):
+    x, idx, w, W = random_problem(mj.load_model("ci"), 64, dtype=jnp.bfloat16, seed=31)
+    y, _ = BUILDERS[impl](_mesh(4))(x, idx, w, W)
+    assert y.dtype == jnp.bfloat16
+    assert rel_err(y, _reference(x, idx, w, W)) < TOL_BF16_REORDER
+
+
+@pytest.mark.parametrize("impl", list(BUILDERS))
+def test_gradients_equal_reference(cpu_devices, impl):
+    (x, idx, w, W), dy, want = _grad_problem()
+    fn = BUILDERS[impl](_mesh(4))
+    got = jax.jit(jax.grad(lambda x, w, W: jnp.sum(fn(x, idx, w, W)[0] * dy), argnums=(0, 1, 2)))(x, w, W)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, r) < TOL_F32_REORDER
+
+
+@pytest.mark.parametrize("impl", ["xla", "ragged"])
+def test_all_tokens_to_the_same_experts(cpu_devices, impl):
+    # experts 0..k-1 all live on rank 0: the other ranks' experts idle, rank 0 receives everything
+    shape = mj.load_model("ci")
+    x, _, w, W = random_problem(shape, 32, seed=50)
+    idx = _one_expert_idx(32, shape.top_k)
+    y, _ = BUILDERS[impl](_mesh(4))(x, idx, w, W)
+    assert rel_err(y, _reference(x, idx, w, W)) < TOL_F32_REORDER
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla-capacity", "ragged"])
+def test_no_shared_expert(cpu_devices, impl):
+    shape = mj.load_model("ci").replace(num_shared_experts=0, shared_intermediate_size=0)
+    x, idx, w, W = random_problem(shape, 16, seed=60)
+    assert W.shared_gate_up is None
+    y, _ = BUILDERS[impl](_mesh(2))(x, idx, w, W)
+    assert rel_err(y, _reference(x, idx, w, W)) < TOL_F32_REORDER
+
+
+def _kept_by_hand(idx: np.ndarray, ep: int, num_experts: int, cap: int) -> np.ndarray:
+    """Each rank fills each expert's `cap` slots in token order, then slot order; the rest is dropped."""
+    kept = np.zeros(idx.shape, bool)
+    tokens = idx.shape[0] // ep
+    for r in range(ep):
+        used = np.zeros(num_experts, int)
+        for t in range(r * tokens, (r + 1) * tokens):
+            for j in range(idx.shape[1]):
+                e = idx[t, j]
+                if used[e] < cap:
+                    kept[t, j] = True
+                    used[e] += 1
+    return kept
+
+
+def test_capacity_drops_only_overflow_slots(cpu_devices):
+    shape = mj.load_model("ci")
+    ep, tokens = 4, 16  # per rank; T*k/E = 16*4/16 = 4 slots per (rank, expert) at factor 1
+    x, idx, w, W = random_problem(shape, ep * tokens, seed=70)  # softmax router on random logits: uneven
+    cap = capacity(tokens, shape.top_k, shape.num_experts, 1.0)
+    assert cap == 4
+    kept = _kept_by_hand(np.asarray(idx), ep, shape.num_experts, cap)
+    assert 0 < (~kept).sum() < kept.size
+    y, stats = baselines.xla_capacity(_mesh(ep), capacity_factor=1.0)(x, idx, w, W)
+    assert int(stats["dropped_slots"]) == int((~kept).sum())
+    # a dropped slot contributes nothing: the reference with those router weights zeroed
+    want = _reference(x, idx, jnp.where(jnp.asarray(kept), w, 0.0), W)
+    assert rel_err(y, want) < TOL_F32_REORDER
+
+
+def test_capacity_drop_count_one_expert(cpu_devices):
+    # every token picks experts 0..k-1: each of those gets T slots per rank and keeps cap of them,
+    # so ep * k * (T - cap) = 4 * 4 * (16 - 4) = 192 slots are dropped
+    shape = mj.load_model("ci")
+    x, _, w, W = random_problem(shape, 64, seed=71)
+    _, stats = baselines.xla_capacity(_mesh(4), capacity_factor=1.0)(x, _one_expert_idx(64, 4), w, W)
+    assert int(stats["dropped_slots"]) == 192
+
+
+def test_build_and_errors(cpu_devices):
+    mesh = _mesh(2)
+    assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok"}
+    with pytest.raises(ValueError, match="unknown implementation"):
+        baselines.build("dense", mesh)
+    with pytest.raises(ValueError, match="capacity factor"):
+        baselines.xla_capacity(mesh, capacity_factor=0)
+    with pytest.raises(ValueError, match="no axis"):
+        baselines.xla_dropless(jax.make_mesh((2,), ("x",), devices=jax.devices("cpu")[:2]))
+    x, idx, w, W = random_problem(mj.load_model("ci"), 8, seed=80)
+    with pytest.raises(ValueError, match=r"axis size \(3\)"):
+        baselines.xla_dropless(_mesh(3))(x[:6], idx[:6], w[:6], W)  # 16 experts over 3 ranks
