@@ -464,7 +464,10 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     bar = tqdm(total=len(plan), desc="mok-bench", unit="run", file=sys.stderr,
                disable=None if opts.progress else True, dynamic_ncols=True)
     say = (lambda msg: None) if opts.quiet else (lambda msg: tqdm.write(msg, file=sys.stderr))
-    old_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:  # SIGTERM (e.g. from `timeout`) ends the sweep cleanly: finished runs are written, the rest skipped
+        old_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
+    except ValueError:  # not the main thread: no handler
+        old_handler = None
     fns: dict[str, Any] = {}
     steps: dict[tuple[str, str], Any] = {}
     cur = {"shape": None, "weights": None, "tokens": None, "problem": None}
@@ -535,7 +538,8 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     except KeyboardInterrupt:
         stop_reason = "interrupted (Ctrl-C)"
     finally:
-        signal.signal(signal.SIGTERM, old_handler)
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
         bar.close()
         cur.clear()
     report["elapsed_s"] = time.perf_counter() - t_start
