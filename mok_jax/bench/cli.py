@@ -522,7 +522,11 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                 say(f"{label}: {r['median_ms']:.3f} ms ({r['tflops']:.1f} TFLOP/s, "
                     f"{r['compute_fraction'] * 100:.1f}% of peak; first call {r['first_call_s']:.1f} s)")
                 if opts.profile:
-                    _profile(opts.profile, r, steps[impl, pass_], args)
+                    try:  # a trace that cannot be taken (no CUPTI, say) costs the trace, not the timing
+                        _profile(opts.profile, r, steps[impl, pass_], args)
+                    except Exception as e:  # noqa: BLE001
+                        r["error"] = f"profile not written: {_error_text(e)}"
+                        say(f"{label}: {r['error'].splitlines()[0][:300]}")
             except _Skip as e:
                 r.update(status="skipped", error=str(e))
                 say(f"{label}: skipped ({e})")

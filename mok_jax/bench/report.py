@@ -6,7 +6,10 @@ JSON (``SCHEMA``): {
   "device": {"platform", "kind", "count", "used", "platform_version"},
   "versions": {"python", "jax", "jaxlib", "flax", "numpy", "mok_jax"},
   "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "nvlink_gbps"},
-  "results": [one record per (model, tokens, pass, implementation); RESULT_KEYS, see ``result_record``]
+  "results": [one record per (model, tokens, pass, implementation), with exactly the keys RESULT_KEYS;
+              status "ok" | "error" | "skipped", and error: why (or, with status "ok", a profile that failed)],
+  "unavailable_impls": {implementation: why} for defaults that cannot run here, "elapsed_s",
+  "stopped": why the runs stopped early (a signal), or null
 }
 """
 
