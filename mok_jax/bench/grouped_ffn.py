@@ -7,7 +7,10 @@ Settings (HARDWARE.md), 2048 tokens per GPU, M = 2048 * top_k rows, uniform rout
         with a dense bf16 GEMM pair of the same FLOPs through XLA (cuBLAS; SwiGLU unfused) and with the
         XLA batched einsum at exact capacity (groups padded to the largest one).
   ep2:  the GPU holds E/2 experts (about 85 rows each): bound by reading the weights. Reported as the
-        weight bytes over the time, against a device copy measured in the same run and 4.8 TB/s nominal.
+        weight bytes over the time, against the 4.26 TB/s device-to-device copy of HARDWARE.md and the
+        4.8 TB/s nominal HBM rate. (The in-run XLA elementwise `v + 1` over 4 GiB, read + write, is also
+        recorded as `copy_bandwidth_bytes_per_s`, but it reached only 3.2 TB/s on 2026-11-30, below the
+        kernel's own weight-read rate, so it is not used as the ceiling.)
 The kernel runs with every SM and with 108 SMs (the rest left to communication in the megakernel).
 Times: median of device-synchronised samples (mok_jax.bench.timing.time_fn). A short table is printed last.
 """
@@ -36,6 +39,7 @@ TOKENS_PER_GPU = 2048
 EP_DEGREE = {"ep64": 64, "ep2": 2}
 REDUCED_SMS = 108
 HBM_NOMINAL_BYTES_PER_S = 4.8e12
+HARDWARE_MD_COPY_BYTES_PER_S = 4.26e12  # HARDWARE.md: device-to-device copy on one H200 (read + written)
 COPY_BYTES = 4 << 30  # device copy used as the measured bandwidth ceiling: well past the 60 MB L2
 
 
@@ -126,6 +130,7 @@ def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10) -> dict:
                 k["fraction_of_dense_rate"] = dense / k["ms"]
                 k["weight_bandwidth_bytes_per_s"] = c["weight_bytes"] / (k["ms"] * 1e-3)
                 k["fraction_of_copy_bandwidth"] = k["weight_bandwidth_bytes_per_s"] / copy_bw
+                k["fraction_of_hardware_md_copy"] = k["weight_bandwidth_bytes_per_s"] / HARDWARE_MD_COPY_BYTES_PER_S
                 k["fraction_of_nominal_hbm"] = k["weight_bandwidth_bytes_per_s"] / HBM_NOMINAL_BYTES_PER_S
             cases.append(c)
             print(json.dumps({kk: (vv if not isinstance(vv, dict) else {a: b for a, b in vv.items() if a != "timing"})
@@ -138,10 +143,12 @@ def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10) -> dict:
 
 def table(result: dict) -> str:
     r = REDUCED_SMS
+    copy = HARDWARE_MD_COPY_BYTES_PER_S
     lines = [f"grouped FFN on {result['device']} ({result['num_sms']} SMs), {result['tokens_per_gpu']} tokens/GPU; "
-             f"copy {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s",
+             f"in-run XLA elementwise (read + write) {result['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s",
              f"| setting | model | M | E | kernel all SMs ms (TF/s) | kernel {r} SMs ms (TF/s) | dense pair ms (TF/s) | "
-             f"XLA einsum ms (TF/s) | all/dense | {r}/dense | weights TB/s (all SMs) | % copy | % 4.8 TB/s |",
+             f"XLA einsum ms (TF/s) | all/dense | {r}/dense | weights TB/s (all / {r} SMs) | "
+             f"% of {copy / 1e12:.2f} TB/s copy | % of 4.8 TB/s (all / {r} SMs) |",
              "|" + " --- |" * 13]
     for c in result["cases"]:
         k, k2 = c["kernel_all_sms"], c[f"kernel_{r}_sms"]
@@ -150,8 +157,9 @@ def table(result: dict) -> str:
             f"| {c['setting']} | {c['model']} | {c['rows']} | {c['experts']} | {k['ms']:.3f} ({k['tflops']:.0f}) | "
             f"{k2['ms']:.3f} ({k2['tflops']:.0f}) | {d['ms']:.3f} ({d['tflops']:.0f}) | {e['ms']:.3f} ({e['tflops']:.0f}) | "
             f"{k['fraction_of_dense_rate']:.0%} | {k2['fraction_of_dense_rate']:.0%} | "
-            f"{k['weight_bandwidth_bytes_per_s'] / 1e12:.2f} | {k['fraction_of_copy_bandwidth']:.0%} | "
-            f"{k['fraction_of_nominal_hbm']:.0%} |")
+            f"{k['weight_bandwidth_bytes_per_s'] / 1e12:.2f} / {k2['weight_bandwidth_bytes_per_s'] / 1e12:.2f} | "
+            f"{k['weight_bandwidth_bytes_per_s'] / copy:.0%} | "
+            f"{k['fraction_of_nominal_hbm']:.0%} / {k2['fraction_of_nominal_hbm']:.0%} |")
     return "\n".join(lines)
 
 
