@@ -288,3 +288,31 @@ def test_timeout_when_a_rank_skips_the_call(mesh, ws):
     x2 = self_identifying_tokens(EP, 40, HIDDEN, seed=10)
     layout, y = expected(x2, idx2, w2)
     check(run(ws, x2, idx2, w2), layout, y, "after another workspace timed out")
+
+
+def test_two_ep_groups_on_a_dp_axis(mesh):
+    """Mesh ("dp", "ep") = (2, 1): two EP groups of one rank each, each with its own peer table; the
+    ops of one group never see the other's tokens."""
+    tokens, k, experts = 60, 4, 8
+    dp_mesh = Mesh(np.array(list(mesh.devices.flat)).reshape(2, 1), ("dp", "ep"))
+    spec = P(("dp", "ep"))
+    idx, w = routing_case("zipf", ep=2, tokens=tokens, top_k=k, num_experts=experts, seed=31)
+    x = self_identifying_tokens(2, tokens, HIDDEN, seed=31)
+    with Workspace.create(dp_mesh, "ep", max_tokens=tokens, hidden_size=HIDDEN, top_k=k, num_experts=experts,
+                          timeout_s=TIMEOUT_S) as one:
+        assert one.config.ep == 1
+
+        def body(xs, i, ww):
+            recv, lay = ops.dispatch(one, xs, i, ww)
+            y, st = ops.combine(one, recv, lay, mode="pull")
+            return recv[None], y, jnp.stack([lay.status, st])[None]
+
+        f = jax.jit(jax.shard_map(body, mesh=dp_mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
+        recv, y, st = (np.asarray(o) for o in f(*(jnp.asarray(_flat(v)) for v in (x, idx, w))))
+        assert np.all(st == 0)
+        y = y.reshape(2, tokens, HIDDEN)
+        for g in range(2):
+            lay = dispatch_layout_numpy(x[g:g + 1], idx[g:g + 1], w[g:g + 1], experts)[0]
+            want = dispatch_combine_identity_numpy(x[g:g + 1], idx[g:g + 1], w[g:g + 1], experts)[0]
+            assert np.array_equal(recv[g].view(np.uint16), lay["recv_x"].view(np.uint16)), f"group {g} recv_x"
+            assert np.array_equal(y[g].view(np.uint16), want.view(np.uint16)), f"group {g} combine"

@@ -15,7 +15,8 @@
 namespace mok::comm {
 namespace {
 
-constexpr int kSumUnroll = 4;
+constexpr int kSumUnroll = 4;  // vectors per lane per slot in flight
+constexpr int kSumGroup = 4;   // slots whose loads are in flight together (combine send)
 
 __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(CombineParams p) {
   const CommView& v = p.view;
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(CombineParam
     int4* dst = p.mode == CommMode::kPush
                     ? v.peer<int4>(s, v.layout.comb) + (size_t(rank) * v.shape.max_tokens + t) * nvec
                     : v.local<int4>(v.layout.comb) + (size_t(s) * v.shape.max_tokens + t) * nvec;
-    warp_weighted_sum_row<kSumUnroll>(rows, nvec, row, w, lanes, dst, lane);
+    warp_weighted_sum_row<kSumUnroll, kSumGroup>(rows, nvec, row, w, lanes, dst, lane);
   }
   block_signal_peers(v, v.layout.sig_comb);
 }

@@ -214,16 +214,19 @@ def run(args) -> list[Record]:
         for T in tokens_list:
             if T != args.sweep_tokens:
                 measure(T, args.default_sms, both)
-        # 3. zero_padding off at the goal point (what the megakernel would need)
-        if time.monotonic() < deadline:
-            x, i, w, rbytes = inputs(args.sweep_tokens)
-            for mode in ("pull", "push"):
-                us = timed(dispatch_fn(mode, args.default_sms, zero_padding=False), x, i, w)
+        # 3. zero_padding off at the goal point, per SM count: what the megakernel would need, and (by
+        #    difference) the time the SMs take to store the padding rows alone (per-SM store throughput)
+        x, i, w, rbytes = inputs(args.sweep_tokens)
+        for sms in sms_list:
+            for mode in ("pull",) if sms != args.default_sms else ("pull", "push"):
+                if time.monotonic() > deadline:
+                    break
+                us = timed(dispatch_fn(mode, sms, zero_padding=False), x, i, w)
                 gbps = rbytes / (us * 1e-6) / 1e9
-                records.append(Record("dispatch", mode, args.sweep_tokens, args.default_sms, us, rbytes, gbps,
+                records.append(Record("dispatch", mode, args.sweep_tokens, sms, us, rbytes, gbps,
                                       100.0 * gbps / PEER_COPY_GBPS, zero_padding=False))
-                print(f"[bench] dispatch {mode} T={args.sweep_tokens} no padding: {us:9.1f} us {gbps:7.1f} GB/s",
-                      flush=True)
+                print(f"[bench] dispatch {mode} T={args.sweep_tokens} sms={sms:3d} no padding: {us:9.1f} us "
+                      f"{gbps:7.1f} GB/s", flush=True)
         # 4. XLA all_to_all of the same remote bytes: [ep, T, H] per GPU, (ep-1)/ep of it remote
         for T in sorted(set(tokens_list)):
             if time.monotonic() > deadline:

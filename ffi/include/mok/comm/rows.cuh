@@ -70,9 +70,10 @@ __device__ __forceinline__ int4 round8(const float* acc) {
 }
 
 // dst = bf16( sum over lanes j in `lanes`, ascending, of my_w[j] * rows[my_row[j]] ), fp32 inside.
-// Slots are taken two at a time so two rows' loads are in flight before either is accumulated;
-// the accumulation order stays ascending.
-template <int kUnroll>
+// Slots are taken kGroup at a time so kGroup rows' loads (kGroup * kUnroll vectors per lane) are in
+// flight before any is accumulated; the accumulation order stays ascending. The loop is
+// latency-bound on HBM reads, so bytes in flight per SM is what sets its speed.
+template <int kUnroll, int kGroup>
 __device__ __forceinline__ void warp_weighted_sum_row(const int4* rows, int nvec, int my_row, float my_w,
                                                       uint32_t lanes, int4* dst, int lane) {
   for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
@@ -83,31 +84,31 @@ __device__ __forceinline__ void warp_weighted_sum_row(const int4* rows, int nvec
       for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
     uint32_t m = lanes;
     while (m) {
-      const int ja = __ffs(m) - 1;
-      m &= m - 1;
-      const int jb = m ? __ffs(m) - 1 : -1;  // warp-uniform
-      if (m) m &= m - 1;
-      const int4* src_a = rows + size_t(__shfl_sync(kFullMask, my_row, ja)) * nvec;
-      const float wa = __shfl_sync(kFullMask, my_w, ja);
-      const int row_b = __shfl_sync(kFullMask, my_row, jb < 0 ? ja : jb);
-      const float wb = __shfl_sync(kFullMask, my_w, jb < 0 ? ja : jb);
-      const int4* src_b = rows + size_t(row_b) * nvec;
-      int4 buf_a[kUnroll], buf_b[kUnroll];
+      const int4* src[kGroup];
+      float wt[kGroup];
+      bool use[kGroup];  // warp-uniform
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        use[g] = m != 0;
+        const int j = use[g] ? __ffs(m) - 1 : 0;
+        if (use[g]) m &= m - 1;
+        src[g] = rows + size_t(__shfl_sync(kFullMask, my_row, j)) * nvec;
+        wt[g] = __shfl_sync(kFullMask, my_w, j);
+      }
+      int4 buf[kGroup][kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int v = v0 + u * 32 + lane;
-        if (v < nvec) {
-          buf_a[u] = ld_v4_na(src_a + v);
-          if (jb >= 0) buf_b[u] = ld_v4_na(src_b + v);
-        }
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+          if (use[g] && v < nvec) buf[g][u] = ld_v4_na(src[g] + v);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (v0 + u * 32 + lane < nvec) {
-          accumulate8_weighted(acc[u], buf_a[u], wa);
-          if (jb >= 0) accumulate8_weighted(acc[u], buf_b[u], wb);
-        }
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * 32 + lane < nvec)
+#pragma unroll
+          for (int g = 0; g < kGroup; ++g)
+            if (use[g]) accumulate8_weighted(acc[u], buf[g][u], wt[g]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
