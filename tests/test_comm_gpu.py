@@ -92,9 +92,10 @@ def expected(x, idx, w, experts=EXPERTS):
         fl = jax.jit(jax.shard_map(
             lambda a, b, c: tuple(o[None] for o in ep_dispatch_layout(a, b, c, axis_name="ep", num_experts=experts)),
             mesh=cpu, in_specs=(SPEC,) * 3, out_specs=SPEC, check_vma=False))
-        recv, sizes, table, _ = (np.asarray(o) for o in fl(*args))
+        recv, sizes, table, _, source = (np.asarray(o) for o in fl(*args))
         for r in range(ep):
             np.testing.assert_array_equal(table[r], layout[r]["row_table"])
+            np.testing.assert_array_equal(source[r], layout[r]["row_source"])
             np.testing.assert_array_equal(sizes[r], layout[r]["group_sizes"])
             np.testing.assert_array_equal(recv[r].view(np.uint16), layout[r]["recv_x"].view(np.uint16))
     return layout, y
@@ -108,7 +109,7 @@ def comm_fn(ws, *, modes=(("pull", "push"), ("push", "pull")), num_sms=None):
             recv, lay = ops.dispatch(ws, x, i, w, mode=dmode, num_sms=num_sms)
             y, st = ops.combine(ws, recv, lay, mode=cmode, num_sms=num_sms)
             outs += [recv[None], lay.group_sizes[None], lay.row_table[None], lay.row_weight[None],
-                     lay.status[None], y, st[None]]
+                     lay.status[None], y, st[None], lay.row_source[None]]
         return tuple(outs)
     return jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(SPEC,) * 3, out_specs=SPEC, check_vma=False))
 
@@ -119,10 +120,10 @@ def run(ws, x, idx, w, **kw):
     outs = comm_fn(ws, **kw)(jnp.asarray(_flat(x)), jnp.asarray(_flat(idx)), jnp.asarray(_flat(w)))
     outs = [np.asarray(o) for o in jax.block_until_ready(outs)]
     res = []
-    for m in range(len(outs) // 7):
-        recv, sizes, table, weight, dstatus, y, cstatus = outs[7 * m: 7 * m + 7]
+    for m in range(len(outs) // 8):
+        recv, sizes, table, weight, dstatus, y, cstatus, source = outs[8 * m: 8 * m + 8]
         res.append(dict(recv_x=recv, group_sizes=sizes, row_table=table, row_weight=weight, dstatus=dstatus,
-                        y=y.reshape(ep, tokens, -1), cstatus=cstatus))
+                        y=y.reshape(ep, tokens, -1), cstatus=cstatus, row_source=source))
     return res
 
 
@@ -145,6 +146,7 @@ def check(res, layout, y, label):
             np.testing.assert_array_equal(out["group_sizes"][r], e["group_sizes"], f"{tag}: group sizes rank {r}")
             np.testing.assert_array_equal(out["row_table"][r], e["row_table"], f"{tag}: row table rank {r}")
             np.testing.assert_array_equal(out["row_weight"][r], e["row_weight"], f"{tag}: row weight rank {r}")
+            np.testing.assert_array_equal(out["row_source"][r], e["row_source"], f"{tag}: row source rank {r}")
             got, want = out["recv_x"][r], e["recv_x"]
             assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
                 f"{tag}: recv_x rank {r}: " + _rows_report(got, want)
@@ -197,7 +199,7 @@ def test_thousand_calls_back_to_back(ws):
     for _ in range(1000):
         out = f(*args)
         ys.append(out[5])
-        sts.append(out[4] + out[6])
+        sts.append(out[4] + out[6])  # dispatch + combine status
     jax.block_until_ready(ys)
     ws.check()
     ys = np.stack([np.asarray(a) for a in ys])
@@ -316,3 +318,31 @@ def test_two_ep_groups_on_a_dp_axis(mesh):
             want = dispatch_combine_identity_numpy(x[g:g + 1], idx[g:g + 1], w[g:g + 1], experts)[0]
             assert np.array_equal(recv[g].view(np.uint16), lay["recv_x"].view(np.uint16)), f"group {g} recv_x"
             assert np.array_equal(y[g].view(np.uint16), want.view(np.uint16)), f"group {g} combine"
+
+
+@pytest.mark.parametrize("kind,tokens,k,dmode", [("uniform", 300, 8, "pull"), ("zipf", 257, 8, "push"),
+                                                 ("with-invalid", 100, 6, "pull")])
+def test_token_major_dispatch(ws, kind, tokens, k, dmode):
+    """token_major: one row per (source rank, token) at s*T + t (zeros where this rank holds none of
+    its experts); gathering it by row_source gives the expert-major rows, and combine on those rows
+    gives the same bits as the reference."""
+    idx, w = routing_case(kind, ep=EP, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens + 1)
+    x = self_identifying_tokens(EP, tokens, HIDDEN, seed=tokens + 1)
+    layout, y_ref = expected(x, idx, w)
+
+    def body(xs, i, ww):
+        recv_tok, lay = ops.dispatch(ws, xs, i, ww, mode=dmode, token_major=True)
+        rows = jnp.where((lay.row_source >= 0)[:, None], recv_tok[jnp.maximum(lay.row_source, 0)], 0)
+        y, st = ops.combine(ws, rows.astype(jnp.bfloat16), lay)
+        return recv_tok[None], lay.row_source[None], rows[None], y, jnp.stack([lay.status, st])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(SPEC,) * 3, out_specs=SPEC, check_vma=False))
+    recv_tok, source, rows, y, st = (np.asarray(o) for o in f(*(jnp.asarray(_flat(v)) for v in (x, idx, w))))
+    assert np.all(st == 0), st
+    for r in range(EP):
+        e = layout[r]
+        np.testing.assert_array_equal(source[r], e["row_source"])
+        assert np.array_equal(recv_tok[r].view(np.uint16), e["recv_tokens"].view(np.uint16)), \
+            f"token-major rows, rank {r}: " + _rows_report(recv_tok[r], e["recv_tokens"])
+        assert np.array_equal(rows[r].view(np.uint16), e["recv_x"].view(np.uint16))
+    assert np.array_equal(y.view(np.uint16), y_ref.reshape(y.shape).view(np.uint16))

@@ -58,13 +58,18 @@ def _run_layout(mesh, x, idx, w, experts):
 @pytest.mark.parametrize("kind,ep,tokens,k,experts", CASES)
 def test_dispatch_layout_reference_matches_loops(kind, ep, tokens, k, experts, cpu_devices):
     x, idx, w = _case(kind, ep, tokens, k, experts)
-    recv, sizes, table, weight = _run_layout(_mesh(ep, cpu_devices), x, idx, w, experts)
+    recv, sizes, table, weight, source = _run_layout(_mesh(ep, cpu_devices), x, idx, w, experts)
     expect = dispatch_layout_numpy(x, idx, w, experts)
     for r in range(ep):
         e = expect[r]
         np.testing.assert_array_equal(sizes[r], e["group_sizes"], err_msg=f"group sizes, rank {r}")
         np.testing.assert_array_equal(table[r], e["row_table"], err_msg=f"row table, rank {r}")
         np.testing.assert_array_equal(weight[r], e["row_weight"], err_msg=f"row weight, rank {r}")
+        np.testing.assert_array_equal(source[r], e["row_source"], err_msg=f"row source, rank {r}")
+        # the token-major layout gathers back to the expert-major one
+        total = int(e["group_sizes"].sum())
+        gathered = e["recv_tokens"][e["row_source"][:total]]
+        np.testing.assert_array_equal(gathered.view(np.uint16), e["recv_x"][:total].view(np.uint16))
         np.testing.assert_array_equal(recv[r].view(np.uint16), e["recv_x"].view(np.uint16),
                                       err_msg=f"recv_x, rank {r}")
         assert sizes[r].sum() <= recv[r].shape[0]

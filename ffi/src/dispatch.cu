@@ -89,16 +89,27 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_data_kernel(DispatchPar
         const int32_t r = p.row_table[(size_t(s) * p.num_tokens + t) * k + lane];
         if (r >= 0 && r < p.capacity) row = r;
       }
-      const uint32_t lanes = __ballot_sync(kFullMask, row >= 0);
-      if (lanes == 0) continue;
+      uint32_t lanes = __ballot_sync(kFullMask, row >= 0);
+      if (p.token_major) {
+        int4* dst = recv + (size_t(s) * p.num_tokens + t) * nvec;
+        if (lanes == 0) {
+          if (p.zero_padding)
+            for (int i = lane; i < nvec; i += 32) st_v4(dst + i, make_int4(0, 0, 0, 0));
+          continue;
+        }
+        lanes &= -lanes;  // one copy per (source, token)
+      } else if (lanes == 0) {
+        continue;
+      }
       const size_t stage_row = size_t(s) * v.shape.max_tokens + t;
       const int4* src = s == rank ? x + size_t(t) * nvec
                         : p.mode == CommMode::kPull ? v.peer<const int4>(s, v.layout.stage) + stage_row * nvec
                                                     : v.local<const int4>(v.layout.stage) + stage_row * nvec;
-      int4* my_dst = row >= 0 ? recv + size_t(row) * nvec : nullptr;
+      int4* my_dst = p.token_major ? recv + (size_t(s) * p.num_tokens + t) * nvec
+                                   : (row >= 0 ? recv + size_t(row) * nvec : nullptr);
       warp_copy_row<kCopyUnroll>(src, nvec, my_dst, lanes, lane);
     }
-    if (p.zero_padding) {
+    if (p.zero_padding && !p.token_major) {
       const int32_t total = min(max(st->total_rows, 0), p.capacity);
       const size_t n = size_t(p.capacity - total) * nvec;
       int4* pad = recv + size_t(total) * nvec;
@@ -126,6 +137,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   sp.group_sizes = p.group_sizes;
   sp.row_table = p.row_table;
   sp.row_weight = p.row_weight;
+  sp.row_source = p.row_source;
   MOK_CUDA_RETURN_IF_ERROR(launch_schedule(sp, stream));
   dispatch_data_kernel<<<p.num_blocks, kCommThreads, 0, stream>>>(p);
   return cudaGetLastError();

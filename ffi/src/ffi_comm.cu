@@ -1,11 +1,12 @@
 // XLA FFI handlers for mok/comm: mok_comm_dispatch and mok_comm_combine.
 //
 //   mok_comm_dispatch(x: bf16[T, H], topk_idx: s32[T, k], topk_weight: f32[T, k])
-//     -> recv_x: bf16[C, H], group_sizes: s32[L], row_table: s32[ep, T, k], row_weight: f32[ep, T, k],
-//        status: s32[4]
+//     -> recv_x: bf16[C, H] (token_major: bf16[ep * T, H]), group_sizes: s32[L], row_table: s32[ep, T, k],
+//        row_weight: f32[ep, T, k], row_source: s32[C], status: s32[4]
 //   mok_comm_combine(expert_out: bf16[C, H], row_table: s32[ep, T, k], row_weight: f32[ep, T, k],
 //                    topk_idx: s32[T, k]) -> y: bf16[T, H], status: s32[4]
-//   attributes (one dictionary, CommCallAttrs): ws_id, mode (0 pull, 1 push), num_sms, zero_padding
+//   attributes (one dictionary, CommCallAttrs): ws_id, mode (0 pull, 1 push), num_sms, zero_padding,
+//   token_major
 //
 // The handler finds this device's workspace by (ws_id, the CUDA device of the stream), refuses to
 // launch on a poisoned workspace (returning the recorded error, which names the op and the rank),
@@ -26,10 +27,12 @@ struct CommCallAttrs {
   int32_t mode;
   int32_t num_sms;
   int32_t zero_padding;
+  int32_t token_major;
 };
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(CommCallAttrs, StructMember<int64_t>("ws_id"), StructMember<int32_t>("mode"),
-                                      StructMember<int32_t>("num_sms"), StructMember<int32_t>("zero_padding"));
+                                      StructMember<int32_t>("num_sms"), StructMember<int32_t>("zero_padding"),
+                                      StructMember<int32_t>("token_major"));
 
 namespace {
 
@@ -70,7 +73,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAt
                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weight,
                          ffi::ResultBuffer<ffi::BF16> recv_x, ffi::ResultBuffer<ffi::S32> group_sizes,
                          ffi::ResultBuffer<ffi::S32> row_table, ffi::ResultBuffer<ffi::F32> row_weight,
-                         ffi::ResultBuffer<ffi::S32> status) {
+                         ffi::ResultBuffer<ffi::S32> row_source, ffi::ResultBuffer<ffi::S32> status) {
   constexpr const char* kOp = "mok_comm_dispatch";
   mok::comm::CommView v{};
   if (ffi::Error e = resolve(kOp, stream, device_ordinal, attrs, &v); e.failure()) return e;
@@ -84,10 +87,13 @@ ffi::Error dispatch_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAt
   if (topk_weight.dimensions().size() != 2 || topk_weight.dimensions()[0] != T || topk_weight.dimensions()[1] != k)
     return invalid(kOp, "topk_weight must have topk_idx's shape");
   const int64_t ep = v.shape.ep, L = v.shape.num_local_experts();
-  if (recv_x->dimensions().size() != 2 || recv_x->dimensions()[1] != v.shape.hidden)
-    return invalid(kOp, "recv_x must be [capacity, hidden_size]");
-  const int64_t capacity = recv_x->dimensions()[0];
+  const int64_t capacity = row_source->element_count();
   if (capacity < 1 || capacity >= (int64_t(1) << 31)) return invalid(kOp, "capacity must be in [1, 2^31)");
+  const int64_t recv_rows = attrs.token_major ? ep * T : capacity;
+  if (recv_x->dimensions().size() != 2 || recv_x->dimensions()[0] != recv_rows ||
+      recv_x->dimensions()[1] != v.shape.hidden)
+    return invalid(kOp, attrs.token_major ? "recv_x must be [ep * tokens, hidden_size] (token_major)"
+                                          : "recv_x must be [capacity, hidden_size] (capacity = row_source's size)");
   if (group_sizes->element_count() != L) return invalid(kOp, "group_sizes must be [num_experts / ep]");
   if (row_table->element_count() != ep * T * k || row_weight->element_count() != ep * T * k)
     return invalid(kOp, "row_table and row_weight must be [ep, tokens, top_k]");
@@ -102,6 +108,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAt
   p.capacity = int32_t(capacity);
   p.num_blocks = attrs.num_sms;
   p.zero_padding = attrs.zero_padding != 0;
+  p.token_major = attrs.token_major != 0;
   p.x = reinterpret_cast<const __nv_bfloat16*>(x.untyped_data());
   p.topk_idx = topk_idx.typed_data();
   p.topk_weight = topk_weight.typed_data();
@@ -109,6 +116,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAt
   p.group_sizes = group_sizes->typed_data();
   p.row_table = row_table->typed_data();
   p.row_weight = row_weight->typed_data();
+  p.row_source = row_source->typed_data();
   p.status = status->typed_data();
   return cuda_error(kOp, mok::comm::launch_dispatch(p, stream));
 }
@@ -167,6 +175,7 @@ MOK_FFI_HANDLER(MokCommDispatch, dispatch_impl,
                     .Ret<ffi::Buffer<ffi::S32>>()
                     .Ret<ffi::Buffer<ffi::S32>>()
                     .Ret<ffi::Buffer<ffi::F32>>()
+                    .Ret<ffi::Buffer<ffi::S32>>()
                     .Ret<ffi::Buffer<ffi::S32>>());
 
 MOK_FFI_HANDLER(MokCommCombine, combine_impl,

@@ -151,8 +151,10 @@ __global__ void __launch_bounds__(kScheduleWarps * 32) schedule_place_kernel(Sch
     if (le >= 0 && before == 0) run[le] += __popc(same);
     __syncwarp();
     if (active) {
-      p.row_table[out_base + n] = (pos >= 0 && pos < p.capacity) ? pos : -1;
+      const bool kept = pos >= 0 && pos < p.capacity;
+      p.row_table[out_base + n] = kept ? pos : -1;
       p.row_weight[out_base + n] = w;
+      if (kept) p.row_source[pos] = it.src * p.num_tokens + n / k;
     }
   }
 }
@@ -165,6 +167,7 @@ cudaError_t launch_schedule(const ScheduleParams& p, cudaStream_t stream) {
   const int items = p.view.shape.ep * num_chunks(p.num_tokens);
   const int blocks = ceil_div(items, kScheduleWarps);
   const size_t smem = sizeof(int32_t) * kScheduleWarps * L;
+  MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.row_source, 0xff, sizeof(int32_t) * p.capacity, stream));  // -1
   schedule_count_kernel<<<blocks, kScheduleWarps * 32, smem, stream>>>(p);
   MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   schedule_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);

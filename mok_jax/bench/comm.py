@@ -151,10 +151,10 @@ def run(args) -> list[Record]:
                             _shard(mesh, w.reshape(ep * T, k)), float(rows.mean()) * H * 2)
             return cache[T]
 
-        def dispatch_fn(mode, sms, zero_padding=True):
+        def dispatch_fn(mode, sms, zero_padding=True, token_major=False):
             def body(x, i, w):
-                st = [ops.dispatch(ws, x, i, w, mode=mode, num_sms=sms, zero_padding=zero_padding)[1].status
-                      for _ in range(reps)]
+                st = [ops.dispatch(ws, x, i, w, mode=mode, num_sms=sms, zero_padding=zero_padding,
+                                   token_major=token_major)[1].status for _ in range(reps)]
                 return jnp.stack(st)[None]
             return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
 
@@ -166,7 +166,7 @@ def run(args) -> list[Record]:
 
         def combine_fn(mode, sms):
             def body(recv, table, weight, i, gs):
-                lay = ops.DispatchLayout(gs, table, weight, i, jnp.zeros(4, jnp.int32))
+                lay = ops.DispatchLayout(gs, table, weight, jnp.zeros(0, jnp.int32), i, jnp.zeros(4, jnp.int32))
                 st = [ops.combine(ws, recv, lay, mode=mode, num_sms=sms)[1] for _ in range(reps)]
                 return jnp.stack(st)[None]
             return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False))
@@ -227,7 +227,19 @@ def run(args) -> list[Record]:
                                       100.0 * gbps / PEER_COPY_GBPS, zero_padding=False))
                 print(f"[bench] dispatch {mode} T={args.sweep_tokens} sms={sms:3d} no padding: {us:9.1f} us "
                       f"{gbps:7.1f} GB/s", flush=True)
-        # 4. XLA all_to_all of the same remote bytes: [ep, T, H] per GPU, (ep-1)/ep of it remote
+        # 4. token-major dispatch (one row per (source, token), no expansion): what a row-gathering
+        #    grouped GEMM would consume
+        for sms in sms_list:
+            for mode in ("pull", "push"):
+                if time.monotonic() > deadline:
+                    break
+                us = timed(dispatch_fn(mode, sms, token_major=True), x, i, w)
+                gbps = rbytes / (us * 1e-6) / 1e9
+                records.append(Record("dispatch", mode, args.sweep_tokens, sms, us, rbytes, gbps,
+                                      100.0 * gbps / PEER_COPY_GBPS, note="token_major"))
+                print(f"[bench] dispatch {mode} T={args.sweep_tokens} sms={sms:3d} token-major: {us:9.1f} us "
+                      f"{gbps:7.1f} GB/s ({100.0 * gbps / PEER_COPY_GBPS:5.1f}%)", flush=True)
+        # 5. XLA all_to_all of the same remote bytes: [ep, T, H] per GPU, (ep-1)/ep of it remote
         for T in sorted(set(tokens_list)):
             if time.monotonic() > deadline:
                 break
@@ -245,7 +257,7 @@ def table(records: list[Record]) -> str:
     lines = ["| op | mode | tokens/GPU | SMs | time (us) | unique remote GB/s per GPU | % of 394 GB/s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
-        op = r.op + ("" if r.zero_padding else " (no zero padding)")
+        op = r.op + ("" if r.zero_padding else " (no zero padding)") + (f" ({r.note})" if r.note else "")
         lines.append(f"| {op} | {r.mode} | {r.tokens} | {r.num_sms or '-'} | {r.time_us:.1f} | {r.gbps:.1f} | "
                      f"{r.pct_peer:.1f} |")
     return "\n".join(lines)

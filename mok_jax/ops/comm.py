@@ -5,7 +5,9 @@ Both run per rank inside ``jax.shard_map`` over the workspace's EP axis and need
 
 * ``dispatch(ws, x, topk_idx, topk_weight)`` -> ``(recv_x, layout)``: the rows this rank's experts
   need, expert-major (expert, source rank, token, slot), padding rows zeroed; ``layout`` holds the
-  group sizes and what ``combine`` needs.
+  group sizes and what ``combine`` needs. With ``token_major=True`` recv_x holds each needed
+  (source rank, token) row once, at s * T + t, and expert-major row i is
+  ``recv_x[layout.row_source[i]]`` (the layout a row-gathering grouped GEMM reads).
 * ``combine(ws, expert_out, layout)`` -> ``(y, status)``: per (token, owner rank) the owner's weighted
   sum of its experts' rows (fp32, slot order, rounded to bf16) goes back to the origin, which adds the
   owners' partials in rank order in fp32 and rounds to bf16.
@@ -35,6 +37,8 @@ class DispatchLayout(NamedTuple):
     group_sizes: int32[E_local]   rows of each local expert in recv_x (expert-major, from row 0)
     row_table:   int32[ep, T, k]  row of recv_x holding slot (source rank, token, j), or -1
     row_weight:  f32[ep, T, k]    the source's topk_weight of that slot
+    row_source:  int32[C]         s * T + t of expert-major row i (-1 past the total): the gather
+                                  index into a token-major recv_x
     topk_idx:    int32[T, k]      this rank's own routing (combine needs its owner ranks)
     status:      int32[4]         dispatch's status (zeros when healthy)
     """
@@ -42,6 +46,7 @@ class DispatchLayout(NamedTuple):
     group_sizes: jax.Array
     row_table: jax.Array
     row_weight: jax.Array
+    row_source: jax.Array
     topk_idx: jax.Array
     status: jax.Array
 
@@ -101,20 +106,21 @@ def check_combine_args(ws: Workspace, expert_out, layout: DispatchLayout) -> Non
                          f"got {layout.row_table.shape} / {layout.row_weight.shape}")
 
 
-def _attrs(ws: Workspace, mode: int, num_sms: int, zero_padding: bool) -> dict:
+def _attrs(ws: Workspace, mode: int, num_sms: int, zero_padding: bool, token_major: bool = False) -> dict:
     return dict(ws_id=np.int64(ws.id), mode=np.int32(mode), num_sms=np.int32(num_sms),
-                zero_padding=np.int32(bool(zero_padding)))
+                zero_padding=np.int32(bool(zero_padding)), token_major=np.int32(bool(token_major)))
 
 
 def dispatch(ws: Workspace, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
              mode: str | None = None, num_sms: int | None = None, capacity: int | None = None,
-             zero_padding: bool = True) -> tuple[jax.Array, DispatchLayout]:
+             zero_padding: bool = True, token_major: bool = False) -> tuple[jax.Array, DispatchLayout]:
     """Per rank: x: bf16[T, H], topk_idx: int32[T, k] (global expert ids; ids outside [0, E) go
     nowhere), topk_weight: f32[T, k] -> (recv_x: bf16[capacity, H], layout).
 
     capacity defaults to the dropless worst case ep*T*min(k, E_local); mode 'pull' (owners read the
     sources' staged rows) or 'push' (sources write into the owners' staging buffers); num_sms is the
-    number of communication blocks (one per SM)."""
+    number of communication blocks (one per SM). token_major: recv_x is bf16[ep * T, H] instead, one
+    row per (source rank, token) (zeros for tokens with no local expert when zero_padding)."""
     ws.require_open("mok_jax.ops.dispatch")
     cap = check_dispatch_args(ws, x, topk_idx, topk_weight, capacity)
     m = _mode(mode, ws.config.dispatch_mode, "mok_jax.ops.dispatch")
@@ -122,16 +128,19 @@ def dispatch(ws: Workspace, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.
     require_native("mok_jax.ops.dispatch")
     cfg = ws.config
     tokens, k = topk_idx.shape
+    recv_rows = cfg.ep * tokens if token_major else cap
     out = (
-        jax.ShapeDtypeStruct((cap, cfg.hidden_size), jnp.bfloat16),
+        jax.ShapeDtypeStruct((recv_rows, cfg.hidden_size), jnp.bfloat16),
         jax.ShapeDtypeStruct((cfg.num_local_experts,), jnp.int32),
         jax.ShapeDtypeStruct((cfg.ep, tokens, k), jnp.int32),
         jax.ShapeDtypeStruct((cfg.ep, tokens, k), jnp.float32),
+        jax.ShapeDtypeStruct((cap,), jnp.int32),
         jax.ShapeDtypeStruct((4,), jnp.int32),
     )
-    recv_x, group_sizes, row_table, row_weight, status = jax.ffi.ffi_call(
-        "mok_comm_dispatch", out, has_side_effect=True)(x, topk_idx, topk_weight, **_attrs(ws, m, sms, zero_padding))
-    return recv_x, DispatchLayout(group_sizes, row_table, row_weight, topk_idx, status)
+    recv_x, group_sizes, row_table, row_weight, row_source, status = jax.ffi.ffi_call(
+        "mok_comm_dispatch", out, has_side_effect=True)(
+            x, topk_idx, topk_weight, **_attrs(ws, m, sms, zero_padding, token_major))
+    return recv_x, DispatchLayout(group_sizes, row_table, row_weight, row_source, topk_idx, status)
 
 
 def combine(ws: Workspace, expert_out: jax.Array, layout: DispatchLayout, *, mode: str | None = None,

@@ -45,8 +45,9 @@ def _local_slots(topk_idx: jax.Array, rank, num_local: int, num_experts: int):
 def ep_dispatch_layout(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *, axis_name: str,
                        num_experts: int, capacity: int | None = None):
     """Per rank: x: bf16[T, H], topk_idx: int32[T, k], topk_weight: f32[T, k] ->
-    (recv_x [C, H], group_sizes int32[L], row_table int32[ep, T, k], row_weight f32[ep, T, k]),
-    what dispatch returns on this rank as expert owner (C defaults to ep*T*min(k, L))."""
+    (recv_x [C, H], group_sizes int32[L], row_table int32[ep, T, k], row_weight f32[ep, T, k],
+    row_source int32[C]), what dispatch returns on this rank as expert owner (C defaults to
+    ep*T*min(k, L); row_source[i] = s * T + t of row i, -1 past the total)."""
     ep = jax.lax.axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
     num_local = num_experts // ep
@@ -64,7 +65,9 @@ def ep_dispatch_layout(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array
     src = jnp.broadcast_to(all_x[:, :, None, :], (ep, tokens, k, x.shape[-1])).reshape(-1, x.shape[-1])
     target = jnp.where(row_table >= 0, row_table, cap).reshape(-1)
     recv_x = jnp.zeros((cap, x.shape[-1]), x.dtype).at[target].set(src, mode="drop")
-    return recv_x, group_sizes.astype(jnp.int32), row_table, all_w
+    token_row = (jnp.arange(ep)[:, None, None] * tokens + jnp.arange(tokens)[None, :, None]) * jnp.ones_like(all_idx)
+    row_source = jnp.full((cap,), -1, jnp.int32).at[target].set(token_row.reshape(-1).astype(jnp.int32), mode="drop")
+    return recv_x, group_sizes.astype(jnp.int32), row_table, all_w, row_source
 
 
 def _owner_partial(rows: jax.Array, idx: jax.Array, w: jax.Array, rank, num_local: int, num_experts: int):
@@ -109,7 +112,8 @@ def ep_dispatch_combine_identity(x: jax.Array, topk_idx: jax.Array, topk_weight:
 def dispatch_layout_numpy(xs: np.ndarray, idxs: np.ndarray, ws: np.ndarray, num_experts: int,
                           capacity: int | None = None) -> list[dict[str, np.ndarray]]:
     """xs: bf16[ep, T, H], idxs: int32[ep, T, k], ws: f32[ep, T, k] -> per owner rank, a dict with
-    recv_x, group_sizes, row_table, row_weight (explicit loops in the documented order)."""
+    recv_x, group_sizes, row_table, row_weight, row_source, and the token-major recv_x of
+    ``dispatch(token_major=True)`` as recv_tokens (explicit loops in the documented order)."""
     ep, tokens, k = idxs.shape
     num_local = num_experts // ep
     cap = ep * tokens * min(k, num_local) if capacity is None else capacity
@@ -118,6 +122,8 @@ def dispatch_layout_numpy(xs: np.ndarray, idxs: np.ndarray, ws: np.ndarray, num_
         recv = np.zeros((cap, xs.shape[-1]), xs.dtype)
         table = np.full((ep, tokens, k), -1, np.int32)
         sizes = np.zeros(num_local, np.int32)
+        source = np.full(cap, -1, np.int32)
+        tokens_x = np.zeros((ep * tokens, xs.shape[-1]), xs.dtype)
         row = 0
         for e in range(num_local):
             g = r * num_local + e
@@ -128,9 +134,12 @@ def dispatch_layout_numpy(xs: np.ndarray, idxs: np.ndarray, ws: np.ndarray, num_
                             if row < cap:
                                 recv[row] = xs[s, t]
                                 table[s, t, j] = row
+                                source[row] = s * tokens + t
+                                tokens_x[s * tokens + t] = xs[s, t]
                             row += 1
                             sizes[e] += 1
-        out.append(dict(recv_x=recv, group_sizes=sizes, row_table=table, row_weight=ws.astype(np.float32).copy()))
+        out.append(dict(recv_x=recv, group_sizes=sizes, row_table=table, row_weight=ws.astype(np.float32).copy(),
+                        row_source=source, recv_tokens=tokens_x))
     return out
 
 

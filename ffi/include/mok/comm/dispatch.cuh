@@ -3,7 +3,12 @@
 //   recv_x[row(s, t, j)] = x_t of rank s      for every slot j of token t of every source rank s whose
 //                                             expert topk_idx[s][t][j] is local to this rank
 //   rows are expert-major (expert, source rank, token, slot) as in schedule.cuh; rows past the total
-//   are zeroed when zero_padding is set; group_sizes, row_table and row_weight come from the schedule.
+//   are zeroed when zero_padding is set; group_sizes, row_table, row_weight and row_source come from
+//   the schedule.
+// token_major (opt-in, for a grouped GEMM that gathers its rows): recv_x is [ep * T][H] and row
+//   s * T + t holds x_t of rank s once, whatever its number of local slots (zeros if it has none and
+//   zero_padding); expert-major row i is recv_x[row_source[i]]. This writes 1/(local slots per token)
+//   of the expert-major bytes.
 //
 // A token row crosses NVLink at most once per destination rank: the owner loads it once and writes
 // it to each of its local experts' rows from registers (rows.cuh).
@@ -41,13 +46,15 @@ struct DispatchParams {
   int32_t capacity;    // rows of recv_x
   int32_t num_blocks;  // communication SMs
   bool zero_padding;
+  bool token_major;
   const __nv_bfloat16* x;     // [T][H]
   const int32_t* topk_idx;    // [T][k] global expert ids
   const float* topk_weight;   // [T][k]
-  __nv_bfloat16* recv_x;      // [capacity][H]
+  __nv_bfloat16* recv_x;      // [capacity][H], or [ep * T][H] when token_major
   int32_t* group_sizes;       // [L]
   int32_t* row_table;         // [ep][T][k]
   float* row_weight;          // [ep][T][k]
+  int32_t* row_source;        // [capacity]
   int32_t* status;            // [4]
 };
 

@@ -6,6 +6,8 @@
 //   row_table[s][t][j]  output row of slot (s, t, j) on this owner, or -1 (expert not local / invalid)
 //   row_weight[s][t][j] = route_w[s][t*k + j]      (what combine multiplies row_table's rows by)
 //   group_sizes[e]      rows of local expert e;   state.total_rows = sum_e group_sizes[e]
+//   row_source[row]     s * T + t of the slot that owns expert-major row `row`, -1 past the total
+//                       (the gather index of a grouped GEMM that reads token-major rows)
 //
 // Order of rows (deterministic, no atomics on positions): expert-major, then source rank, then token,
 // then slot j: row(s, t, j) = sum of rows of (e' < e, any) + (e, s' < s) + (e, s, (t', j') < (t, j)).
@@ -37,6 +39,7 @@ struct ScheduleParams {
   int32_t* group_sizes;
   int32_t* row_table;
   float* row_weight;
+  int32_t* row_source;  // [capacity]
 };
 
 cudaError_t launch_schedule(const ScheduleParams& params, cudaStream_t stream);
