@@ -1,11 +1,19 @@
-"""GPU tests of the expert-parallel comm ops, one process driving 2 GPUs (peer-access backend).
+"""GPU tests of the expert-parallel comm ops, one process driving every GPU of the EP group
+(peer-access backend), at every EP size the machine offers.
 
 Everything is checked bitwise with self-identifying rows (columns 0..2 of a row encode its source
 rank and token) against two oracles: the numpy loops and the pure-JAX reference
-(mok_jax.reference.comm) run on host devices. Run on the 2-GPU machine by scripts/gpu_comm.sh.
+(mok_jax.reference.comm) run on host devices. Each test runs once per EP size (test ids ``[ep2]``,
+``[ep4]``, ``[ep8]``): by default 8, 4, 2 and the GPU count, largest first (so a run cut short loses
+the EP 2 cases, which the 2-GPU machine already covers); sizes above the GPU count are skipped with
+the reason. ``MOK_COMM_EP=4,2`` (or ``all`` = the GPU count) picks the sizes. Run on the 2-GPU machine
+by scripts/gpu_comm.sh, on the 4- and 8-GPU machines by scripts/gpu_ep_scaling.sh.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import numpy as np
 import pytest
@@ -26,8 +34,7 @@ from mok_jax.workspace import CommError, CommTimeoutError, Workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-EP = 2
-EXPERTS = 16       # 8 per GPU
+EXPERTS = 16       # 8 per GPU at EP 2, 4 at EP 4, 2 at EP 8
 MAX_TOKENS = 512
 HIDDEN = 264       # 33 16-byte vectors: not a multiple of any copy tile
 TOP_K = 10         # calls use k <= TOP_K
@@ -42,16 +49,31 @@ def _gpus():
         return []
 
 
-@pytest.fixture(scope="module")
-def mesh():
+def ep_sizes(env: str | None = None, num_gpus: int | None = None) -> list[int]:
+    """The EP sizes to test, largest first: ``MOK_COMM_EP`` (comma-separated; ``all`` = the GPU
+    count), else 2, 4, 8 and the GPU count when it is larger than 2."""
+    env = os.environ.get("MOK_COMM_EP", "") if env is None else env
+    n = len(_gpus()) if num_gpus is None else num_gpus
+    if env.strip():
+        sizes = {n if tok.strip() == "all" else int(tok) for tok in env.split(",") if tok.strip()}
+    else:
+        sizes = {2, 4, 8} | ({n} if n > 2 else set())
+    return sorted((e for e in sizes if e >= 1), reverse=True)
+
+
+@pytest.fixture(scope="module", params=ep_sizes(), ids=lambda e: f"ep{e}")
+def mesh(request):
     from mok_jax._native import library, native_status
 
+    ep = request.param
     gpus = _gpus()
-    if len(gpus) < EP:
-        pytest.skip(f"needs {EP} GPUs, found {len(gpus)} (not a pass)")
+    if len(gpus) < ep:
+        pytest.skip(f"EP {ep} needs {ep} GPUs, this machine has {len(gpus)} (not a pass)")
+    if EXPERTS % ep:
+        pytest.skip(f"EP {ep} does not divide the tests' {EXPERTS} experts (not a pass)")
     if library() is None:
         pytest.skip(f"native library unavailable: {native_status()} (not a pass)")
-    return Mesh(np.array(gpus[:EP]), ("ep",))
+    return Mesh(np.array(gpus[:ep]), ("ep",))
 
 
 def _create(mesh, hidden=HIDDEN, **kw):
@@ -67,9 +89,9 @@ def ws(mesh):
     w.close()
 
 
-def _cpu_mesh():
+def _cpu_mesh(ep):
     cpus = jax.devices("cpu")
-    return Mesh(np.array(cpus[:EP]), ("ep",)) if len(cpus) >= EP else None
+    return Mesh(np.array(cpus[:ep]), ("ep",)) if len(cpus) >= ep else None
 
 
 def _flat(a):
@@ -77,11 +99,12 @@ def _flat(a):
 
 
 def expected(x, idx, w, experts=EXPERTS):
-    """Numpy oracles, cross-checked against the JAX reference on host devices when there are 2."""
+    """Numpy oracles, cross-checked against the JAX reference on host devices when there are ep of
+    them (tests/conftest.py asks for 8)."""
     ep, tokens, k = idx.shape
     layout = dispatch_layout_numpy(x, idx, w, experts)
     y = dispatch_combine_identity_numpy(x, idx, w, experts)
-    cpu = _cpu_mesh()
+    cpu = _cpu_mesh(ep)
     if cpu is not None:
         args = (_flat(x), _flat(idx), _flat(w))
         fy = jax.jit(jax.shard_map(lambda a, b, c: ep_dispatch_combine_identity(a, b, c, axis_name="ep",
@@ -160,7 +183,7 @@ def check(res, layout, y, label):
 CASES = [  # (routing kind, tokens, top_k)
     ("uniform", 300, 8),
     ("zipf", 257, 8),
-    ("one-expert", 200, 1),      # every token to expert 1: rank 1 receives nothing
+    ("one-expert", 200, 1),      # every token to expert 1: only rank 0 (its owner) receives
     ("sparse-experts", 129, 4),  # 2 of every 3 experts get zero tokens
     ("with-invalid", 100, 6),    # ids of -1 go nowhere
     ("uniform", 1, 8),           # one token
@@ -171,26 +194,27 @@ CASES = [  # (routing kind, tokens, top_k)
 
 @pytest.mark.parametrize("kind,tokens,k", CASES)
 def test_dispatch_combine_bitwise(ws, kind, tokens, k):
-    idx, w = routing_case(kind, ep=EP, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens)
-    x = self_identifying_tokens(EP, tokens, HIDDEN, seed=tokens)
+    ep = ws.config.ep
+    idx, w = routing_case(kind, ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens)
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=tokens)
     layout, y = expected(x, idx, w)
     check(run(ws, x, idx, w), layout, y, f"{kind} T={tokens} k={k}")
 
 
 def test_full_hidden_size_and_few_sms(mesh):
     """H = 7168 (the benchmark's rows), uniform k = 8, and 3 communication blocks."""
-    tokens, k = 256, 8
+    tokens, k, ep = 256, 8, mesh.devices.size
     with _create(mesh, hidden=7168, max_tokens=tokens, top_k=k) as big:
-        idx, w = routing_case("uniform", ep=EP, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=7)
-        x = self_identifying_tokens(EP, tokens, 7168, seed=7)
+        idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=7)
+        x = self_identifying_tokens(ep, tokens, 7168, seed=7)
         layout, y = expected(x, idx, w)
         check(run(big, x, idx, w, num_sms=3), layout, y, "H=7168")
 
 
 def test_thousand_calls_back_to_back(ws):
-    tokens, k = 64, 8
-    idx, w = routing_case("uniform", ep=EP, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=3)
-    x = self_identifying_tokens(EP, tokens, HIDDEN, seed=3)
+    tokens, k, ep = 64, 8, ws.config.ep
+    idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=3)
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=3)
     _, y_ref = expected(x, idx, w)
     f = comm_fn(ws, modes=(("pull", "push"),))
     args = (jnp.asarray(_flat(x)), jnp.asarray(_flat(idx)), jnp.asarray(_flat(w)))
@@ -213,12 +237,12 @@ def test_thousand_calls_back_to_back(ws):
 
 
 def test_two_workspaces_in_one_jit(mesh):
-    tokens = 96
+    tokens, ep = 96, mesh.devices.size
     with _create(mesh) as a, _create(mesh) as b:
-        xa = self_identifying_tokens(EP, tokens, HIDDEN, seed=11)
-        xb = self_identifying_tokens(EP, tokens, HIDDEN, seed=12)
-        ia, wa = routing_case("uniform", ep=EP, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=11)
-        ib, wb = routing_case("zipf", ep=EP, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=12)
+        xa = self_identifying_tokens(ep, tokens, HIDDEN, seed=11)
+        xb = self_identifying_tokens(ep, tokens, HIDDEN, seed=12)
+        ia, wa = routing_case("uniform", ep=ep, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=11)
+        ib, wb = routing_case("zipf", ep=ep, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=12)
 
         def body(x1, i1, w1, x2, i2, w2):
             r1, l1 = ops.dispatch(a, x1, i1, w1)
@@ -239,10 +263,10 @@ def test_two_workspaces_in_one_jit(mesh):
 
 def test_setup_teardown_setup_and_rank_order(mesh):
     """Close frees everything and a new workspace works; EP rank follows the mesh, not the CUDA
-    ordinal (the second mesh lists GPU 1 first)."""
-    tokens = 50
-    idx, w = routing_case("zipf", ep=EP, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=5)
-    x = self_identifying_tokens(EP, tokens, HIDDEN, seed=5)
+    ordinal (the second mesh lists the GPUs in reverse order: GPU ep-1 is rank 0)."""
+    tokens, ep = 50, mesh.devices.size
+    idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=5)
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=5)
     layout, y = expected(x, idx, w)
     first = _create(mesh)
     check(run(first, x, idx, w), layout, y, "first workspace")
@@ -256,11 +280,17 @@ def test_setup_teardown_setup_and_rank_order(mesh):
 
 
 def test_timeout_when_a_rank_skips_the_call(mesh, ws):
-    """Rank 0 skips dispatch: rank 1 times out (no hang, no crash), its status names the op, the rank
-    and the awaited peer, check() raises, and the next call fails in the handler with the reason."""
-    tokens = 32
-    idx, w = routing_case("uniform", ep=EP, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=9)
-    x = self_identifying_tokens(EP, tokens, HIDDEN, seed=9)
+    """Rank 0 skips dispatch: every other rank times out (no hang, no crash), its status names the op,
+    the rank that detected it and the awaited peer, check() raises, and the next call fails in the
+    handler with the reason.
+
+    At EP 2 the detector is rank 1. With more ranks, each of ranks 1..ep-1 either times out itself or
+    is poisoned first by one that did (the first error wins per rank's poison word), so the detector
+    is some rank in [1, ep), the same in a rank's status and in check()'s message, and the awaited
+    peer is always rank 0 (every rank waits for its peers in rank order and rank 0 never comes)."""
+    tokens, ep = 32, mesh.devices.size
+    idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=9)
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=9)
     args = (jnp.asarray(_flat(x)), jnp.asarray(_flat(idx)), jnp.asarray(_flat(w)))
     short = _create(mesh, timeout_s=0.25)
     try:
@@ -276,33 +306,48 @@ def test_timeout_when_a_rank_skips_the_call(mesh, ws):
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC, check_vma=False))
         status = np.asarray(jax.block_until_ready(f(*args)))
         np.testing.assert_array_equal(status[0], 0)
-        # rank 1 waited for rank 0's routing: [timeout-routing, dispatch, rank 1, peer 0]
-        np.testing.assert_array_equal(status[1], [1, 1, 1, 0])
-        with pytest.raises(CommTimeoutError, match=r"dispatch on EP rank 1.*EP rank 0"):
+        if ep == 2:
+            # rank 1 waited for rank 0's routing: [timeout-routing, dispatch, rank 1, peer 0]
+            np.testing.assert_array_equal(status[1], [1, 1, 1, 0])
+        for r in range(1, ep):
+            # [timeout-routing, dispatch, detecting rank in [1, ep), peer 0]
+            assert status[r][0] == 1 and status[r][1] == 1 and status[r][3] == 0, f"rank {r}: status {status[r]}"
+            assert 1 <= status[r][2] < ep, f"rank {r}: detecting rank {status[r][2]} not in [1, {ep})"
+        with pytest.raises(CommTimeoutError, match=r"dispatch on EP rank 1.*EP rank 0" if ep == 2 else
+                           r"dispatch on EP rank \d+: timed out waiting for the routing of EP rank 0\b") as info:
             short.check()
-        with pytest.raises(Exception, match=r"mok_comm_dispatch.*EP rank 1") as info:
+        # check() reports the first local rank with an error: rank 1, whose word is its status
+        detector = int(re.search(r"dispatch on EP rank (\d+)", str(info.value)).group(1))
+        assert detector == status[1][2], (str(info.value), status)
+        with pytest.raises(Exception, match=r"mok_comm_dispatch.*EP rank 1" if ep == 2 else
+                           r"mok_comm_dispatch.*on EP rank \d+: timed out waiting for the routing of EP rank 0\b") \
+                as info:
             jax.block_until_ready(f(*args))
         assert not isinstance(info.value, AssertionError)
     finally:
         short.close()
     # the other workspace is untouched
-    idx2, w2 = routing_case("uniform", ep=EP, tokens=40, top_k=8, num_experts=EXPERTS, seed=10)
-    x2 = self_identifying_tokens(EP, 40, HIDDEN, seed=10)
+    idx2, w2 = routing_case("uniform", ep=ep, tokens=40, top_k=8, num_experts=EXPERTS, seed=10)
+    x2 = self_identifying_tokens(ep, 40, HIDDEN, seed=10)
     layout, y = expected(x2, idx2, w2)
     check(run(ws, x2, idx2, w2), layout, y, "after another workspace timed out")
 
 
 def test_two_ep_groups_on_a_dp_axis(mesh):
-    """Mesh ("dp", "ep") = (2, 1): two EP groups of one rank each, each with its own peer table; the
-    ops of one group never see the other's tokens."""
+    """Mesh ("dp", "ep") = (2, ep/2): two EP groups (of one rank each at EP 2), each with its own
+    peer table; the ops of one group never see the other's tokens (rows name their global rank)."""
     tokens, k, experts = 60, 4, 8
-    dp_mesh = Mesh(np.array(list(mesh.devices.flat)).reshape(2, 1), ("dp", "ep"))
+    n = mesh.devices.size
+    group = n // 2
+    if n % 2 or experts % group:
+        pytest.skip(f"{n} GPUs do not split into 2 EP groups over {experts} experts (not a pass)")
+    dp_mesh = Mesh(np.array(list(mesh.devices.flat)).reshape(2, group), ("dp", "ep"))
     spec = P(("dp", "ep"))
-    idx, w = routing_case("zipf", ep=2, tokens=tokens, top_k=k, num_experts=experts, seed=31)
-    x = self_identifying_tokens(2, tokens, HIDDEN, seed=31)
+    idx, w = routing_case("zipf", ep=n, tokens=tokens, top_k=k, num_experts=experts, seed=31)
+    x = self_identifying_tokens(n, tokens, HIDDEN, seed=31)
     with Workspace.create(dp_mesh, "ep", max_tokens=tokens, hidden_size=HIDDEN, top_k=k, num_experts=experts,
                           timeout_s=TIMEOUT_S) as one:
-        assert one.config.ep == 1
+        assert one.config.ep == group
 
         def body(xs, i, ww):
             recv, lay = ops.dispatch(one, xs, i, ww)
@@ -312,11 +357,15 @@ def test_two_ep_groups_on_a_dp_axis(mesh):
         f = jax.jit(jax.shard_map(body, mesh=dp_mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
         recv, y, st = (np.asarray(o) for o in f(*(jnp.asarray(_flat(v)) for v in (x, idx, w))))
         assert np.all(st == 0)
-        y = y.reshape(2, tokens, HIDDEN)
+        y = y.reshape(2, group, tokens, HIDDEN)
         for g in range(2):
-            lay = dispatch_layout_numpy(x[g:g + 1], idx[g:g + 1], w[g:g + 1], experts)[0]
-            want = dispatch_combine_identity_numpy(x[g:g + 1], idx[g:g + 1], w[g:g + 1], experts)[0]
-            assert np.array_equal(recv[g].view(np.uint16), lay["recv_x"].view(np.uint16)), f"group {g} recv_x"
+            sl = slice(g * group, (g + 1) * group)
+            lays = dispatch_layout_numpy(x[sl], idx[sl], w[sl], experts)
+            want = dispatch_combine_identity_numpy(x[sl], idx[sl], w[sl], experts)
+            for r in range(group):
+                got = recv[g * group + r]
+                assert np.array_equal(got.view(np.uint16), lays[r]["recv_x"].view(np.uint16)), \
+                    f"group {g} rank {r} recv_x: " + _rows_report(got, lays[r]["recv_x"])
             assert np.array_equal(y[g].view(np.uint16), want.view(np.uint16)), f"group {g} combine"
 
 
@@ -326,8 +375,9 @@ def test_token_major_dispatch(ws, kind, tokens, k, dmode):
     """token_major: one row per (source rank, token) at s*T + t (zeros where this rank holds none of
     its experts); gathering it by row_source gives the expert-major rows, and combine on those rows
     gives the same bits as the reference."""
-    idx, w = routing_case(kind, ep=EP, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens + 1)
-    x = self_identifying_tokens(EP, tokens, HIDDEN, seed=tokens + 1)
+    ep = ws.config.ep
+    idx, w = routing_case(kind, ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens + 1)
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=tokens + 1)
     layout, y_ref = expected(x, idx, w)
 
     def body(xs, i, ww):
@@ -339,7 +389,7 @@ def test_token_major_dispatch(ws, kind, tokens, k, dmode):
     f = jax.jit(jax.shard_map(body, mesh=ws.mesh, in_specs=(SPEC,) * 3, out_specs=SPEC, check_vma=False))
     recv_tok, source, rows, y, st = (np.asarray(o) for o in f(*(jnp.asarray(_flat(v)) for v in (x, idx, w))))
     assert np.all(st == 0), st
-    for r in range(EP):
+    for r in range(ep):
         e = layout[r]
         np.testing.assert_array_equal(source[r], e["row_source"])
         assert np.array_equal(recv_tok[r].view(np.uint16), e["recv_tokens"].view(np.uint16)), \

@@ -1,7 +1,11 @@
-"""Multi-process backend of the comm workspace: 2 processes with 1 GPU each under jax.distributed
+"""Multi-process backend of the comm workspace: N processes with 1 GPU each under jax.distributed
 (local coordinator), the workspace regions shared through CUDA IPC handles that Workspace.create
 exchanges with process_allgather. Each process checks its own rank's outputs bitwise against the
-numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_gpu.py PID PORT``.
+numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_gpu.py PID PORT [N]``.
+
+N (the EP size): ``MOK_COMM_PROCS`` (comma-separated, largest run first; ``all`` = the GPU count),
+default 2; a count above the GPU count is skipped with the reason. scripts/gpu_ep_scaling.sh sets it
+to every EP size of the machine (e.g. ``8,4,2``).
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-NUM_PROCS = 2
-WORKER_TIMEOUT_S = 180
+DEFAULT_PROCS = "2"
+WORKER_TIMEOUT_S = float(os.environ.get("MOK_COMM_MP_TIMEOUT_S", "180"))
+EXPERTS = 16  # 8 per GPU at 2 processes, 2 at 8
 
 
 def _gpu_count() -> int:
@@ -28,13 +33,27 @@ def _gpu_count() -> int:
         return 0
 
 
+def proc_counts(env: str | None = None, num_gpus: int | None = None) -> list[int]:
+    """Process counts to test, largest first: ``MOK_COMM_PROCS`` (``all`` = the GPU count), else 2.
+    Counting the GPUs (which starts JAX) happens only when ``all`` asks for it."""
+    env = os.environ.get("MOK_COMM_PROCS", "") if env is None else env
+    toks = [t.strip() for t in (env.strip() or DEFAULT_PROCS).split(",") if t.strip()]
+    n = (_gpu_count() if num_gpus is None else num_gpus) if "all" in toks else 0
+    return sorted({n if t == "all" else int(t) for t in toks} - {0}, reverse=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_two_processes_one_gpu_each():
+@pytest.mark.parametrize("num_procs", proc_counts(), ids=lambda n: f"{n}procs")
+def test_processes_one_gpu_each(num_procs):
     from mok_jax._native import library, native_status
 
-    if _gpu_count() < NUM_PROCS:
-        pytest.skip(f"needs {NUM_PROCS} GPUs (not a pass)")
+    if num_procs < 2:
+        pytest.skip(f"{num_procs} process(es): the multi-process backend needs at least 2 (not a pass)")
+    if _gpu_count() < num_procs:
+        pytest.skip(f"{num_procs} processes need {num_procs} GPUs, this machine has {_gpu_count()} (not a pass)")
+    if EXPERTS % num_procs:
+        pytest.skip(f"{num_procs} ranks do not divide the test's {EXPERTS} experts (not a pass)")
     if library() is None:
         pytest.skip(f"native library unavailable: {native_status()} (not a pass)")
     with socket.socket() as s:
@@ -42,8 +61,8 @@ def test_two_processes_one_gpu_each():
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(NUM_PROCS)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(num_procs)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(num_procs)]
     outs = []
     for p in procs:
         try:
@@ -57,10 +76,10 @@ def test_two_processes_one_gpu_each():
         assert f"MP_OK process {i}" in out, out[-4000:]
 
 
-def _worker(pid: int, port: int) -> None:
+def _worker(pid: int, port: int, num_procs: int) -> None:
     import jax
 
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NUM_PROCS, process_id=pid,
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_procs, process_id=pid,
                                local_device_ids=[pid], initialization_timeout=120)
     import jax.numpy as jnp
     import numpy as np
@@ -72,10 +91,10 @@ def _worker(pid: int, port: int) -> None:
     from mok_jax.workspace import Workspace
 
     devices = jax.devices()
-    assert len(devices) == NUM_PROCS and len(jax.local_devices()) == 1, (devices, jax.local_devices())
+    assert len(devices) == num_procs and len(jax.local_devices()) == 1, (devices, jax.local_devices())
     mesh = Mesh(np.array(devices), ("ep",))
     rank = list(mesh.devices.flat).index(jax.local_devices()[0])
-    ep, tokens, k, experts, hidden = NUM_PROCS, 200, 8, 16, 264
+    ep, tokens, k, experts, hidden = num_procs, 200, 8, EXPERTS, 264
     idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=experts, seed=21)
     x = self_identifying_tokens(ep, tokens, hidden, seed=21)
     layout = dispatch_layout_numpy(x, idx, w, experts)[rank]
@@ -115,4 +134,4 @@ def _worker(pid: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)

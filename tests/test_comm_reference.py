@@ -32,6 +32,24 @@ CASES = [  # (routing kind, ep, tokens, top_k, num_experts)
     ("uniform", 2, 24, 10, 16),
     ("uniform", 4, 19, 3, 12),
     ("zipf", 4, 23, 8, 16),
+    # EP 4 and EP 8, the sizes of the 4- and 8-GPU machines: every routing kind of the GPU tests,
+    # T = 1, k = 10, and the ep64-slice shape (6 experts per GPU, k 8)
+    ("one-expert", 4, 21, 1, 16),         # every token to expert 1: only rank 0 receives
+    ("sparse-experts", 4, 17, 4, 16),
+    ("with-invalid", 4, 26, 6, 16),
+    ("uniform", 4, 1, 8, 16),
+    ("uniform", 4, 15, 10, 16),
+    ("uniform", 4, 22, 8, 24),            # 6 experts per GPU
+    ("uniform", 8, 13, 8, 16),            # 2 experts per GPU
+    ("zipf", 8, 18, 8, 16),
+    ("one-expert", 8, 9, 1, 16),
+    ("one-expert", 8, 7, 3, 16),          # experts 1, 2, 3: ranks 0 and 1 receive, ranks 2..7 nothing
+    ("sparse-experts", 8, 11, 4, 16),     # experts 0, 3, 6, ...: some ranks own no picked expert
+    ("with-invalid", 8, 12, 6, 16),
+    ("uniform", 8, 1, 8, 16),
+    ("uniform", 8, 10, 10, 16),
+    ("uniform", 8, 16, 8, 48),            # kimi-k2 in ep64-slice on 8 GPUs: 384/64 = 6 per GPU
+    ("zipf", 8, 20, 8, 8),                # 1 expert per GPU: every slot is a different rank
 ]
 
 
@@ -86,6 +104,91 @@ def test_identity_combine_reference_matches_loops_bitwise(kind, ep, tokens, k, e
                      jnp.asarray(w.reshape(ep * tokens, k)))).reshape(x.shape)
     expect = dispatch_combine_identity_numpy(x, idx, w, experts)
     np.testing.assert_array_equal(y.view(np.uint16), expect.view(np.uint16))
+
+
+@pytest.mark.parametrize("ep,tokens,k,experts,capacity", [(4, 20, 8, 16, 37), (8, 12, 8, 16, 5), (8, 9, 4, 48, 1)])
+def test_dispatch_layout_reference_with_capacity_drops(ep, tokens, k, experts, capacity, cpu_devices):
+    """A capacity below the rows received: rows past it are dropped (row_table -1, no row_source), the
+    kept ones keep their expert-major positions, and group_sizes still count every slot."""
+    x, idx, w = _case("uniform", ep, tokens, k, experts)
+    mesh = _mesh(ep, cpu_devices)
+    f = jax.jit(jax.shard_map(
+        lambda a, b, c: tuple(o[None] for o in ep_dispatch_layout(a, b, c, axis_name="ep", num_experts=experts,
+                                                                  capacity=capacity)),
+        mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"), check_vma=False))
+    recv, sizes, table, weight, source = (np.asarray(o) for o in f(
+        jnp.asarray(x.reshape(ep * tokens, -1)), jnp.asarray(idx.reshape(ep * tokens, k)),
+        jnp.asarray(w.reshape(ep * tokens, k))))
+    expect = dispatch_layout_numpy(x, idx, w, experts, capacity=capacity)
+    assert recv.shape[1] == capacity
+    dropped = 0
+    for r in range(ep):
+        e = expect[r]
+        np.testing.assert_array_equal(sizes[r], e["group_sizes"], err_msg=f"group sizes, rank {r}")
+        np.testing.assert_array_equal(table[r], e["row_table"], err_msg=f"row table, rank {r}")
+        np.testing.assert_array_equal(source[r], e["row_source"], err_msg=f"row source, rank {r}")
+        np.testing.assert_array_equal(recv[r].view(np.uint16), e["recv_x"].view(np.uint16), err_msg=f"recv_x, rank {r}")
+        kept = int((table[r] >= 0).sum())
+        assert kept == min(int(sizes[r].sum()), capacity)
+        dropped += int(sizes[r].sum()) - kept
+    assert dropped > 0, "the case should overflow the capacity on some rank"
+
+
+@pytest.mark.parametrize("ep,experts", [(2, 12), (4, 24), (8, 48), (8, 16)])
+def test_unique_remote_rows_matches_loops(ep, experts):
+    """Per receiving rank r: the (source rank != r, token) pairs with at least one expert on r, counted
+    by explicit loops (the bytes the comm benchmark reports at every EP size)."""
+    for kind in ("uniform", "zipf", "with-invalid", "one-expert"):
+        idx, _ = routing_case(kind, ep=ep, tokens=40, top_k=8 if kind != "one-expert" else 2,
+                              num_experts=experts, seed=ep)
+        local = experts // ep
+        want = [0] * ep
+        for r in range(ep):
+            for s in range(ep):
+                if s == r:
+                    continue
+                for t in range(idx.shape[1]):
+                    if any(0 <= g < experts and g // local == r for g in idx[s, t]):
+                        want[r] += 1
+        assert list(unique_remote_rows(idx, experts)) == want, kind
+
+
+def test_unique_remote_rows_ep64_slice_shapes():
+    """The comm benchmark's ep64-slice setting (kimi-k2: 6 experts per GPU, k 8, 2048 tokens/GPU):
+    with 2 GPUs every token needs the other GPU; with more, a token's 8 experts land on fewer than all
+    ranks, so each GPU receives fewer than (ep - 1) * T rows but more than T."""
+    for ep in (2, 4, 8):
+        idx, _ = routing_case("uniform", ep=ep, tokens=2048, top_k=8, num_experts=6 * ep, seed=2048)
+        rows = unique_remote_rows(idx, 6 * ep)
+        if ep == 2:
+            assert list(rows) == [2048, 2048]
+        else:
+            assert np.all(rows > 2048) and np.all(rows < (ep - 1) * 2048), (ep, rows)
+
+
+def test_comm_bench_ranks_and_experts():
+    from mok_jax.bench.comm import experts_for, parse_ranks
+
+    assert parse_ranks("", 8) == [8] and parse_ranks(None, 2) == [2] and parse_ranks(0, 4) == [4]
+    assert parse_ranks("8,4,2", 8) == [8, 4, 2] and parse_ranks("all,2,all", 4) == [4, 2]
+    with pytest.raises(ValueError):
+        parse_ranks("-1", 8)
+    assert experts_for(8, 12, 6) == 48 and experts_for(2, 12) == 12
+    with pytest.raises(ValueError, match="experts-per-gpu"):
+        experts_for(8, 12)
+
+
+def test_gpu_test_ep_sizes_and_process_counts():
+    """The EP sizes that tests/test_comm_gpu.py and the process counts that
+    tests/test_comm_multiprocess_gpu.py parametrize over (largest first)."""
+    from test_comm_gpu import ep_sizes
+    from test_comm_multiprocess_gpu import proc_counts
+
+    assert ep_sizes("", 0) == [8, 4, 2]  # sizes above the GPU count are collected, then skipped
+    assert ep_sizes("", 2) == [8, 4, 2] and ep_sizes("", 8) == [8, 4, 2] and ep_sizes("", 16) == [16, 8, 4, 2]
+    assert ep_sizes("", 6) == [8, 6, 4, 2]
+    assert ep_sizes("all", 4) == [4] and ep_sizes("2, all", 8) == [8, 2] and ep_sizes("4,2", 8) == [4, 2]
+    assert proc_counts("", 8) == [2] and proc_counts("all,4,2", 8) == [8, 4, 2] and proc_counts("8", 0) == [8]
 
 
 def test_identity_combine_is_weighted_sum():

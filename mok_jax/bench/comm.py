@@ -1,12 +1,15 @@
 """Dispatch and combine alone on the GPUs of one process: ``python -m mok_jax.bench.comm``.
 
-Measures, per op (dispatch, combine), mode (pull, push), tokens per GPU and communication SM count:
+Measures, per EP size (``--ranks``: every visible GPU by default, or a list such as ``8,4,2``), op
+(dispatch, combine), mode (pull, push), tokens per GPU and communication SM count:
 the time per call (``reps`` calls unrolled in one jitted program, timed with ``time_fn``, divided by
 ``reps``) and the unique remote bytes per second per GPU: token rows that must cross NVLink,
 counted once per destination rank (dispatch: rows a rank receives from other ranks; combine: the
 partial rows it receives back; the same count for uniform routing). Reported against the measured
 394 GB/s peer-copy bandwidth (HARDWARE.md), next to XLA's ``all_to_all`` of the same bytes in the
-same process.
+same process. ``--experts-per-gpu`` fixes the local experts and lets E grow with the EP size (the
+ep64-slice setting: kimi-k2's 384/64 = 6 per GPU). On NVSwitch machines (4 or 8 GPUs) the 394 GB/s is
+the 2-GPU NV18 figure, not a measurement of that machine: ``--peer-gbps`` replaces it.
 
 Also holds the seeded routing cases and self-identifying token rows that the comm tests share.
 """
@@ -26,7 +29,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["ROUTING_KINDS", "main", "routing_case", "self_identifying_tokens", "unique_remote_rows"]
+__all__ = ["ROUTING_KINDS", "experts_for", "main", "parse_ranks", "routing_case", "self_identifying_tokens",
+           "unique_remote_rows"]
 
 PEER_COPY_GBPS = 394.0  # HARDWARE.md: copy-engine peer copy GPU0 -> GPU1, one direction
 ROUTING_KINDS = ("uniform", "zipf", "one-expert", "sparse-experts", "with-invalid")
@@ -108,33 +112,88 @@ class Record:
     pct_peer: float
     zero_padding: bool = True
     note: str = ""
+    ep: int = 0         # EP size (GPUs of the group)
+    experts: int = 0    # E of the run (E / ep per GPU)
+
+
+def parse_ranks(spec: str | int | None, num_gpus: int) -> list[int]:
+    """EP sizes of a run, in the order given: '' / 0 / None / 'all' = every visible GPU, else a comma
+    list of ints ('all' allowed inside: '8,4,2' or 'all,2'); duplicates dropped."""
+    spec = "" if spec is None else str(spec)
+    out: list[int] = []
+    for tok in (spec.split(",") if spec.strip() else ["all"]):
+        tok = tok.strip()
+        if not tok:
+            continue
+        n = num_gpus if tok in ("all", "0") else int(tok)
+        if n < 1:
+            raise ValueError(f"--ranks: EP sizes must be >= 1, got {tok!r}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def experts_for(ep: int, experts: int, experts_per_gpu: int = 0) -> int:
+    """E of a run at EP size ep: experts_per_gpu * ep when given, else ``experts`` (a multiple of ep)."""
+    if experts_per_gpu:
+        return experts_per_gpu * ep
+    if experts % ep:
+        raise ValueError(f"--experts {experts} is not a multiple of EP {ep}; use --experts-per-gpu")
+    return experts
 
 
 def _shard(mesh, arr):
     return jax.device_put(arr, NamedSharding(mesh, P("ep")))
 
 
-def run(args) -> list[Record]:
+def run(args, save=None) -> tuple[list[Record], dict[int, str]]:
+    """Every EP size of ``--ranks`` in turn, each with an equal share of what is left of --budget-s.
+    Returns the records and {EP size: error} for sizes that failed (the others still run);
+    ``save(records, errors)`` is called after each size so a run cut short keeps what it measured."""
+    gpus = jax.devices()
+    sizes = parse_ranks(args.ranks, len(gpus))
+    if gpus[0].platform != "gpu" or len(gpus) < max(sizes):
+        raise SystemExit(f"needs {max(sizes)} GPUs, this process sees {gpus}")
+    records: list[Record] = []
+    errors: dict[int, str] = {}
+    start = time.monotonic()
+    for n, ep in enumerate(sizes):
+        share = max(args.budget_s - (time.monotonic() - start), 0.0) / (len(sizes) - n)
+        deadline = time.monotonic() + share
+        try:
+            E = experts_for(ep, args.experts, args.experts_per_gpu)
+            print(f"[bench] EP {ep}: {E} experts ({E // ep} per GPU), {share:.0f} s", flush=True)
+            _run_ep(args, Mesh(np.array(gpus[:ep]), ("ep",)), ep, E, deadline, records)
+        except Exception as e:  # noqa: BLE001 - one EP size failing must not lose the others
+            errors[ep] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"[bench] EP {ep} FAILED: {errors[ep]}", flush=True)
+        if save is not None:
+            save(records, errors)
+    return records, errors
+
+
+def _run_ep(args, mesh, ep: int, E: int, deadline: float, records: list[Record]) -> None:
+    """Appends the records of one EP size to ``records`` as they are measured."""
     from mok_jax import ops
     from mok_jax.bench.timing import time_fn
     from mok_jax.workspace import Workspace
 
-    gpus = jax.devices()
-    ep = args.ranks or len(gpus)
-    if len(gpus) < ep or gpus[0].platform != "gpu":
-        raise SystemExit(f"needs {ep} GPUs, this process sees {gpus}")
-    mesh = Mesh(np.array(gpus[:ep]), ("ep",))
-    H, k, E = args.hidden, args.top_k, args.experts
+    H, k = args.hidden, args.top_k
+    peer = args.peer_gbps
     tokens_list = [int(t) for t in args.tokens.split(",")]
     sms_list = [int(s) for s in args.sms.split(",")]
     t_max = max(tokens_list + [args.sweep_tokens])
-    deadline = time.monotonic() + args.budget_s
-    records: list[Record] = []
     reps = args.reps
 
     def timed(fn, *a):
         t = time_fn(fn, *a, warmup=2, samples=args.samples, target_sample_ms=10.0, max_calls_per_sample=16)
         return t.median_ms * 1e3 / reps
+
+    def record(op, mode, T, sms, us, rbytes, **kw) -> Record:
+        gbps = rbytes / (us * 1e-6) / 1e9
+        rec = Record(op, mode, T, sms, us, rbytes, gbps, 100.0 * gbps / peer, ep=ep, experts=E, **kw)
+        records.append(rec)
+        return rec
 
     with Workspace.create(mesh, "ep", max_tokens=t_max, hidden_size=H, top_k=k, num_experts=E,
                           timeout_s=args.timeout_s) as ws:
@@ -183,7 +242,7 @@ def run(args) -> list[Record]:
             layout = None
             for op, mode in ops_modes:
                 if time.monotonic() > deadline:
-                    print(f"[bench] budget exhausted: skipping {op} {mode} T={T} sms={sms}", flush=True)
+                    print(f"[bench] EP {ep} budget exhausted: skipping {op} {mode} T={T} sms={sms}", flush=True)
                     return
                 if op == "dispatch":
                     fn = dispatch_fn(mode, sms)
@@ -200,11 +259,9 @@ def run(args) -> list[Record]:
                     status = np.asarray(fn(*layout))
                 if np.any(status):
                     raise RuntimeError(f"{op} {mode} T={T} sms={sms}: status {status.reshape(-1, 4)[:4]}")
-                gbps = rbytes / (us * 1e-6) / 1e9
-                rec = Record(op, mode, T, sms, us, rbytes, gbps, 100.0 * gbps / PEER_COPY_GBPS)
-                records.append(rec)
-                print(f"[bench] {op:8s} {mode:4s} T={T:6d} sms={sms:3d}: {us:9.1f} us  {gbps:7.1f} GB/s "
-                      f"({rec.pct_peer:5.1f}% of {PEER_COPY_GBPS:.0f})", flush=True)
+                rec = record(op, mode, T, sms, us, rbytes)
+                print(f"[bench] EP {ep} {op:8s} {mode:4s} T={T:6d} sms={sms:3d}: {us:9.1f} us  {rec.gbps:7.1f} GB/s "
+                      f"({rec.pct_peer:5.1f}% of {peer:.0f})", flush=True)
 
         both = [("dispatch", "pull"), ("dispatch", "push"), ("combine", "push"), ("combine", "pull")]
         # 1. the goal point and the SM sweep
@@ -222,11 +279,9 @@ def run(args) -> list[Record]:
                 if time.monotonic() > deadline:
                     break
                 us = timed(dispatch_fn(mode, sms, zero_padding=False), x, i, w)
-                gbps = rbytes / (us * 1e-6) / 1e9
-                records.append(Record("dispatch", mode, args.sweep_tokens, sms, us, rbytes, gbps,
-                                      100.0 * gbps / PEER_COPY_GBPS, zero_padding=False))
-                print(f"[bench] dispatch {mode} T={args.sweep_tokens} sms={sms:3d} no padding: {us:9.1f} us "
-                      f"{gbps:7.1f} GB/s", flush=True)
+                rec = record("dispatch", mode, args.sweep_tokens, sms, us, rbytes, zero_padding=False)
+                print(f"[bench] EP {ep} dispatch {mode} T={args.sweep_tokens} sms={sms:3d} no padding: {us:9.1f} us "
+                      f"{rec.gbps:7.1f} GB/s", flush=True)
         # 4. token-major dispatch (one row per (source, token), no expansion): what a row-gathering
         #    grouped GEMM would consume
         for sms in sms_list:
@@ -234,32 +289,28 @@ def run(args) -> list[Record]:
                 if time.monotonic() > deadline:
                     break
                 us = timed(dispatch_fn(mode, sms, token_major=True), x, i, w)
-                gbps = rbytes / (us * 1e-6) / 1e9
-                records.append(Record("dispatch", mode, args.sweep_tokens, sms, us, rbytes, gbps,
-                                      100.0 * gbps / PEER_COPY_GBPS, note="token_major"))
-                print(f"[bench] dispatch {mode} T={args.sweep_tokens} sms={sms:3d} token-major: {us:9.1f} us "
-                      f"{gbps:7.1f} GB/s ({100.0 * gbps / PEER_COPY_GBPS:5.1f}%)", flush=True)
+                rec = record("dispatch", mode, args.sweep_tokens, sms, us, rbytes, note="token_major")
+                print(f"[bench] EP {ep} dispatch {mode} T={args.sweep_tokens} sms={sms:3d} token-major: {us:9.1f} us "
+                      f"{rec.gbps:7.1f} GB/s ({rec.pct_peer:5.1f}%)", flush=True)
         # 5. XLA all_to_all of the same remote bytes: [ep, T, H] per GPU, (ep-1)/ep of it remote
         for T in sorted(set(tokens_list)):
             if time.monotonic() > deadline:
                 break
             a = _shard(mesh, np.ones((ep * ep, T, H), ml_dtypes.bfloat16))
             us = timed(a2a_fn(), a)
-            rbytes = (ep - 1) * T * H * 2
-            gbps = rbytes / (us * 1e-6) / 1e9
-            records.append(Record("xla_all_to_all", "-", T, 0, us, rbytes, gbps, 100.0 * gbps / PEER_COPY_GBPS))
-            print(f"[bench] all_to_all       T={T:6d}        : {us:9.1f} us  {gbps:7.1f} GB/s", flush=True)
+            rec = record("xla_all_to_all", "-", T, 0, us, (ep - 1) * T * H * 2)
+            print(f"[bench] EP {ep} all_to_all       T={T:6d}        : {us:9.1f} us  {rec.gbps:7.1f} GB/s", flush=True)
             del a
-    return records
 
 
-def table(records: list[Record]) -> str:
-    lines = ["| op | mode | tokens/GPU | SMs | time (us) | unique remote GB/s per GPU | % of 394 GB/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+def table(records: list[Record], peer_gbps: float = PEER_COPY_GBPS) -> str:
+    lines = ["| EP | experts | op | mode | tokens/GPU | SMs | time (us) | unique remote GB/s per GPU | "
+             f"% of {peer_gbps:.0f} GB/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         op = r.op + ("" if r.zero_padding else " (no zero padding)") + (f" ({r.note})" if r.note else "")
-        lines.append(f"| {op} | {r.mode} | {r.tokens} | {r.num_sms or '-'} | {r.time_us:.1f} | {r.gbps:.1f} | "
-                     f"{r.pct_peer:.1f} |")
+        lines.append(f"| {r.ep} | {r.experts} | {op} | {r.mode} | {r.tokens} | {r.num_sms or '-'} | {r.time_us:.1f} | "
+                     f"{r.gbps:.1f} | {r.pct_peer:.1f} |")
     return "\n".join(lines)
 
 
@@ -271,28 +322,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-sms", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=12, help="E (a multiple of every EP size); see --experts-per-gpu")
+    ap.add_argument("--experts-per-gpu", type=int, default=0,
+                    help="E = this x EP size, overriding --experts (6 = kimi-k2 in ep64-slice: 384/64)")
     ap.add_argument("--routing", default="uniform", choices=ROUTING_KINDS)
-    ap.add_argument("--ranks", type=int, default=0, help="EP size (default: every visible GPU)")
+    ap.add_argument("--ranks", default="", help="EP sizes, run in this order: '8,4,2', 'all,2' (default: every "
+                    "visible GPU)")
     ap.add_argument("--reps", type=int, default=8, help="calls unrolled per timed program")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--timeout-s", type=float, default=5.0)
-    ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new measurements after this")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting new measurements after this "
+                    "(shared equally by the EP sizes)")
+    ap.add_argument("--peer-gbps", type=float, default=PEER_COPY_GBPS,
+                    help="per-GPU peer bandwidth that %% of peer refers to (default: 2-GPU NV18 measurement)")
     ap.add_argument("--out", default="benchmarks/results/comm_h200x2.json")
     args = ap.parse_args(argv)
+    if args.experts_per_gpu < 0:
+        ap.error("--experts-per-gpu must be >= 0")
     t0 = time.monotonic()
-    records = run(args)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=str(jax.devices()[0].device_kind), num_devices=len(jax.devices()), hidden=args.hidden,
-                top_k=args.top_k, experts=args.experts, routing=args.routing, reps=args.reps,
-                peer_copy_gbps=PEER_COPY_GBPS, jax=jax.__version__, wall_s=time.monotonic() - t0,
-                command="python -m mok_jax.bench.comm " + " ".join(argv if argv is not None else sys.argv[1:]))
-    out.write_text(json.dumps(dict(meta=meta, records=[dataclasses.asdict(r) for r in records]), indent=1))
-    md = table(records)
-    out.with_suffix(".md").write_text(f"# comm benchmark\n\n```\n{json.dumps(meta, indent=1)}\n```\n\n{md}\n")
-    print(md)
-    return 0
+    command = "python -m mok_jax.bench.comm " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def save(records: list[Record], errors: dict[int, str]) -> str:
+        meta = dict(device=str(jax.devices()[0].device_kind), num_devices=len(jax.devices()), hidden=args.hidden,
+                    top_k=args.top_k, experts=args.experts, experts_per_gpu=args.experts_per_gpu,
+                    ranks=sorted({r.ep for r in records}, reverse=True), errors={str(k): v for k, v in errors.items()},
+                    routing=args.routing, reps=args.reps, peer_copy_gbps=args.peer_gbps, jax=jax.__version__,
+                    wall_s=time.monotonic() - t0, command=command)
+        out.write_text(json.dumps(dict(meta=meta, records=[dataclasses.asdict(r) for r in records]), indent=1))
+        md = table(records, args.peer_gbps)
+        out.with_suffix(".md").write_text(f"# comm benchmark\n\n```\n{json.dumps(meta, indent=1)}\n```\n\n{md}\n")
+        return md
+
+    records, errors = run(args, save)
+    print(save(records, errors))
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 //                      kSignalUnits is added to counter[my rank] in every peer's region.
 //   raise_error        first error wins (CAS on the poison word); it is copied into every peer's
 //                      poison word, so their spinning kernels stop at once, and into the host-mapped
-//                      word that the FFI handler and Workspace.check() read.
+//                      word that the FFI handler and Workspace.check() read. "First" is per word: with
+//                      more than 2 ranks, two ranks that fail at about the same time each keep their
+//                      own error and every other rank keeps whichever reached it first, so ranks agree
+//                      that the workspace is poisoned but may name different detecting ranks.
 //   finish_op          the last block of an op's last kernel advances the device-side epoch and writes
 //                      the op's status output.
 //

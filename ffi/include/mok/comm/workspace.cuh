@@ -13,7 +13,7 @@
 //   ack_disp    u64[ep]        rank d finished reading what I published for dispatch
 //   sig_comb    u64[ep]        partial sums of owner o for my tokens are ready
 //   ack_comb    u64[ep]        origin s finished reading my partials (pull) / its buffer (push)
-//   error       u64            poison word: 0, or a packed ErrorInfo (first error wins)
+//   error       u64            poison word: 0, or a packed ErrorInfo (first error to reach it wins)
 //   state       LocalState     device-side epochs and counters, touched by this rank only
 //   chunk_count i32[ep][num_chunks][L]   schedule scratch: rows per (source, token chunk, expert)
 //   chunk_base  i32[ep][num_chunks][L]   schedule scratch: first output row of each of those
@@ -25,9 +25,11 @@
 //                                        (push: [o][t] on the origin, from owner o;
 //                                         pull: [s][t] on the owner, for origin s)
 //
-// Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes (the device-side ring of
-// DESIGN.md bounds this later). Everything is zeroed once at setup and never memset again:
-// signals are monotonic counters compared against epoch * kSignalUnits.
+// Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes, linear in ep (H 7168,
+// 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the device-side ring of DESIGN.md bounds
+// this later). Nothing else depends on ep beyond the [ep]-indexed regions above: every loop over peers
+// runs to shape.ep and the peer table holds ep pointers. Everything is zeroed once at setup and never
+// memset again: signals are monotonic counters compared against epoch * kSignalUnits.
 //
 // Signals: every block of a producing kernel adds its share of kSignalUnits (block 0 adds
 // kSignalUnits - (gridDim.x - 1), the others 1) with a release reduction at system scope, so one
