@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import _native
+from mok_jax.config import _require
 
 __all__ = ["CommConfig", "CommError", "CommTimeoutError", "Workspace"]
 
@@ -57,11 +58,6 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError):
     """A rank waited longer than ``timeout_s`` for a peer (a peer skipped a call, or hung)."""
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
