@@ -5,10 +5,8 @@
 //   comb[s][t] (pull)       T rows of H bf16, on owner     owner (send)      origin s (reduce)
 //   sig_comb[o]             u64 on the origin              owner o           origin
 //   ack_comb[s]             u64 on the owner               origin s          owner (next send)
-//
-// Partials move with the gather engine of rows.cuh: warp 0 bulk-loads each item's rows into
-// shared-memory stages, warps 1.. sum them in fp32 in the fixed order from shared memory, and one
-// bulk store sends the bf16 result (to the origin's comb in push mode, over NVLink).
+#include <climits>
+
 #include "mok/comm/combine.cuh"
 #include "mok/comm/rows.cuh"
 #include "mok/comm/sync.cuh"
@@ -17,112 +15,78 @@
 namespace mok::comm {
 namespace {
 
-static_assert(kCommThreads == kMoverThreads, "the comm kernels are mover blocks (rows.cuh)");
+constexpr int kSumUnroll = 4;  // vectors per lane per slot in flight
+constexpr int kSumGroup = 4;   // slots whose loads are in flight together (combine send)
 
-// Send: candidate q = (origin s = q % ep, token t = q / ep); values: its local slots' expert_out rows
-// in ascending slot order j, with their router weights; destination: partial(me, s, t).
-struct SendRows {
-  const CommView* v;
-  const int32_t* row_table;
-  const float* row_weight;
-  const uint8_t* expert_out;
-  int32_t num_tokens, k, capacity, row_bytes;
-  bool push;
-
-  __device__ int32_t collect(int32_t q, int32_t* vals, float* wts) const {
-    const int32_t ep = v->shape.ep, s = q % ep, t = q / ep;
-    const size_t slot0 = (size_t(s) * num_tokens + t) * k;
-    int32_t count = 0;
-    for (int32_t j0 = 0; j0 < k; j0 += 8) {
-      int32_t r[8];
-      float w[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const bool in = j0 + u < k;
-        r[u] = in ? row_table[slot0 + j0 + u] : -1;
-        w[u] = in ? row_weight[slot0 + j0 + u] : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (r[u] < 0 || r[u] >= capacity) continue;
-        vals[count] = r[u];
-        wts[count] = w[u];
-        ++count;
-      }
-    }
-    return count > 0 ? count : -1;  // owners holding none of t's experts send nothing
-  }
-  __device__ const uint8_t* src(int32_t, int32_t row) const { return expert_out + size_t(row) * row_bytes; }
-  __device__ uint8_t* dst(int32_t q, int32_t) const {
-    const int32_t ep = v->shape.ep, s = q % ep, t = q / ep;
-    return push ? v->peer<uint8_t>(s, v->layout.comb) + (size_t(v->rank) * v->shape.max_tokens + t) * row_bytes
-                : v->local<uint8_t>(v->layout.comb) + (size_t(s) * v->shape.max_tokens + t) * row_bytes;
-  }
-};
-
-// Reduce: candidate t = my token t; values: the distinct owner ranks of its experts, ascending (a token
-// with none gets a zero row); destination: y[t].
-struct ReduceRows {
-  const CommView* v;
-  const int32_t* topk_idx;
-  uint8_t* y;
-  int32_t k, row_bytes;
-  bool push;
-
-  __device__ int32_t collect(int32_t t, int32_t* vals, float*) const {
-    const int32_t* ids = topk_idx + size_t(t) * k;
-    const int32_t E = v->shape.num_experts, L = v->shape.num_local_experts();
-    int32_t count = 0;
-    for (int32_t j0 = 0; j0 < k; j0 += 8) {
-      int32_t id[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) id[u] = j0 + u < k ? ids[j0 + u] : -1;
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-        if (id[u] >= 0 && id[u] < E) count = insert_sorted_unique(vals, count, id[u] / L);
-    }
-    return count;
-  }
-  __device__ const uint8_t* src(int32_t t, int32_t o) const {
-    return push ? v->local<const uint8_t>(v->layout.comb) + (size_t(o) * v->shape.max_tokens + t) * row_bytes
-                : v->peer<const uint8_t>(o, v->layout.comb) + (size_t(v->rank) * v->shape.max_tokens + t) * row_bytes;
-  }
-  __device__ uint8_t* dst(int32_t t, int32_t) const { return y + size_t(t) * row_bytes; }
-};
-
-__host__ __device__ inline MoverLayout combine_layout(const CombineParams& p) {
-  return make_mover_layout(true, p.view.shape.hidden * 2, p.top_k);
-}
-
-__global__ void __launch_bounds__(kCommThreads, 1) combine_send_kernel(CombineParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+__global__ void __launch_bounds__(kCommThreads) combine_send_kernel(CombineParams p) {
   const CommView& v = p.view;
   const uint64_t epoch = next_epoch(&v.state()->comb_epoch);
   if (!block_wait_peers(v, v.layout.ack_comb, (epoch - 1) * kSignalUnits, kErrTimeoutAck, kOpCombine, epoch)) return;
-  const MoverSmem sm = mover_init(smem, combine_layout(p));
-  const MoverCtx ctx{&v, kOpCombine, epoch};
-  const SendRows rows{&v, p.row_table, p.row_weight, reinterpret_cast<const uint8_t*>(p.expert_out), p.num_tokens,
-                      p.top_k, p.capacity, v.shape.hidden * 2, p.mode == CommMode::kPush};
-  const int32_t items = v.shape.ep * p.num_tokens;
-  if (gather_rows<true>(rows, sm, ctx, block_share(items, blockIdx.x, gridDim.x),
-                        block_share(items, blockIdx.x + 1, gridDim.x)))
-    block_signal_peers(v, v.layout.sig_comb);
+  const int ep = v.shape.ep, rank = v.rank, k = p.top_k;
+  const int lane = threadIdx.x % 32;
+  const int nvec = v.shape.hidden / 8;
+  const int4* rows = reinterpret_cast<const int4*>(p.expert_out);
+  const int warp_id = blockIdx.x * kCommWarps + threadIdx.x / 32;
+  const int num_warps = gridDim.x * kCommWarps;
+  const int items = ep * p.num_tokens;
+  for (int item = warp_id; item < items; item += num_warps) {
+    const int s = item % ep, t = item / ep;
+    int row = -1;
+    float w = 0.0f;
+    if (lane < k) {
+      const size_t slot = (size_t(s) * p.num_tokens + t) * k + lane;
+      const int32_t r = p.row_table[slot];
+      if (r >= 0 && r < p.capacity) {
+        row = r;
+        w = p.row_weight[slot];
+      }
+    }
+    const uint32_t lanes = __ballot_sync(kFullMask, row >= 0);
+    if (lanes == 0) continue;
+    int4* dst = p.mode == CommMode::kPush
+                    ? v.peer<int4>(s, v.layout.comb) + (size_t(rank) * v.shape.max_tokens + t) * nvec
+                    : v.local<int4>(v.layout.comb) + (size_t(s) * v.shape.max_tokens + t) * nvec;
+    warp_weighted_sum_row<kSumUnroll, kSumGroup>(rows, nvec, row, w, lanes, dst, lane);
+  }
+  block_signal_peers(v, v.layout.sig_comb);
 }
 
-__global__ void __launch_bounds__(kCommThreads, 1) combine_reduce_kernel(CombineParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+__global__ void __launch_bounds__(kCommThreads) combine_reduce_kernel(CombineParams p) {
   const CommView& v = p.view;
   LocalState* st = v.state();
   const uint64_t epoch = next_epoch(&st->comb_epoch);
   const bool ok = block_wait_peers(v, v.layout.sig_comb, epoch * kSignalUnits, kErrTimeoutData, kOpCombine, epoch);
   if (ok) {
-    const MoverSmem sm = mover_init(smem, combine_layout(p));
-    const MoverCtx ctx{&v, kOpCombine, epoch};
-    const ReduceRows rows{&v, p.topk_idx, reinterpret_cast<uint8_t*>(p.y), p.top_k, v.shape.hidden * 2,
-                          p.mode == CommMode::kPush};
-    if (gather_rows<false>(rows, sm, ctx, block_share(p.num_tokens, blockIdx.x, gridDim.x),
-                           block_share(p.num_tokens, blockIdx.x + 1, gridDim.x)))
-      block_signal_peers(v, v.layout.ack_comb);
+    const int rank = v.rank, k = p.top_k;
+    const int lane = threadIdx.x % 32;
+    const int nvec = v.shape.hidden / 8;
+    const int L = v.shape.num_local_experts();
+    int4* y = reinterpret_cast<int4*>(p.y);
+    const int warp_id = blockIdx.x * kCommWarps + threadIdx.x / 32;
+    const int num_warps = gridDim.x * kCommWarps;
+    for (int t = warp_id; t < p.num_tokens; t += num_warps) {
+      int owner = -1;
+      if (lane < k) {
+        const int32_t id = p.topk_idx[size_t(t) * k + lane];
+        if (id >= 0 && id < v.shape.num_experts) owner = id / L;
+      }
+      // Distinct owners in ascending order: lane i receives the i-th.
+      const int4* my_src = nullptr;
+      int num_src = 0;
+      for (int prev = -1;;) {
+        const int cand = owner > prev ? owner : INT_MAX;
+        const int o = __reduce_min_sync(kFullMask, cand);
+        if (o == INT_MAX) break;
+        if (lane == num_src)
+          my_src = p.mode == CommMode::kPush
+                       ? v.local<const int4>(v.layout.comb) + (size_t(o) * v.shape.max_tokens + t) * nvec
+                       : v.peer<const int4>(o, v.layout.comb) + (size_t(rank) * v.shape.max_tokens + t) * nvec;
+        ++num_src;
+        prev = o;
+      }
+      warp_sum_rows<kSumUnroll>(my_src, num_src, nvec, y + size_t(t) * nvec, lane);
+    }
+    block_signal_peers(v, v.layout.ack_comb);
   }
   finish_op(v, &st->comb_done, &st->comb_epoch, epoch, p.status);
 }
@@ -131,23 +95,17 @@ __global__ void __launch_bounds__(kCommThreads, 1) combine_reduce_kernel(Combine
 
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
   if (p.num_blocks <= 0 || uint64_t(p.num_blocks) >= kSignalUnits) return cudaErrorInvalidValue;
-  const MoverLayout ml = combine_layout(p);
-  if (!mover_layout_ok(ml)) return cudaErrorInvalidValue;
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, 4 * sizeof(int32_t), stream));
-  combine_send_kernel<<<p.num_blocks, kCommThreads, ml.total, stream>>>(p);
+  combine_send_kernel<<<p.num_blocks, kCommThreads, 0, stream>>>(p);
   MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  combine_reduce_kernel<<<p.num_blocks, kCommThreads, ml.total, stream>>>(p);
+  combine_reduce_kernel<<<p.num_blocks, kCommThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// Loads both kernels on the current device and lets them take kMoverSmemBytes of shared memory.
 cudaError_t preload_combine_kernels() {
   cudaFuncAttributes attr;
   MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, combine_send_kernel));
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, combine_reduce_kernel));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(combine_send_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoverSmemBytes));
-  return cudaFuncSetAttribute(combine_reduce_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoverSmemBytes);
+  return cudaFuncGetAttributes(&attr, combine_reduce_kernel);
 }
 
 }  // namespace mok::comm

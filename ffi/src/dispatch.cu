@@ -6,11 +6,6 @@
 //   stage[s][t] (push)         T rows of H bf16, on owner    rank s (post)       owner (data)
 //   sig_route[s], sig_x[s]     u64 on the owner              rank s              owner
 //   ack_disp[d]                u64 on the source             owner d (data)      source (next post)
-//
-// Rows move with the copy engine of rows.cuh (cp.async.bulk through shared memory, warp 0 of each block):
-// post loads each needed token row once and stores it to its stage(s); data loads each (source, token)
-// row once (over NVLink when pulled) and stores it to every local slot's output row. Padding rows are
-// zeroed with bulk stores from a zeroed shared buffer.
 #include "mok/comm/dispatch.cuh"
 #include "mok/comm/rows.cuh"
 #include "mok/comm/schedule.cuh"
@@ -20,95 +15,13 @@
 namespace mok::comm {
 namespace {
 
-static_assert(kCommThreads == kMoverThreads, "the comm kernels are mover blocks (rows.cuh)");
+constexpr int kCopyUnroll = 8;
 
 __device__ __forceinline__ int owner_of(const CommView& v, int32_t id) {
   return (id >= 0 && id < v.shape.num_experts) ? id / v.shape.num_local_experts() : -1;
 }
 
-// Post (copy engine): candidate t = token t of this rank, read from x; its values are the ranks whose
-// stage receives it: pull, this rank once if any other rank needs t; push, every other rank that does.
-struct PostRows {
-  const CommView* v;
-  const int32_t* topk_idx;
-  const uint8_t* x;
-  int32_t k, row_bytes;
-  bool push;
-
-  __device__ int32_t collect(int32_t t, int32_t* vals, float*) const {
-    const int32_t* ids = topk_idx + size_t(t) * k;
-    int32_t count = 0;
-    for (int32_t j0 = 0; j0 < k; j0 += 8) {
-      int32_t id[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) id[u] = j0 + u < k ? ids[j0 + u] : -1;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int o = owner_of(*v, id[u]);
-        if (o < 0 || o == v->rank) continue;
-        if (push) {
-          count = insert_unique(vals, count, o);
-        } else {
-          vals[0] = v->rank;
-          count = 1;
-        }
-      }
-    }
-    return count > 0 ? count : -1;
-  }
-  __device__ const uint8_t* src(int32_t t, int32_t) const { return x + size_t(t) * row_bytes; }
-  __device__ uint8_t* dst(int32_t t, int32_t r) const {  // stage[my rank][t] of rank r
-    return v->peer<uint8_t>(r, v->layout.stage) + (size_t(v->rank) * v->shape.max_tokens + t) * row_bytes;
-  }
-};
-
-// Data (copy engine): candidate q = (source s = q % ep, token t = q / ep), interleaved so NVLink and
-// local reads proceed together; values: its output rows (token_major: its one row s * T + t).
-struct DataRows {
-  const CommView* v;
-  const int32_t* row_table;
-  const uint8_t* x;
-  uint8_t* recv;
-  int32_t num_tokens, k, capacity, row_bytes;
-  bool push, token_major;
-
-  __device__ int32_t collect(int32_t q, int32_t* vals, float*) const {
-    const int32_t ep = v->shape.ep, s = q % ep, t = q / ep;
-    const int32_t* tab = row_table + (size_t(s) * num_tokens + t) * k;
-    int32_t count = 0;
-    for (int32_t j0 = 0; j0 < k; j0 += 8) {
-      int32_t r[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) r[u] = j0 + u < k ? tab[j0 + u] : -1;
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (r[u] < 0 || r[u] >= capacity) continue;
-        if (token_major) {
-          vals[0] = s * num_tokens + t;
-          count = 1;
-        } else {
-          vals[count++] = r[u];
-        }
-      }
-    }
-    return count > 0 ? count : -1;
-  }
-  __device__ const uint8_t* src(int32_t q, int32_t) const {
-    const int32_t ep = v->shape.ep, s = q % ep, t = q / ep;
-    if (s == v->rank) return x + size_t(t) * row_bytes;
-    const size_t at = (size_t(s) * v->shape.max_tokens + t) * row_bytes;
-    return push ? v->local<const uint8_t>(v->layout.stage) + at : v->peer<const uint8_t>(s, v->layout.stage) + at;
-  }
-  __device__ uint8_t* dst(int32_t, int32_t row) const { return recv + size_t(row) * row_bytes; }
-};
-
-// The copy engine's layout for a dispatch kernel (host: launch size; device: offsets).
-__host__ __device__ inline MoverLayout dispatch_layout(const DispatchParams& p) {
-  return make_mover_layout(false, p.view.shape.hidden * 2, p.top_k);
-}
-
-__global__ void __launch_bounds__(kCommThreads, 1) dispatch_post_kernel(DispatchParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+__global__ void __launch_bounds__(kCommThreads) dispatch_post_kernel(DispatchParams p) {
   const CommView& v = p.view;
   const uint64_t epoch = next_epoch(&v.state()->disp_epoch);
   if (!block_wait_peers(v, v.layout.ack_disp, (epoch - 1) * kSignalUnits, kErrTimeoutAck, kOpDispatch, epoch)) return;
@@ -128,68 +41,83 @@ __global__ void __launch_bounds__(kCommThreads, 1) dispatch_post_kernel(Dispatch
   }
   block_signal_peers(v, v.layout.sig_route);
 
-  // 2. Token rows that some other rank needs, once per token (pull) or once per destination (push),
-  //    by the copy engine of warp 0.
-  const MoverSmem sm = mover_init(smem, dispatch_layout(p));
-  const MoverCtx ctx{&v, kOpDispatch, epoch};
-  const PostRows rows{&v, p.topk_idx, reinterpret_cast<const uint8_t*>(p.x), k, v.shape.hidden * 2,
-                      p.mode == CommMode::kPush};
-  bool good = true;
-  if (threadIdx.x < 32)
-    good = copy_rows(rows, sm, ctx, block_share(p.num_tokens, blockIdx.x, gridDim.x),
-                     block_share(p.num_tokens, blockIdx.x + 1, gridDim.x), int(threadIdx.x));
-  if (__syncthreads_and(good)) block_signal_peers(v, v.layout.sig_x);
-}
-
-// token_major with zero_padding: rows of (source, token) pairs with no local slot are zeroed (generic
-// stores by warps 1..; the copy engine of warp 0 writes the other rows).
-__device__ void zero_token_major_rows(const DispatchParams& p, int32_t begin, int32_t end, int warp, int lane) {
-  const CommView& v = p.view;
-  const int ep = v.shape.ep, k = p.top_k, nvec = v.shape.hidden / 8;
-  int4* recv = reinterpret_cast<int4*>(p.recv_x);
-  for (int32_t q = begin + warp - 1; q < end; q += kCommWarps - 1) {
-    const int32_t s = q % ep, t = q / ep;
-    bool valid = false;
-    if (lane < k) {
-      const int32_t r = p.row_table[(size_t(s) * p.num_tokens + t) * k + lane];
-      valid = r >= 0 && r < p.capacity;
+  // 2. Token rows that some other rank needs, once per token (pull) or once per destination (push).
+  const int lane = threadIdx.x % 32;
+  const int nvec = v.shape.hidden / 8;
+  const int4* x = reinterpret_cast<const int4*>(p.x);
+  const size_t stage_row0 = size_t(rank) * v.shape.max_tokens;  // stage[rank][0]
+  const int warp_id = blockIdx.x * kCommWarps + threadIdx.x / 32;
+  const int num_warps = gridDim.x * kCommWarps;
+  for (int t = warp_id; t < p.num_tokens; t += num_warps) {
+    const int owner = lane < k ? owner_of(v, p.topk_idx[size_t(t) * k + lane]) : -1;
+    const uint32_t same = __match_any_sync(kFullMask, owner);
+    const bool first_of_owner = lane == __ffs(same) - 1;
+    const bool remote = first_of_owner && owner >= 0 && owner != rank;
+    uint32_t lanes = __ballot_sync(kFullMask, remote);
+    if (lanes == 0) continue;
+    int4* my_dst = nullptr;
+    if (p.mode == CommMode::kPull) {
+      lanes &= -lanes;  // one copy, into my own stage
+      my_dst = v.local<int4>(v.layout.stage) + (stage_row0 + t) * nvec;
+    } else if (remote) {
+      my_dst = v.peer<int4>(owner, v.layout.stage) + (stage_row0 + t) * nvec;
     }
-    if (__ballot_sync(kFullMask, valid) != 0) continue;
-    int4* dst = recv + (size_t(s) * p.num_tokens + t) * nvec;
-    for (int i = lane; i < nvec; i += 32) st_v4(dst + i, make_int4(0, 0, 0, 0));
+    warp_copy_row<kCopyUnroll>(x + size_t(t) * nvec, nvec, my_dst, lanes, lane);
   }
+  block_signal_peers(v, v.layout.sig_x);
 }
 
-__global__ void __launch_bounds__(kCommThreads, 1) dispatch_data_kernel(DispatchParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+__global__ void __launch_bounds__(kCommThreads) dispatch_data_kernel(DispatchParams p) {
   const CommView& v = p.view;
   LocalState* st = v.state();
   const uint64_t epoch = next_epoch(&st->disp_epoch);
   const bool ok = block_wait_peers(v, v.layout.sig_x, epoch * kSignalUnits, kErrTimeoutData, kOpDispatch, epoch);
   if (ok) {
-    const int32_t row_bytes = v.shape.hidden * 2;
-    const MoverSmem sm = mover_init(smem, dispatch_layout(p));
-    const MoverCtx ctx{&v, kOpDispatch, epoch};
-    const DataRows rows{&v, p.row_table, reinterpret_cast<const uint8_t*>(p.x), reinterpret_cast<uint8_t*>(p.recv_x),
-                        p.num_tokens, p.top_k, p.capacity, row_bytes, p.mode == CommMode::kPush, p.token_major};
-    const int32_t items = v.shape.ep * p.num_tokens;
-    const int32_t begin = block_share(items, blockIdx.x, gridDim.x);
-    const int32_t end = block_share(items, blockIdx.x + 1, gridDim.x);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    bool good = true;
-    if (warp == 0)
-      good = copy_rows(rows, sm, ctx, begin, end, lane);
-    else if (p.token_major && p.zero_padding)
-      zero_token_major_rows(p, begin, end, warp, lane);
-    good = __syncthreads_and(good) != 0;
-    if (good && p.zero_padding && !p.token_major) {
-      // Rows [total, capacity) are padding: one contiguous span, split evenly over the blocks.
-      const int32_t total = min(max(st->total_rows, 0), p.capacity);
-      const size_t vecs = size_t(p.capacity - total) * (row_bytes / 16);
-      const size_t v0 = vecs * blockIdx.x / gridDim.x, v1 = vecs * (blockIdx.x + 1) / gridDim.x;
-      zero_fill(sm, reinterpret_cast<uint8_t*>(p.recv_x) + size_t(total) * row_bytes + v0 * 16, (v1 - v0) * 16);
+    const int ep = v.shape.ep, rank = v.rank, k = p.top_k;
+    const int lane = threadIdx.x % 32;
+    const int nvec = v.shape.hidden / 8;
+    const int4* x = reinterpret_cast<const int4*>(p.x);
+    int4* recv = reinterpret_cast<int4*>(p.recv_x);
+    const int warp_id = blockIdx.x * kCommWarps + threadIdx.x / 32;
+    const int num_warps = gridDim.x * kCommWarps;
+    const int items = ep * p.num_tokens;
+    // Sources interleaved (item % ep) so NVLink reads and local reads proceed together.
+    for (int item = warp_id; item < items; item += num_warps) {
+      const int s = item % ep, t = item / ep;
+      int row = -1;
+      if (lane < k) {
+        const int32_t r = p.row_table[(size_t(s) * p.num_tokens + t) * k + lane];
+        if (r >= 0 && r < p.capacity) row = r;
+      }
+      uint32_t lanes = __ballot_sync(kFullMask, row >= 0);
+      if (p.token_major) {
+        int4* dst = recv + (size_t(s) * p.num_tokens + t) * nvec;
+        if (lanes == 0) {
+          if (p.zero_padding)
+            for (int i = lane; i < nvec; i += 32) st_v4(dst + i, make_int4(0, 0, 0, 0));
+          continue;
+        }
+        lanes &= -lanes;  // one copy per (source, token)
+      } else if (lanes == 0) {
+        continue;
+      }
+      const size_t stage_row = size_t(s) * v.shape.max_tokens + t;
+      const int4* src = s == rank ? x + size_t(t) * nvec
+                        : p.mode == CommMode::kPull ? v.peer<const int4>(s, v.layout.stage) + stage_row * nvec
+                                                    : v.local<const int4>(v.layout.stage) + stage_row * nvec;
+      int4* my_dst = p.token_major ? recv + (size_t(s) * p.num_tokens + t) * nvec
+                                   : (row >= 0 ? recv + size_t(row) * nvec : nullptr);
+      warp_copy_row<kCopyUnroll>(src, nvec, my_dst, lanes, lane);
     }
-    if (good) block_signal_peers(v, v.layout.ack_disp);
+    if (p.zero_padding && !p.token_major) {
+      const int32_t total = min(max(st->total_rows, 0), p.capacity);
+      const size_t n = size_t(p.capacity - total) * nvec;
+      int4* pad = recv + size_t(total) * nvec;
+      const int4 zero = make_int4(0, 0, 0, 0);
+      for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+        st_v4(pad + i, zero);
+    }
+    block_signal_peers(v, v.layout.ack_disp);
   }
   finish_op(v, &st->disp_done, &st->disp_epoch, epoch, p.status);
 }
@@ -198,10 +126,8 @@ __global__ void __launch_bounds__(kCommThreads, 1) dispatch_data_kernel(Dispatch
 
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   if (p.num_blocks <= 0 || uint64_t(p.num_blocks) >= kSignalUnits) return cudaErrorInvalidValue;
-  const MoverLayout ml = dispatch_layout(p);
-  if (!mover_layout_ok(ml)) return cudaErrorInvalidValue;
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, 4 * sizeof(int32_t), stream));
-  dispatch_post_kernel<<<p.num_blocks, kCommThreads, ml.total, stream>>>(p);
+  dispatch_post_kernel<<<p.num_blocks, kCommThreads, 0, stream>>>(p);
   MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   ScheduleParams sp{};
   sp.view = p.view;
@@ -213,19 +139,14 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   sp.row_weight = p.row_weight;
   sp.row_source = p.row_source;
   MOK_CUDA_RETURN_IF_ERROR(launch_schedule(sp, stream));
-  dispatch_data_kernel<<<p.num_blocks, kCommThreads, ml.total, stream>>>(p);
+  dispatch_data_kernel<<<p.num_blocks, kCommThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// Loads both kernels on the current device and lets them take kMoverSmemBytes of shared memory.
 cudaError_t preload_dispatch_kernels() {
   cudaFuncAttributes attr;
   MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, dispatch_post_kernel));
   MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, dispatch_data_kernel));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(dispatch_post_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoverSmemBytes));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(dispatch_data_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMoverSmemBytes));
   return preload_schedule_kernels();
 }
 

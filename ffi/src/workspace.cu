@@ -129,7 +129,6 @@ std::string describe_error(uint64_t packed) {
              " to release the buffers of the previous call";
       break;
     case kErrOverflow: what = "received more rows than the output capacity"; break;
-    case kErrTimeoutCopy: what = "a bulk copy (cp.async.bulk) did not complete in time"; break;
     default: what = "error code " + std::to_string(e.code); break;
   }
   return std::string("mok ") + op_name(e.op) + " on EP rank " + std::to_string(e.rank) + ": " + what +

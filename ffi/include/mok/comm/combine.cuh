@@ -7,9 +7,6 @@
 // One row per (token, owner rank) crosses NVLink. Owners that hold none of t's experts send
 // nothing and are skipped in the sum (adding their +0 partial would not change any bit).
 //
-// Both kernels run the gather engine of rows.cuh (bulk loads into shared memory, the sum from there,
-// one bulk store per partial / output row), one block of kCommThreads threads per SM.
-//
 // Kernels of one call, in stream order (epoch e = completed combines + 1):
 //   send    waits ack_comb >= (e-1) from every peer (the previous call's partials were consumed),
 //           computes partial(me, s, t) for every (s, t) with local slots and stores it

@@ -10,8 +10,8 @@
 //   zero_padding); expert-major row i is recv_x[row_source[i]]. This writes 1/(local slots per token)
 //   of the expert-major bytes.
 //
-// A token row crosses NVLink at most once per destination rank: the owner bulk-loads it once into
-// shared memory and bulk-stores it to each of its local experts' rows from there (rows.cuh).
+// A token row crosses NVLink at most once per destination rank: the owner loads it once and writes
+// it to each of its local experts' rows from registers (rows.cuh).
 //
 // Kernels of one call, in stream order (epoch e = completed dispatches + 1, read from LocalState):
 //   post   waits ack_disp >= (e-1) from every peer (they finished reading what I published last time),
@@ -24,8 +24,7 @@
 //          (s == me: from x; pull: from peer s's stage[s]; push: from my stage[s]) and stores it to
 //          its rows; zeroes the padding rows; acks ack_disp to every peer; the last block advances the
 //          epoch and writes status (int32[4]: error code, op, rank that detected it, awaited peer).
-// Grid: num_blocks blocks of kCommThreads threads for post and data (the communication SM count), each
-// with ~220 KB of dynamic shared memory (the stages of rows.cuh), so one block per SM.
+// Grid: num_blocks blocks of kCommThreads threads for post and data (the communication SM count).
 #pragma once
 
 #include <cuda_bf16.h>

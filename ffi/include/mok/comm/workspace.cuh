@@ -118,7 +118,6 @@ enum ErrorCode : uint32_t {
   kErrTimeoutData = 2,     // waited too long for a peer's rows (dispatch) or partials (combine)
   kErrTimeoutAck = 3,      // waited too long for a peer to release a buffer of the previous call
   kErrOverflow = 4,        // more rows than the output capacity
-  kErrTimeoutCopy = 5,     // a bulk copy of this rank did not complete in time (rows.cuh; never expected)
 };
 enum OpCode : uint32_t { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2 };
 
