@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 from flax.nnx import bridge
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
 from mok_jax.moe import moe
 from mok_jax.reference.router import route
-from mok_jax.sharding import expert_parallel_moe, partition_specs
+from mok_jax.sharding import expert_parallel_moe, is_explicit, resolve_token_axes
 from mok_jax.weights import MoEWeights
 
 __all__ = ["LinenMoELayer", "MoELayer", "RouterBias", "load_balancing_loss"]
@@ -71,10 +71,9 @@ class MoELayer(nnx.Module):
         if not isinstance(shape, ModelShape):
             raise TypeError(f"shape must be a mok_jax.ModelShape, got {type(shape).__name__}")
         self.shape = shape
-        self.mesh, self.ep_axis, self.token_axes = mesh, ep_axis, token_axes
-        self.dtype = dtype
+        self.mesh, self.ep_axis, self.dtype = mesh, ep_axis, dtype
+        self.token_axes = token_axes if mesh is None else resolve_token_axes(mesh, ep_axis, token_axes)
         if mesh is not None:
-            partition_specs(mesh, ep_axis, token_axes)  # checks the axes
             if shape.num_experts % mesh.shape[ep_axis]:
                 raise ValueError(f"shape.num_experts ({shape.num_experts}) must be divisible by the size of mesh "
                                  f"axis {ep_axis!r} ({mesh.shape[ep_axis]})")
@@ -111,9 +110,9 @@ class MoELayer(nnx.Module):
         """[T, H] -> [*lead, H]. On a mesh of Explicit axes the result keeps the token sharding on the
         leading dimension when it divides evenly, else it is replicated."""
         mesh = self.mesh
-        if mesh is None or not all(t == AxisType.Explicit for t in mesh.axis_types):
+        if mesh is None or not is_explicit(mesh):
             return y.reshape(*lead, y.shape[-1])
-        axes = tuple(mesh.axis_names) if self.token_axes is None else tuple(self.token_axes)
+        axes = self.token_axes
         shards = math.prod(mesh.shape[a] for a in axes)
         first = axes if lead and lead[0] % shards == 0 else None
         spec = P(first, *([None] * len(lead)))

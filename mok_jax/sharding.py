@@ -7,6 +7,7 @@ expert weights are sharded over ``ep`` on their expert dimension (rank r holds e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,18 +17,23 @@ from mok_jax.config import MoEConfig
 from mok_jax.moe import moe
 from mok_jax.weights import MoEWeights
 
-__all__ = ["expert_parallel_moe", "partition_specs"]
+__all__ = ["expert_parallel_moe", "is_explicit", "place", "resolve_token_axes"]
 
 
-def _place(a: jax.Array, sharding: NamedSharding) -> jax.Array:
+def is_explicit(mesh: Mesh) -> bool:
+    """True when every axis of ``mesh`` is Explicit (jax.make_mesh's default since jax 0.11)."""
+    return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def place(a: jax.Array, sharding: NamedSharding) -> jax.Array:
     """Lay ``a`` out as ``sharding`` eagerly or under jit, for meshes of Explicit or Auto axes."""
-    if all(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+    if is_explicit(sharding.mesh):
         return jax.sharding.reshard(a, sharding)
     return jax.lax.with_sharding_constraint(a, sharding)
 
 
-def partition_specs(mesh: Mesh, ep_axis: str, token_axes: tuple[str, ...] | None = None):
-    """(x/topk spec, MoEWeights of weight specs) for a mesh. Checks the axes exist."""
+def resolve_token_axes(mesh: Mesh, ep_axis: str, token_axes: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The mesh axes tokens are sharded over (every axis unless ``token_axes`` names them), checked."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if ep_axis not in mesh.axis_names:
@@ -38,9 +44,7 @@ def partition_specs(mesh: Mesh, ep_axis: str, token_axes: tuple[str, ...] | None
             raise ValueError(f"token_axes names {a!r}, which is not an axis of the mesh {mesh.axis_names}")
     if ep_axis not in token_axes:
         raise ValueError(f"token_axes {token_axes} must include the expert-parallel axis {ep_axis!r}")
-    tok = P(token_axes)
-    w = MoEWeights(P(ep_axis), P(ep_axis), P(), P())
-    return tok, w
+    return token_axes
 
 
 def expert_parallel_moe(
@@ -62,28 +66,24 @@ def expert_parallel_moe(
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
     ep_axis = config.ep_axis or "ep"
-    config = config if config.ep_axis else MoEConfig(implementation=config.implementation, ep_axis=ep_axis,
-                                                     kernel=config.kernel)
-    tok, wspec = partition_specs(mesh, ep_axis, token_axes)
+    config = dataclasses.replace(config, ep_axis=ep_axis)
+    axes = resolve_token_axes(mesh, ep_axis, token_axes)
     ep = mesh.shape[ep_axis]
     num_experts = weights.gate_up.shape[0]
     if num_experts % ep:
         raise ValueError(f"the number of experts ({num_experts}, weights.gate_up.shape[0]) must be divisible "
                          f"by the size of mesh axis {ep_axis!r} ({ep})")
-    axes = tuple(mesh.axis_names) if token_axes is None else tuple(token_axes)
     shards = math.prod(mesh.shape[a] for a in axes)
     if x.ndim != 2 or x.shape[0] % shards:
         raise ValueError(f"x must be [tokens, hidden] with tokens divisible by the {shards} token shards "
                          f"(mesh axes {axes}), got shape {x.shape}")
-    if weights.shared_gate_up is None:
-        wspec = MoEWeights(wspec.gate_up, wspec.down, None, None)
-
-    def place(a, spec):
-        return _place(a, NamedSharding(mesh, spec))
+    tok = P(axes)
+    shared = P() if weights.shared_gate_up is not None else None
+    wspec = MoEWeights(P(ep_axis), P(ep_axis), shared, shared)
 
     args = (x, topk_idx, topk_weight, weights)
     specs = (tok, tok, tok, wspec)
-    args = jax.tree.map(place, args, specs)
+    args = jax.tree.map(lambda a, spec: place(a, NamedSharding(mesh, spec)), args, specs)
     body = jax.shard_map(
         lambda x, i, w, W: moe(x, i, w, W, config=config), mesh=mesh, in_specs=specs, out_specs=tok
     )

@@ -41,11 +41,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.bench.accounting import capacity as _capacity
 from mok_jax.config import MoEConfig
 from mok_jax.reference.experts import swiglu_ffn
+from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
 
 __all__ = ["BASELINES", "IMPLEMENTATIONS", "build", "mok", "ragged", "reference", "xla_capacity", "xla_dropless"]
@@ -84,13 +85,6 @@ def _finish(y_routed: jax.Array, x: jax.Array, weights: MoEWeights) -> jax.Array
     return y_routed.astype(x.dtype)
 
 
-def _place(a: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
-    sharding = NamedSharding(mesh, spec)
-    if all(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.sharding.reshard(a, sharding)
-    return lax.with_sharding_constraint(a, sharding)
-
-
 def _ep_callable(body: Callable, mesh: Mesh, axis: str, name: str, stat_names: tuple[str, ...] = ()) -> MoEFn:
     """jit(shard_map(body)) over ``axis``; body(x, topk_idx, topk_weight, weights) -> (y, stats) per rank."""
     if not isinstance(mesh, Mesh):
@@ -115,7 +109,7 @@ def _ep_callable(body: Callable, mesh: Mesh, axis: str, name: str, stat_names: t
         wspec = MoEWeights(P(axis), P(axis), shared, shared)
         specs = (tok, tok, tok, wspec)
         args = (x, topk_idx, topk_weight.astype(_F32), weights)
-        args = jax.tree.map(lambda a, s: _place(a, mesh, s), args, specs)
+        args = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), args, specs)
         with jax.named_scope(name):
             return jax.shard_map(functools.partial(body, axis=axis), mesh=mesh, in_specs=specs,
                                  out_specs=(tok, {s: P() for s in stat_names}))(*args)
