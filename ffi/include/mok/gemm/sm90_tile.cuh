@@ -1,0 +1,294 @@
+// mok gemm: one 128 x 256 output tile of a bf16 GEMM on Hopper (sm_90a), TMA + wgmma through CuTe.
+//
+//   acc[r, n] = sum_k A[row0 + r, k] * B[group][k, cols(n)]          fp32 accumulation in registers
+//   cols(n) = col0 + n for n < 128 and col1 + n - 128 for n >= 128 (two 128-column halves of B, so a
+//   SwiGLU tile can pair gate columns [c, c+128) with their up columns [c+I, c+I+128))
+//
+// The pieces every GEMM role of the library is built from (the standalone grouped FFN and the MoE
+// megakernel): the shared-memory stage ring, the producer's loads of one tile (one thread, TMA), the
+// consumers' MMAs of one tile (two warpgroups, 64 rows each: wgmma 64x256x16, A K-major and B MN-major,
+// both from 128B-swizzled shared memory, one batch of 4 in flight), and the epilogue policies:
+//   store_swiglu_bf16  out[r, c] = bf16(silu(acc[r, c]) * acc[r, c + 128])     128 columns
+//   store_bf16         out[r, c] = bf16(acc[r, c])                             256 columns
+//   store_f32          out[r, c] = acc[r, c]                                   256 columns
+// Each epilogue writes rows [row, row_end) and columns [.., n_out) only, so rows of the next group that a
+// tile reads past its own group's end and TMA's zero fill past the matrix are computed but never stored.
+//
+// Stage ring: kStages x (16 KB A + 32 KB B) = 192 KB; full[s] gets 1 producer arrive + the TMA bytes,
+// empty[s] one arrive per consumer warp (8). Producer and consumers each keep a StagePos and walk the
+// same sequence of tiles, so the ring carries over from one tile to the next. All waits are bounded.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/bfloat16.h>
+
+#include "mok/gemm/sm90_sync.cuh"
+
+namespace mok::gemm {
+
+// A class template only so that the TMA types below can be deduced from the member functions' bodies
+// inside the class (a plain class would see them undefined); use the Sm90Tile alias.
+template <int kUnused = 0>
+struct Sm90TileT {
+  using Element = cutlass::bfloat16_t;
+
+  // 128 x 256 x 64 is the tile cuBLAS/CUTLASS pick for large bf16 GEMMs on H100: 64x256 wgmma per
+  // consumer warpgroup has the lowest shared-memory traffic per FLOP, and 4 stages of 48 KB cover the
+  // TMA latency.
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 256;
+  static constexpr int kBlockK = 64;
+  static constexpr int kStages = 4;
+  static constexpr int kHalfN = kBlockN / 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;
+  static constexpr int kEpiCols = 64;
+  static constexpr int kEpiPitch = kEpiCols + 8;  // bf16; +16 B per row makes the bf16x2 writes conflict-free
+  static constexpr int kEpiWords = kRowsPerConsumer * kEpiPitch / 2;  // per consumer warpgroup
+
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  // MN-major B: swizzle atoms (64 n x 8 k) tiled along k first, so each 64-column strip of a stage is one
+  // contiguous 8 KB box for TMA and the strips sit at a uniform stride for the wgmma descriptor.
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // One 128-column half of one B stage: the same strides as the matching part of SmemLayoutB.
+  using SmemLayoutBHalf = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{}, cute::Shape<cute::Int<kHalfN>, cute::Int<kBlockK>>{},
+      cute::Step<cute::_2, cute::_1>{}));
+  static constexpr int kStageElemsA = kBlockM * kBlockK;
+  static constexpr int kStageElemsB = kBlockN * kBlockK;
+  static constexpr int kHalfElemsB = kHalfN * kBlockK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(Element);
+
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{},
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using Accumulator = decltype(cute::partition_fragment_C(
+      std::declval<TiledMma>(), cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+
+  // A: rows x k, k contiguous (x, dispatched rows, or h for a down projection).
+  static auto make_tma_a(const Element* ptr, int rows, int k) {
+    using namespace cute;
+    Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(rows, k), make_stride(int64_t(k), Int<1>{}));
+    return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutA{}(_, _, 0), Shape<Int<kBlockM>, Int<kBlockK>>{}, Int<1>{});
+  }
+  // B: one k x n_b row-major matrix per group (n contiguous), viewed as (n_b, k, groups).
+  static auto make_tma_b(const Element* ptr, int n_b, int k, int groups) {
+    using namespace cute;
+    Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(n_b, k, groups),
+                           make_stride(Int<1>{}, int64_t(n_b), int64_t(n_b) * k));
+    return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutBHalf{}, Shape<Int<kHalfN>, Int<kBlockK>>{}, Int<1>{});
+  }
+  using TmaA = decltype(make_tma_a(nullptr, 0, 0));
+  using TmaB = decltype(make_tma_b(nullptr, 0, 0, 0));
+
+  // What the producer loads for one tile. B's second half is skipped (and never stored) when it starts
+  // past the last column of B: the N tail of a down projection.
+  struct TileLoad {
+    int32_t a_rows, k;            // shape of A as its TMA descriptor sees it
+    int32_t a_row0;               // first row of the tile in A
+    int32_t n_b, groups, group;   // shape of B, and this tile's matrix
+    int32_t col0, col1;           // first column of each 128-column half of B
+  };
+
+  struct Stages {
+    alignas(1024) Element a[cute::cosize_v<SmemLayoutA>];
+    alignas(1024) Element b[cute::cosize_v<SmemLayoutB>];
+    alignas(8) uint64_t full[kStages];
+    alignas(8) uint64_t empty[kStages];
+  };
+
+  struct StagePos {
+    int stage = 0;
+    uint32_t phase = 0;
+    __device__ void advance() {
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  };
+
+  __device__ static void init_stages(Stages& s) {  // one thread, before the CTA's first barrier
+    for (int i = 0; i < kStages; ++i) {
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarpgroups * 4);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+
+  static constexpr int k_tiles(int k) { return (k + kBlockK - 1) / kBlockK; }
+
+  // ---- producer (one thread): the TMA loads of one tile's k-tiles ----------------------------------
+  // tma_a / tma_b must be kernel parameters (__grid_constant__): TMA reads the descriptor from there.
+  __device__ static bool load_tile(const TmaA& tma_a, const TmaB& tma_b, Stages& s, StagePos& pos,
+                                   const TileLoad& t, int32_t* status) {
+    using namespace cute;
+    Tensor mA = tma_a.get_tma_tensor(make_shape(t.a_rows, t.k));
+    Tensor mB = tma_b.get_tma_tensor(make_shape(t.n_b, t.k, t.groups));
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    Tensor gA = local_tile(domain_offset(make_coord(t.a_row0, 0), mA), Shape<Int<kBlockM>, Int<kBlockK>>{},
+                           make_coord(0, _));  // (BM, BK, k)
+    auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+    Tensor mBg = mB(_, _, t.group);
+    Tensor gB0 = local_tile(domain_offset(make_coord(t.col0, 0), mBg), Shape<Int<kHalfN>, Int<kBlockK>>{},
+                            make_coord(0, _));  // (BN/2, BK, k)
+    const bool load_second = t.col1 < t.n_b;
+    Tensor gB1 = local_tile(domain_offset(make_coord(load_second ? t.col1 : 0, 0), mBg),
+                            Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
+    const uint32_t stage_bytes = load_second ? kStageBytes : kStageBytes - kHalfElemsB * sizeof(Element);
+    const int n_k = k_tiles(t.k);
+    for (int k = 0; k < n_k; ++k) {
+      if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, status)) return false;
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], stage_bytes);
+      copy(tma_a.with(s.full[pos.stage]), tAgA(_, k), tAsA(_, pos.stage));
+      Tensor sB0 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB), SmemLayoutBHalf{});
+      auto [tB0g, tB0s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB0),
+                                        group_modes<0, 2>(gB0(_, _, k)));
+      copy(tma_b.with(s.full[pos.stage]), tB0g, tB0s);
+      if (load_second) {
+        Tensor sB1 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB + kHalfElemsB), SmemLayoutBHalf{});
+        auto [tB1g, tB1s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB1),
+                                          group_modes<0, 2>(gB1(_, _, k)));
+        copy(tma_b.with(s.full[pos.stage]), tB1g, tB1s);
+      }
+      pos.advance();
+    }
+    return true;
+  }
+
+  // ---- consumers (two warpgroups): the MMAs of one tile into acc --------------------------------------
+  // ct: thread index among the 256 consumer threads.
+  __device__ static bool mma_tile(Stages& s, StagePos& pos, Accumulator& acc, int k, int ct, int32_t* status) {
+    using namespace cute;
+    TiledMma mma;
+    auto thr = mma.get_thread_slice(ct);
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stages) descriptors
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, stages) descriptors
+    const int lane = ct % 32;
+    const int n_k = k_tiles(k);
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int prev_stage = -1;
+    bool ok = true;
+    for (int kt = 0; kt < n_k; ++kt) {
+      if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) {
+        ok = false;
+        break;
+      }
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k-tile's wgmmas are done: free its stage
+      warpgroup_fence_operand(acc);
+      if (prev_stage >= 0) release_stage(s, prev_stage, lane);
+      prev_stage = pos.stage;
+      pos.advance();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev_stage >= 0) release_stage(s, prev_stage, lane);
+    return ok;
+  }
+
+  __device__ static void release_stage(Stages& s, int stage, int lane) {
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[stage]);
+  }
+
+  // ---- epilogues --------------------------------------------------------------------------------------
+  // wgmma accumulator fragment (PTX ISA, m64nNk16 f32 D): value i of thread (warp w, lane l) of the
+  // warpgroup sits at row 16w + l/4 + 8*((i/2)%2), column 8*(i/4) + 2*(l%4) + i%2. For SwiGLU the up
+  // partner of gate column c (< 128) is column c + 128, i.e. value i + 64 of the same thread.
+  __device__ static float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+  __device__ static uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+
+  // Where a tile's output goes: rows [row0, row_end) of `out` (row0 = the tile's first row; warpgroup wg
+  // writes its 64 rows), columns [col0, min(col0 + width, n_out)).
+  struct TileStore {
+    void* out;
+    int64_t ld;        // elements per row of out
+    int32_t row0, row_end;
+    int32_t col0, n_out;
+  };
+
+  // bf16 out through a per-warpgroup staging buffer (64 x 64, padded rows) into 16-byte row-masked stores.
+  template <bool kSwiGLU>
+  __device__ static void store_bf16(const Accumulator& acc, uint32_t* buf, const TileStore& st, int wg, int t) {
+    constexpr int kOutCols = kSwiGLU ? kHalfN : kBlockN;
+    constexpr int kPitchWords = kEpiPitch / 2;
+    auto* out = static_cast<Element*>(st.out);
+    const int lane = t % 32, warp = t / 32;
+    const int r_base = 16 * warp + lane / 4;
+    const int c_base = 2 * (lane % 4);
+    const int row0 = st.row0 + kRowsPerConsumer * wg;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kOutCols / kEpiCols; ++pass) {
+      CUTE_UNROLL
+      for (int j = 0; j < 32; j += 2) {
+        const int i = 32 * pass + j;
+        const int r = r_base + 8 * ((i >> 1) & 1);
+        const int c = 8 * ((i >> 2) - 8 * pass) + c_base;
+        float v0, v1;
+        if constexpr (kSwiGLU) {
+          v0 = silu(acc(i)) * acc(i + 64);
+          v1 = silu(acc(i + 1)) * acc(i + 65);
+        } else {
+          v0 = acc(i);
+          v1 = acc(i + 1);
+        }
+        buf[r * kPitchWords + c / 2] = pack_bf16x2(v0, v1);
+      }
+      named_barrier_sync(1 + wg, 128);
+      CUTE_UNROLL
+      for (int j = 0; j < kRowsPerConsumer * kEpiCols / 8 / 128; ++j) {
+        const int idx = t + 128 * j;
+        const int r = idx / (kEpiCols / 8), chunk = idx % (kEpiCols / 8);
+        const int row = row0 + r;
+        const int col = st.col0 + pass * kEpiCols + chunk * 8;
+        if (row < st.row_end && col < st.n_out) {
+          const uint4 v = *reinterpret_cast<const uint4*>(buf + r * kPitchWords + chunk * 4);
+          *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = v;
+        }
+      }
+      named_barrier_sync(1 + wg, 128);
+    }
+  }
+
+  // fp32 out straight from registers: each store instruction of a warp writes 8 rows x 32 bytes (whole
+  // sectors). n_out must be even (two columns per store).
+  __device__ static void store_f32(const Accumulator& acc, const TileStore& st, int wg, int t) {
+    auto* out = static_cast<float*>(st.out);
+    const int lane = t % 32, warp = t / 32;
+    const int r_base = st.row0 + kRowsPerConsumer * wg + 16 * warp + lane / 4;
+    const int c_base = st.col0 + 2 * (lane % 4);
+    CUTE_UNROLL
+    for (int i = 0; i < kBlockN / 2; i += 2) {  // 128 values per thread, two at a time
+      const int row = r_base + 8 * ((i >> 1) & 1);
+      const int col = c_base + 8 * (i >> 2);
+      if (row < st.row_end && col < st.n_out)
+        *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
+    }
+  }
+};
+
+using Sm90Tile = Sm90TileT<>;
+
+}  // namespace mok::gemm
