@@ -20,11 +20,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mok/comm/combine.cuh"
 #include "mok/comm/dispatch.cuh"
 #include "mok/comm/registry.h"
+#include "mok/moe/forward.cuh"
 
 namespace mok::comm {
 namespace {
@@ -37,16 +39,29 @@ struct RankEntry {
   uint64_t timeout_ns = 0;
   uint8_t* base = nullptr;
   uint8_t** d_peer_bases = nullptr;
-  uint64_t* host_error = nullptr;      // host address of the mapped word
-  uint64_t* host_error_dev = nullptr;  // its device address
+  uint64_t* host_error = nullptr;      // host address of the mapped words: [0] poison mirror, [1] call error
+  uint64_t* host_error_dev = nullptr;  // their device address
   std::vector<uint8_t*> peers;
   std::vector<bool> ipc_opened;
   bool connected = false;
   CommView view{};
 };
 
+// Keyed by (workspace id, CUDA device, EP rank + group * ep): one rank per device, except in an emulated
+// workspace, whose ranks all live on one device (DESIGN.md, "Testing any EP size on one GPU").
+using Key = std::tuple<int64_t, int, int64_t>;
 std::mutex g_mu;
-std::map<std::pair<int64_t, int>, std::unique_ptr<RankEntry>> g_entries;
+std::map<Key, std::unique_ptr<RankEntry>> g_entries;
+
+Key key_of(const RankEntry& e) { return Key{e.ws_id, e.device, int64_t(e.rank) + int64_t(e.group) * e.shape.ep}; }
+
+// Entries of ws_id on device, in EP rank order (several only in an emulated workspace).
+std::vector<RankEntry*> entries_on(int64_t ws_id, int device) {
+  std::vector<RankEntry*> out;
+  for (auto& kv : g_entries)
+    if (std::get<0>(kv.first) == ws_id && std::get<1>(kv.first) == device) out.push_back(kv.second.get());
+  return out;
+}
 
 void set_err(char* buf, int32_t len, const std::string& msg) {
   if (buf != nullptr && len > 0) std::snprintf(buf, size_t(len), "%s", msg.c_str());
@@ -95,23 +110,49 @@ const char* op_name(uint32_t op) {
   switch (op) {
     case kOpDispatch: return "dispatch";
     case kOpCombine: return "combine";
+    case kOpMoeForward: return "moe forward";
     default: return "comm op";
   }
 }
 
 }  // namespace
 
-std::string lookup_view(int64_t ws_id, int device, CommView* view, uint64_t* host_error) {
+std::string lookup_views(int64_t ws_id, int device, std::vector<CommView>* views, uint64_t* host_error,
+                         uint64_t* host_call_error) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_entries.find({ws_id, device});
-  if (it == g_entries.end())
+  const std::vector<RankEntry*> found = entries_on(ws_id, device);
+  if (found.empty())
     return "no mok workspace with id " + std::to_string(ws_id) + " on CUDA device " + std::to_string(device) +
            " (closed, or created on other devices)";
-  const RankEntry& e = *it->second;
-  if (!e.connected) return "mok workspace " + std::to_string(ws_id) + " is allocated but not connected to its peers";
-  *view = e.view;
-  *host_error = *reinterpret_cast<volatile uint64_t*>(e.host_error);
+  views->clear();
+  *host_error = 0;
+  if (host_call_error) *host_call_error = 0;
+  for (const RankEntry* e : found) {
+    if (!e->connected)
+      return "mok workspace " + std::to_string(ws_id) + " is allocated but not connected to its peers";
+    views->push_back(e->view);
+    volatile uint64_t* words = e->host_error;
+    if (*host_error == 0) *host_error = words[0];
+    if (host_call_error && *host_call_error == 0) *host_call_error = words[1];
+  }
   return "";
+}
+
+std::string lookup_view(int64_t ws_id, int device, CommView* view, uint64_t* host_error) {
+  std::vector<CommView> views;
+  std::string why = lookup_views(ws_id, device, &views, host_error, nullptr);
+  if (!why.empty()) return why;
+  if (views.size() != 1)
+    return "mok workspace " + std::to_string(ws_id) + " holds " + std::to_string(views.size()) +
+           " emulated EP ranks on CUDA device " + std::to_string(device) +
+           "; the communication ops need one rank per device";
+  *view = views[0];
+  return "";
+}
+
+void clear_call_errors(int64_t ws_id, int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (RankEntry* e : entries_on(ws_id, device)) reinterpret_cast<volatile uint64_t*>(e->host_error)[1] = 0;
 }
 
 std::string describe_error(uint64_t packed) {
@@ -128,7 +169,18 @@ std::string describe_error(uint64_t packed) {
       what = "timed out waiting for EP rank " + std::to_string(e.peer) +
              " to release the buffers of the previous call";
       break;
-    case kErrOverflow: what = "received more rows than the output capacity"; break;
+    case kErrOverflow:
+      what = e.op == kOpMoeForward ? "a microbatch sent more rows to this rank than its ring slot holds "
+                                     "(topk_idx names one expert twice in a token's row)"
+                                   : "received more rows than the output capacity";
+      break;
+    case kErrBadExpert:
+      what = "topk_idx holds an expert id outside [-1, num_experts) (-1 marks a masked slot); the tokens "
+             "that name one got NaN rows";
+      break;
+    case kErrTimeoutLocal:
+      what = "a work item waited too long for another work item of the same call (internal error)";
+      break;
     default: what = "error code " + std::to_string(e.code); break;
   }
   return std::string("mok ") + op_name(e.op) + " on EP rank " + std::to_string(e.rank) + ": " + what +
@@ -152,26 +204,19 @@ MOK_EXPORT int64_t mok_comm_workspace_bytes(int32_t ep, int32_t max_tokens, int3
 
 MOK_EXPORT int32_t mok_comm_ipc_handle_bytes() { return int32_t(sizeof(cudaIpcMemHandle_t)); }
 
-MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, int32_t rank, int32_t ep,
-                                  int32_t max_tokens, int32_t hidden, int32_t top_k, int32_t num_experts,
-                                  double timeout_s, int32_t want_ipc, uint8_t* ipc_handle_out, char* err,
-                                  int32_t err_len) {
-  const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
-  if (std::string why = validate_shape(shape, rank); !why.empty()) {
-    set_err(err, err_len, why);
-    return 1;
-  }
-  if (!(timeout_s > 0.0)) {
-    set_err(err, err_len, "timeout_s must be > 0");
-    return 1;
-  }
+namespace {
+
+// Allocates one rank's region, error words and peer table on `device`, preloads every kernel that spins
+// on a peer, and (want_ipc) exports an IPC handle of the region. Returns "" or why not.
+std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t rank, const CommShape& shape,
+                       double timeout_s, bool want_ipc, uint8_t* ipc_handle_out, bool shared_device) {
+  if (std::string why = validate_shape(shape, rank); !why.empty()) return why;
+  if (!(timeout_s > 0.0)) return "timeout_s must be > 0";
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (g_entries.count({ws_id, device})) {
-      set_err(err, err_len, "workspace " + std::to_string(ws_id) + " already has CUDA device " +
-                                std::to_string(device) + " (one rank per device per workspace)");
-      return 1;
-    }
+    if (!shared_device && !entries_on(ws_id, device).empty())
+      return "workspace " + std::to_string(ws_id) + " already has CUDA device " + std::to_string(device) +
+             " (one rank per device per workspace)";
   }
   DeviceGuard guard;
   auto e = std::make_unique<RankEntry>();
@@ -182,28 +227,30 @@ MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, 
   e->shape = shape;
   e->layout = make_layout(shape);
   e->timeout_ns = uint64_t(timeout_s * 1e9);
-  e->peers.assign(ep, nullptr);
-  e->ipc_opened.assign(ep, false);
+  e->peers.assign(shape.ep, nullptr);
+  e->ipc_opened.assign(shape.ep, false);
   auto fail = [&](const std::string& msg) {
-    set_err(err, err_len, msg);
     free_entry(*e);
-    return 1;
+    return msg;
   };
   cudaError_t st = cudaSetDevice(device);
   if (st != cudaSuccess) return fail(cuda_msg("cudaSetDevice(" + std::to_string(device) + ")", st));
   if ((st = cudaMalloc(reinterpret_cast<void**>(&e->base), e->layout.total_bytes)) != cudaSuccess)
     return fail(cuda_msg("cudaMalloc of the " + std::to_string(e->layout.total_bytes) + "-byte workspace", st));
   if ((st = cudaMemset(e->base, 0, e->layout.total_bytes)) != cudaSuccess) return fail(cuda_msg("cudaMemset", st));
-  if ((st = cudaMalloc(reinterpret_cast<void**>(&e->d_peer_bases), sizeof(uint8_t*) * ep)) != cudaSuccess)
+  if ((st = cudaMalloc(reinterpret_cast<void**>(&e->d_peer_bases), sizeof(uint8_t*) * shape.ep)) != cudaSuccess)
     return fail(cuda_msg("cudaMalloc of the peer table", st));
-  if ((st = cudaHostAlloc(reinterpret_cast<void**>(&e->host_error), sizeof(uint64_t),
+  if ((st = cudaHostAlloc(reinterpret_cast<void**>(&e->host_error), 2 * sizeof(uint64_t),
                           cudaHostAllocMapped | cudaHostAllocPortable)) != cudaSuccess)
-    return fail(cuda_msg("cudaHostAlloc of the error word", st));
-  *reinterpret_cast<volatile uint64_t*>(e->host_error) = 0;
+    return fail(cuda_msg("cudaHostAlloc of the error words", st));
+  reinterpret_cast<volatile uint64_t*>(e->host_error)[0] = 0;
+  reinterpret_cast<volatile uint64_t*>(e->host_error)[1] = 0;
   if ((st = cudaHostGetDevicePointer(reinterpret_cast<void**>(&e->host_error_dev), e->host_error, 0)) != cudaSuccess)
     return fail(cuda_msg("cudaHostGetDevicePointer", st));
   if ((st = preload_dispatch_kernels()) != cudaSuccess) return fail(cuda_msg("preloading dispatch kernels", st));
   if ((st = preload_combine_kernels()) != cudaSuccess) return fail(cuda_msg("preloading combine kernels", st));
+  if ((st = mok::moe::preload_forward_kernel()) != cudaSuccess)
+    return fail(cuda_msg("preloading the MoE forward kernel", st));
   if (want_ipc) {
     cudaIpcMemHandle_t h;
     if ((st = cudaIpcGetMemHandle(&h, e->base)) != cudaSuccess) return fail(cuda_msg("cudaIpcGetMemHandle", st));
@@ -211,25 +258,16 @@ MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, 
   }
   if ((st = cudaDeviceSynchronize()) != cudaSuccess) return fail(cuda_msg("cudaDeviceSynchronize", st));
   std::lock_guard<std::mutex> lock(g_mu);
-  g_entries[{ws_id, device}] = std::move(e);
-  return 0;
+  g_entries[key_of(*e)] = std::move(e);
+  return "";
 }
 
-MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t* ipc_handles, char* err,
-                                    int32_t err_len) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_entries.find({ws_id, device});
-  if (it == g_entries.end()) {
-    set_err(err, err_len, "connect: no workspace " + std::to_string(ws_id) + " on device " + std::to_string(device));
-    return 1;
-  }
-  RankEntry& e = *it->second;
+// Fills e's peer table (g_mu held): a rank on the same device is reached directly, one on another device of
+// this process through peer access, one of another process through its IPC handle.
+std::string connect_entry(RankEntry& e, const uint8_t* ipc_handles) {
   DeviceGuard guard;
   cudaError_t st = cudaSetDevice(e.device);
-  if (st != cudaSuccess) {
-    set_err(err, err_len, cuda_msg("cudaSetDevice", st));
-    return 1;
-  }
+  if (st != cudaSuccess) return cuda_msg("cudaSetDevice", st);
   for (int p = 0; p < e.shape.ep; ++p) {
     if (p == e.rank) {
       e.peers[p] = e.base;
@@ -238,55 +276,98 @@ MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t
     const RankEntry* local_peer = nullptr;
     for (const auto& kv : g_entries) {
       const RankEntry& o = *kv.second;
-      if (o.ws_id == ws_id && o.group == e.group && o.rank == p) local_peer = &o;
+      if (o.ws_id == e.ws_id && o.group == e.group && o.rank == p) local_peer = &o;
     }
-    if (local_peer != nullptr) {
+    if (local_peer != nullptr && local_peer->device == e.device) {
+      e.peers[p] = local_peer->base;
+    } else if (local_peer != nullptr) {
       int can = 0;
       cudaDeviceCanAccessPeer(&can, e.device, local_peer->device);
-      if (!can) {
-        set_err(err, err_len, "CUDA device " + std::to_string(e.device) + " cannot access device " +
-                                  std::to_string(local_peer->device) + " as a peer (no NVLink/P2P path)");
-        return 1;
-      }
+      if (!can)
+        return "CUDA device " + std::to_string(e.device) + " cannot access device " +
+               std::to_string(local_peer->device) + " as a peer (no NVLink/P2P path)";
       st = cudaDeviceEnablePeerAccess(local_peer->device, 0);
       if (st == cudaErrorPeerAccessAlreadyEnabled) {
         cudaGetLastError();
       } else if (st != cudaSuccess) {
-        set_err(err, err_len, cuda_msg("cudaDeviceEnablePeerAccess", st));
-        return 1;
+        return cuda_msg("cudaDeviceEnablePeerAccess", st);
       }
       e.peers[p] = local_peer->base;
     } else {
-      if (ipc_handles == nullptr) {
-        set_err(err, err_len, "EP rank " + std::to_string(p) + " is not in this process and no IPC handle was given");
-        return 1;
-      }
+      if (ipc_handles == nullptr)
+        return "EP rank " + std::to_string(p) + " is not in this process and no IPC handle was given";
       cudaIpcMemHandle_t h;
       std::memcpy(&h, ipc_handles + size_t(p) * sizeof(h), sizeof(h));
       void* ptr = nullptr;
       st = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
-      if (st != cudaSuccess) {
-        set_err(err, err_len, cuda_msg("cudaIpcOpenMemHandle of EP rank " + std::to_string(p), st));
-        return 1;
-      }
+      if (st != cudaSuccess) return cuda_msg("cudaIpcOpenMemHandle of EP rank " + std::to_string(p), st);
       e.peers[p] = static_cast<uint8_t*>(ptr);
       e.ipc_opened[p] = true;
     }
   }
   st = cudaMemcpy(e.d_peer_bases, e.peers.data(), sizeof(uint8_t*) * e.shape.ep, cudaMemcpyHostToDevice);
-  if (st != cudaSuccess) {
-    set_err(err, err_len, cuda_msg("copying the peer table", st));
-    return 1;
-  }
+  if (st != cudaSuccess) return cuda_msg("copying the peer table", st);
   e.view.base = e.base;
   e.view.peer_bases = e.d_peer_bases;
   e.view.host_error = e.host_error_dev;
+  e.view.host_call_error = e.host_error_dev + 1;
   e.view.timeout_ns = e.timeout_ns;
   e.view.shape = e.shape;
   e.view.layout = e.layout;
   e.view.rank = e.rank;
   e.connected = true;
+  return "";
+}
+
+}  // namespace
+
+MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, int32_t rank, int32_t ep,
+                                  int32_t max_tokens, int32_t hidden, int32_t top_k, int32_t num_experts,
+                                  double timeout_s, int32_t want_ipc, uint8_t* ipc_handle_out, char* err,
+                                  int32_t err_len) {
+  const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
+  const std::string why = alloc_rank(ws_id, group, device, rank, shape, timeout_s, want_ipc != 0, ipc_handle_out,
+                                     /*shared_device=*/false);
+  if (why.empty()) return 0;
+  set_err(err, err_len, why);
+  return 1;
+}
+
+// An emulated workspace: all `ep` ranks of one EP group on one device, connected to each other.
+MOK_EXPORT int32_t mok_comm_alloc_emulated(int64_t ws_id, int32_t device, int32_t ep, int32_t max_tokens,
+                                           int32_t hidden, int32_t top_k, int32_t num_experts, double timeout_s,
+                                           char* err, int32_t err_len) {
+  const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
+  for (int r = 0; r < ep; ++r) {
+    const std::string why = alloc_rank(ws_id, 0, device, r, shape, timeout_s, false, nullptr, /*shared_device=*/true);
+    if (!why.empty()) {
+      set_err(err, err_len, "emulated rank " + std::to_string(r) + ": " + why);
+      return 1;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (RankEntry* e : entries_on(ws_id, device)) {
+    const std::string why = connect_entry(*e, nullptr);
+    if (!why.empty()) {
+      set_err(err, err_len, "connecting emulated rank " + std::to_string(e->rank) + ": " + why);
+      return 1;
+    }
+  }
   return 0;
+}
+
+MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t* ipc_handles, char* err,
+                                    int32_t err_len) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const std::vector<RankEntry*> found = entries_on(ws_id, device);
+  if (found.size() != 1) {
+    set_err(err, err_len, "connect: no workspace " + std::to_string(ws_id) + " on device " + std::to_string(device));
+    return 1;
+  }
+  const std::string why = connect_entry(*found[0], ipc_handles);
+  if (why.empty()) return 0;
+  set_err(err, err_len, why);
+  return 1;
 }
 
 // Waits for each local device of the workspace and unmaps the peers this process opened through IPC.
@@ -313,7 +394,7 @@ MOK_EXPORT int32_t mok_comm_release_peers(int64_t ws_id) {
 MOK_EXPORT int32_t mok_comm_free(int64_t ws_id) {
   std::lock_guard<std::mutex> lock(g_mu);
   for (auto it = g_entries.begin(); it != g_entries.end();) {
-    if (it->first.first == ws_id) {
+    if (std::get<0>(it->first) == ws_id) {
       free_entry(*it->second);
       it = g_entries.erase(it);
     } else {
@@ -323,12 +404,33 @@ MOK_EXPORT int32_t mok_comm_free(int64_t ws_id) {
   return 0;
 }
 
-// The host-mapped error word of (ws_id, device): 0 when healthy (no device synchronisation).
+// The host-mapped poison word of (ws_id, device): 0 when healthy (no device synchronisation). In an
+// emulated workspace, the first nonzero one of its ranks.
 MOK_EXPORT uint64_t mok_comm_error_word(int64_t ws_id, int32_t device) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_entries.find({ws_id, device});
-  if (it == g_entries.end() || it->second->host_error == nullptr) return 0;
-  return *reinterpret_cast<volatile uint64_t*>(it->second->host_error);
+  for (RankEntry* e : entries_on(ws_id, device))
+    if (uint64_t w = reinterpret_cast<volatile uint64_t*>(e->host_error)[0]) return w;
+  return 0;
+}
+
+// out[2] = {poison word, call error word} of EP rank `rank` of the workspace on `device`, as the device last
+// wrote them (no synchronisation); 1 when there is no such rank.
+MOK_EXPORT int32_t mok_moe_error_words(int64_t ws_id, int32_t device, int32_t rank, uint64_t* out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (RankEntry* e : entries_on(ws_id, device)) {
+    if (e->rank != rank) continue;
+    volatile uint64_t* words = e->host_error;
+    out[0] = words[0];
+    out[1] = words[1];
+    return 0;
+  }
+  return 1;
+}
+
+// Clears the call error words of the workspace's ranks on `device` (after the error was reported).
+MOK_EXPORT int32_t mok_moe_clear_call_error(int64_t ws_id, int32_t device) {
+  clear_call_errors(ws_id, device);
+  return 0;
 }
 
 MOK_EXPORT int32_t mok_comm_describe_error(uint64_t packed, char* out, int32_t out_len) {
@@ -340,9 +442,9 @@ MOK_EXPORT int32_t mok_comm_describe_error(uint64_t packed, char* out, int32_t o
 // rows received by the last dispatch}.
 MOK_EXPORT int32_t mok_comm_read_state(int64_t ws_id, int32_t device, uint64_t* out) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_entries.find({ws_id, device});
-  if (it == g_entries.end()) return 1;
-  const RankEntry& e = *it->second;
+  const std::vector<RankEntry*> found = entries_on(ws_id, device);
+  if (found.empty()) return 1;
+  const RankEntry& e = *found[0];
   DeviceGuard guard;
   cudaSetDevice(e.device);
   LocalState st{};

@@ -1,4 +1,5 @@
-// mok comm: host-side registry of symmetric workspaces (one entry per (workspace id, CUDA device)).
+// mok comm: host-side registry of symmetric workspaces (one entry per (workspace id, CUDA device, EP rank);
+// one rank per device, except in an emulated workspace whose ranks share one device).
 //
 // Setup happens outside jit, from Python through the plain C functions of ffi/src/workspace.cu
 // (mok_comm_*): alloc on every local rank, exchange IPC handles between processes, connect. The FFI
@@ -8,14 +9,24 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "mok/comm/workspace.cuh"
 
 namespace mok::comm {
 
-// Copies the connected view of (ws_id, device) into *view. Returns "" on success, else why not.
-// *host_error receives the current host-mapped error word (0 when healthy).
+// Copies the connected view of (ws_id, device) into *view. Returns "" on success, else why not (also
+// when the device holds several emulated ranks). *host_error receives the current host-mapped error word
+// (0 when healthy).
 std::string lookup_view(int64_t ws_id, int device, CommView* view, uint64_t* host_error);
+
+// The connected views of every rank of ws_id on device, in EP rank order (one, or all ranks of an emulated
+// workspace). *host_error / *host_call_error receive the first nonzero poison / call error word among them.
+std::string lookup_views(int64_t ws_id, int device, std::vector<CommView>* views, uint64_t* host_error,
+                         uint64_t* host_call_error);
+
+// Zeroes the call error words of ws_id's ranks on device (once an error has been reported).
+void clear_call_errors(int64_t ws_id, int device);
 
 // Human-readable description of a packed error word, naming the op, the rank and the awaited peer.
 std::string describe_error(uint64_t packed);

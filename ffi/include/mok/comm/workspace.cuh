@@ -19,11 +19,19 @@
 //   chunk_base  i32[ep][num_chunks][L]   schedule scratch: first output row of each of those
 //   route_idx   i32[ep][route_stride]    topk_idx of rank s (T*k used, k <= top_k)
 //   route_w     f32[ep][route_stride]    topk_weight of rank s
+//   moe_flags   u64[kMoeFlagRows + max_microbatches][ep]   the MoE megakernel's flags (mok/moe/forward.cuh):
+//                                        row kMoeSigRoute/kMoeSigX/kMoeAckDisp/kMoeAckComb, then one
+//                                        row per microbatch (kMoeSigComb + m); [row][s] is written by rank s
+//                                        and holds the epoch of the call that last set it
 //   stage       bf16[ep][max_tokens][H]  dispatch rows: [s][t] = x_t of rank s
 //                                        (pull: rank s fills its own [s]; push: s fills peers' [s])
 //   comb        bf16[ep][max_tokens][H]  combine partial rows
 //                                        (push: [o][t] on the origin, from owner o;
 //                                         pull: [s][t] on the owner, for origin s)
+//
+// The megakernel's flags are epoch stamps, not counts: the last of the items that a flag guards stores
+// the call's epoch with a release at system scope, and a consumer waits for flag >= epoch. So a call may
+// use any number of microbatches, and calls of the comm ops and of the megakernel never share a flag.
 //
 // Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes, linear in ep (H 7168,
 // 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the device-side ring of DESIGN.md bounds
@@ -51,6 +59,9 @@ constexpr int kMaxTopK = 32;                            // one warp lane per top
 constexpr int kMaxLocalExperts = 2048;                  // schedule histogram in shared memory
 constexpr int kChunkTokens = 64;                        // schedule granularity (tokens per warp)
 constexpr size_t kRegionAlign = 256;
+constexpr int kMinGranularity = 512;                    // smallest microbatch of the megakernel (tokens)
+constexpr int kMoeSigRoute = 0, kMoeSigX = 1, kMoeAckDisp = 2, kMoeAckComb = 3, kMoeSigComb = 4;
+constexpr int kMoeFlagRows = kMoeSigComb;               // rows before the per-microbatch ones
 
 // Fixed at setup, identical on every rank of the group.
 struct CommShape {
@@ -69,10 +80,13 @@ struct LocalState {
   uint32_t comb_done;
   int32_t total_rows;   // rows this rank received in the current dispatch (before capacity clamp)
   int32_t pad;
+  uint64_t moe_epoch;   // completed megakernel calls
+  uint32_t moe_exit;    // CTAs of the current megakernel call that finished (reset by the last one)
+  uint32_t pad2;
 };
 
 struct SymLayout {
-  size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state;
+  size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_flags;
   size_t chunk_count, chunk_base, route_idx, route_w, stage, comb;
   size_t route_stride;  // elements per source rank in route_idx / route_w
   size_t total_bytes;
@@ -81,6 +95,11 @@ struct SymLayout {
 __host__ __device__ inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 __host__ __device__ inline int32_t num_chunks(int32_t tokens) { return (tokens + kChunkTokens - 1) / kChunkTokens; }
+
+// Microbatches a megakernel call may have: ceil(max_tokens / smallest granularity).
+__host__ __device__ inline int32_t max_microbatches(int32_t max_tokens) {
+  return (max_tokens + kMinGranularity - 1) / kMinGranularity;
+}
 
 __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   SymLayout l{};
@@ -98,6 +117,7 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   l.ack_comb = take(flags);
   l.error = take(sizeof(uint64_t));
   l.state = take(sizeof(LocalState));
+  l.moe_flags = take(sizeof(uint64_t) * size_t(kMoeFlagRows + max_microbatches(s.max_tokens)) * s.ep);
   const size_t chunk_cells = size_t(s.ep) * num_chunks(s.max_tokens) * s.num_local_experts();
   l.chunk_count = take(sizeof(int32_t) * chunk_cells);
   l.chunk_base = take(sizeof(int32_t) * chunk_cells);
@@ -118,8 +138,10 @@ enum ErrorCode : uint32_t {
   kErrTimeoutData = 2,     // waited too long for a peer's rows (dispatch) or partials (combine)
   kErrTimeoutAck = 3,      // waited too long for a peer to release a buffer of the previous call
   kErrOverflow = 4,        // more rows than the output capacity
+  kErrBadExpert = 5,       // topk_idx holds an id outside [-1, E) (-1 = masked slot)
+  kErrTimeoutLocal = 6,    // a work item of this rank waited too long for another of the same call
 };
-enum OpCode : uint32_t { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2 };
+enum OpCode : uint32_t { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2, kOpMoeForward = 3 };
 
 struct ErrorInfo {
   uint32_t code, op;
@@ -148,6 +170,8 @@ struct CommView {
   uint8_t* base;                // this rank's symmetric region
   uint8_t* const* peer_bases;   // device array [ep]; peer_bases[rank] == base
   uint64_t* host_error;         // host-mapped pinned word (device pointer), mirror of the error word
+  uint64_t* host_call_error;    // host-mapped pinned word: the first per-call error (bad ids, overflow) of
+                                // a megakernel call; it does not poison the workspace
   uint64_t timeout_ns;          // bound of every spin-wait
   CommShape shape;
   SymLayout layout;

@@ -1,0 +1,90 @@
+// mok moe: the forward megakernel's host interface (no JAX and no CuTe in here).
+//
+//   y_t = bf16( sum_{owner ranks o of t's experts, ascending}  partial_o(t)  +  shared(x_t) )
+//   partial_o(t) = bf16( sum_{slots j of t whose expert is on o, ascending j}  w_tj * expert_j(x_t) )
+//   expert_e(x) = bf16( bf16( silu(x W_gate[e]) * (x W_up[e]) ) W_down[e] )     fp32 accumulation
+//
+// One persistent kernel per call runs the whole data path of every EP rank it was given: the routing
+// exchange, the device-side schedule, dispatch, the shared expert, the routed gate/up GEMM with SwiGLU,
+// the down GEMM, combine and the final sum (mok/moe/forward_kernel.cuh says how). A call normally carries
+// one rank (the caller's, inside shard_map); an emulated call carries all `ep` ranks of one EP group on
+// one device (DESIGN.md, "Testing any EP size on one GPU"), each against its own workspace.
+//
+// Memory per rank: the workspace (symmetric: flags, routing, staging; mok/comm/workspace.cuh) and one
+// scratch buffer that the caller allocates per call (forward_scratch_layout): the ring of `ring_slots`
+// microbatch slots of received rows (the down GEMM's output overwrites them in place), the SwiGLU
+// activations of those rows, the shared expert's activations and fp32 output, and the call's schedule and
+// counters. Nothing in it outlives the call.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "mok/comm/workspace.cuh"
+
+namespace mok::moe {
+
+constexpr int kMaxVirtualRanks = 8;    // ranks one emulated call can carry (kernel-parameter budget)
+constexpr int kMaxLocalExperts = 1024; // experts per rank
+constexpr int kMaxRingSlots = 8;
+
+struct ForwardShape {
+  int32_t tokens;         // T, per rank (equal on every rank)
+  int32_t hidden;         // H, a multiple of 8
+  int32_t inter;          // I, a multiple of 8
+  int32_t shared_inter;   // Is (all shared experts fused), a multiple of 8; 0 = no shared expert
+  int32_t top_k;          // k
+  int32_t local_experts;  // L = E / ep
+  int32_t ep;             // EP ranks of the group
+};
+
+struct ForwardKnobs {     // speed only: the outputs are bitwise the same for every value
+  int32_t granularity;    // G: tokens per microbatch, a multiple of 64 in [512, 32768]
+  int32_t comm_items;     // work items per communication stage (how many SMs move rows at once)
+  int32_t ring_slots;     // S: microbatch slots of the receive ring
+  int32_t dispatch_push;  // 0 pull (owners read the sources' staged rows), 1 push
+  int32_t combine_pull;   // 0 push (owners write partials into the origin), 1 pull
+  int32_t num_sms;        // persistent CTAs (0: every SM)
+  int32_t identity_experts;  // test mode: every expert is the identity, the shared expert is skipped
+  int32_t skip_rank;         // test mode: this emulated rank makes no call (-1: none)
+};
+
+struct ForwardRank {
+  comm::CommView view;           // this rank's workspace (connected)
+  const void* x;                 // bf16 [T][H]
+  const int32_t* topk_idx;       // [T][k] global expert ids; -1 = masked slot
+  const float* topk_weight;      // [T][k]
+  const void* gate_up;           // bf16 [L][H][2I]
+  const void* down;              // bf16 [L][I][H]
+  const void* shared_gate_up;    // bf16 [H][2Is] (unused when Is == 0)
+  const void* shared_down;       // bf16 [Is][H]
+  void* y;                       // bf16 [T][H], fully written
+  int32_t* status;               // int32[4]: {error code, op, rank that saw it, peer or token}; 0s when fine
+  void* scratch;                 // forward_scratch_layout(...).total bytes, 256-byte aligned
+};
+
+// Byte offsets inside one rank's scratch buffer, and the counts behind them.
+struct ScratchLayout {
+  int32_t microbatches;   // M = ceil(T / G)
+  int32_t slots;          // min(S, M)
+  int32_t slot_rows;      // rows of one ring slot: ep * min(G, T) * min(k, L) (the dropless worst case)
+  size_t recv, h, shared_h, shared_out, sync;
+  size_t sync_bytes;      // zeroed before every call
+  size_t total;
+};
+
+// nullptr when the call is supported, else a sentence saying what is not.
+const char* forward_unsupported(const ForwardShape& shape, const ForwardKnobs& knobs);
+
+ScratchLayout forward_scratch_layout(const ForwardShape& shape, const ForwardKnobs& knobs);
+
+// Enqueue one call on `stream`: num_ranks == 1 (the caller's rank) or == shape.ep (an emulated group).
+// No host synchronisation.
+cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs, const ForwardRank* ranks,
+                           int num_ranks, cudaStream_t stream);
+
+cudaError_t preload_forward_kernel();  // on the current device
+
+}  // namespace mok::moe

@@ -1,0 +1,216 @@
+// XLA FFI handler of the MoE forward megakernel (mok/moe/forward.cuh): mok_moe_forward, plus the C entry
+// point that tells Python how large the per-call scratch output is.
+//
+//   mok_moe_forward(x: bf16[R, T, H], topk_idx: s32[R, T, k], topk_weight: f32[R, T, k],
+//                   gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H],
+//                   shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H])        (Is = 0: no shared expert)
+//     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes]
+//   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device).
+//   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
+//   combine_pull, num_sms, identity_experts, skip_rank
+//
+// The handler finds the rank(s) of (ws_id, the stream's device), refuses to launch on a poisoned workspace
+// and reports (then clears) a call error that an earlier call left, checks every shape against the
+// workspace, fills the launch arguments and launches. No host synchronisation, no device-to-host copy.
+#include <cuda_bf16.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "ffi_common.h"
+#include "mok/comm/registry.h"
+#include "mok/moe/forward.cuh"
+
+namespace ffi = xla::ffi;
+
+struct MoeForwardAttrs {
+  int64_t ws_id;
+  int32_t granularity;
+  int32_t comm_items;
+  int32_t ring_slots;
+  int32_t dispatch_push;
+  int32_t combine_pull;
+  int32_t num_sms;
+  int32_t identity_experts;
+  int32_t skip_rank;
+};
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(MoeForwardAttrs, StructMember<int64_t>("ws_id"),
+                                      StructMember<int32_t>("granularity"), StructMember<int32_t>("comm_items"),
+                                      StructMember<int32_t>("ring_slots"), StructMember<int32_t>("dispatch_push"),
+                                      StructMember<int32_t>("combine_pull"), StructMember<int32_t>("num_sms"),
+                                      StructMember<int32_t>("identity_experts"), StructMember<int32_t>("skip_rank"));
+
+namespace {
+
+using mok::ffi_util::cuda_error;
+using mok::ffi_util::invalid;
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (d[i++] != w) return false;
+  return true;
+}
+
+mok::moe::ForwardKnobs knobs_of(const MoeForwardAttrs& a) {
+  return mok::moe::ForwardKnobs{a.granularity, a.comm_items, a.ring_slots, a.dispatch_push, a.combine_pull,
+                                a.num_sms, a.identity_experts, a.skip_rank};
+}
+
+ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardAttrs attrs,
+                        ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weight,
+                        ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
+                        ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
+                        ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> status,
+                        ffi::ResultBuffer<ffi::U8> scratch) {
+  constexpr const char* kOp = "mok_moe_forward";
+  int device = -1;
+  if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
+    cudaGetLastError();
+    device = device_ordinal;
+  }
+  std::vector<mok::comm::CommView> views;
+  uint64_t poison = 0, call_error = 0;
+  if (std::string why = mok::comm::lookup_views(attrs.ws_id, device, &views, &poison, &call_error); !why.empty())
+    return invalid(kOp, why);
+  if (poison != 0)
+    return ffi::Error::Internal(std::string(kOp) + " (CUDA device " + std::to_string(device) +
+                                "): " + mok::comm::describe_error(poison));
+  if (call_error != 0) {
+    mok::comm::clear_call_errors(attrs.ws_id, device);
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": an earlier call on CUDA device " +
+                                       std::to_string(device) + " failed: " + mok::comm::describe_error(call_error));
+  }
+  const auto xd = x.dimensions();
+  if (xd.size() != 3) return invalid(kOp, "x must be [ranks, tokens, hidden], got " + dims_str(xd));
+  const int64_t R = xd[0], T = xd[1], H = xd[2];
+  const mok::comm::CommShape& ws = views[0].shape;
+  if (R != int64_t(views.size()))
+    return invalid(kOp, "x carries " + std::to_string(R) + " ranks but workspace " + std::to_string(attrs.ws_id) +
+                            " has " + std::to_string(views.size()) + " on this device");
+  if (R != 1 && R != ws.ep) return invalid(kOp, "an emulated call must carry every EP rank");
+  if (H != ws.hidden)
+    return invalid(kOp, "x: hidden size " + std::to_string(H) + " differs from the workspace's " +
+                            std::to_string(ws.hidden));
+  if (topk_idx.dimensions().size() != 3 || topk_idx.dimensions()[0] != R || topk_idx.dimensions()[1] != T)
+    return invalid(kOp, "topk_idx must be [ranks, tokens, top_k], got " + dims_str(topk_idx.dimensions()));
+  const int64_t k = topk_idx.dimensions()[2];
+  if (!dims_are(topk_weight.dimensions(), {R, T, k}))
+    return invalid(kOp, "topk_weight must have topk_idx's shape, got " + dims_str(topk_weight.dimensions()));
+  if (k < 1 || k > ws.top_k)
+    return invalid(kOp, "top_k (" + std::to_string(k) + ") must be in [1, " + std::to_string(ws.top_k) +
+                            "] (the workspace's)");
+  const auto gu = gate_up.dimensions();
+  if (gu.size() != 4 || gu[0] != R || gu[2] != H || gu[3] % 2)
+    return invalid(kOp, "gate_up must be [ranks, experts per rank, H, 2I], got " + dims_str(gu));
+  const int64_t L = gu[1], I = gu[3] / 2;
+  if (L * ws.ep != ws.num_experts)
+    return invalid(kOp, "gate_up holds " + std::to_string(L) + " experts per rank, the workspace " +
+                            std::to_string(ws.num_experts / ws.ep));
+  if (!dims_are(down.dimensions(), {R, L, I, H}))
+    return invalid(kOp, "down must be [ranks, L, I, H], got " + dims_str(down.dimensions()));
+  const auto sgu = shared_gate_up.dimensions(), sdn = shared_down.dimensions();
+  if (sgu.size() != 2 || sgu[0] != H || sgu[1] % 2)
+    return invalid(kOp, "shared_gate_up must be [H, 2Is] (Is = 0: none), got " + dims_str(sgu));
+  const int64_t Is = sgu[1] / 2;
+  if (!dims_are(sdn, {Is, H})) return invalid(kOp, "shared_down must be [Is, H], got " + dims_str(sdn));
+  if (ws.ep > 1 && T > ws.max_tokens)
+    return invalid(kOp, "tokens (" + std::to_string(T) + ") exceed the workspace's max_tokens (" +
+                            std::to_string(ws.max_tokens) + ")");
+  const mok::moe::ForwardShape shape{int32_t(T), int32_t(H), int32_t(I), int32_t(Is), int32_t(k), int32_t(L),
+                                     ws.ep};
+  const mok::moe::ForwardKnobs knobs = knobs_of(attrs);
+  if (const char* why = mok::moe::forward_unsupported(shape, knobs)) return invalid(kOp, why);
+  const mok::moe::ScratchLayout sl = mok::moe::forward_scratch_layout(shape, knobs);
+  if (ws.ep > 1 && sl.microbatches > mok::comm::max_microbatches(ws.max_tokens))
+    return invalid(kOp, "more microbatches than the workspace has flags for");
+  if (!dims_are(y->dimensions(), {R, T, H})) return invalid(kOp, "y must be [ranks, tokens, hidden]");
+  if (!dims_are(status->dimensions(), {R, 4})) return invalid(kOp, "status must be [ranks, 4]");
+  if (scratch->dimensions().size() != 2 || scratch->dimensions()[0] != R ||
+      size_t(scratch->dimensions()[1]) < sl.total || scratch->dimensions()[1] % 256)
+    return invalid(kOp, "scratch must be u8[ranks, mok_moe_scratch_bytes(...)], got " +
+                            dims_str(scratch->dimensions()));
+  const size_t bytes = size_t(scratch->dimensions()[1]);
+  std::vector<mok::moe::ForwardRank> ranks(R);
+  const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
+  const auto* ip = topk_idx.typed_data();
+  const auto* wp = topk_weight.typed_data();
+  const auto* gp = static_cast<const uint8_t*>(gate_up.untyped_data());
+  const auto* dp = static_cast<const uint8_t*>(down.untyped_data());
+  auto* yp = static_cast<uint8_t*>(y->untyped_data());
+  auto* sp = static_cast<uint8_t*>(scratch->untyped_data());
+  for (int64_t r = 0; r < R; ++r) {
+    mok::moe::ForwardRank& fr = ranks[r];
+    fr.view = views[r];
+    fr.x = xp + r * T * H * 2;
+    fr.topk_idx = ip + r * T * k;
+    fr.topk_weight = wp + r * T * k;
+    fr.gate_up = gp + r * L * H * 2 * I * 2;
+    fr.down = dp + r * L * I * H * 2;
+    fr.shared_gate_up = shared_gate_up.untyped_data();
+    fr.shared_down = shared_down.untyped_data();
+    fr.y = yp + r * T * H * 2;
+    fr.status = status->typed_data() + r * 4;
+    fr.scratch = sp + r * bytes;
+    if (views[r].rank != (R == 1 ? views[r].rank : r)) return invalid(kOp, "emulated ranks out of order");
+  }
+  return cuda_error(kOp, mok::moe::launch_forward(shape, knobs, ranks.data(), int(R), stream));
+}
+
+}  // namespace
+
+MOK_FFI_HANDLER(MokMoeForward, forward_impl,
+                ffi::Ffi::Bind()
+                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                    .Ctx<ffi::DeviceOrdinal>()
+                    .Attrs<MoeForwardAttrs>()
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // x
+                    .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+                    .Arg<ffi::Buffer<ffi::F32>>()    // topk_weight
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // gate_up
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // down
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // shared_gate_up
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // shared_down
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // y
+                    .Ret<ffi::Buffer<ffi::S32>>()    // status
+                    .Ret<ffi::Buffer<ffi::U8>>());   // scratch
+
+// Bytes of one rank's scratch output (a multiple of 256), or -1 for an unsupported call.
+extern "C" __attribute__((visibility("default"))) int64_t mok_moe_scratch_bytes(
+    int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
+    int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, int32_t identity_experts) {
+  const mok::moe::ForwardShape shape{tokens, hidden, inter, identity_experts ? 0 : shared_inter, top_k,
+                                     local_experts, ep};
+  mok::moe::ForwardKnobs knobs{};
+  knobs.granularity = granularity;
+  knobs.comm_items = comm_items;
+  knobs.ring_slots = ring_slots;
+  knobs.identity_experts = identity_experts;
+  knobs.skip_rank = -1;
+  if (mok::moe::forward_unsupported(shape, knobs)) return -1;
+  return int64_t(mok::moe::forward_scratch_layout(shape, knobs).total);
+}
+
+// Why a call is unsupported ("" when it is): the same checks as the handler's, for Python's trace-time errors.
+extern "C" __attribute__((visibility("default"))) int32_t mok_moe_unsupported(
+    int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
+    int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, char* out, int32_t out_len) {
+  const mok::moe::ForwardShape shape{tokens, hidden, inter, shared_inter, top_k, local_experts, ep};
+  mok::moe::ForwardKnobs knobs{};
+  knobs.granularity = granularity;
+  knobs.comm_items = comm_items;
+  knobs.ring_slots = ring_slots;
+  knobs.skip_rank = -1;
+  const char* why = mok::moe::forward_unsupported(shape, knobs);
+  if (out != nullptr && out_len > 0) std::snprintf(out, size_t(out_len), "%s", why ? why : "");
+  return why ? 1 : 0;
+}

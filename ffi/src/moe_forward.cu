@@ -1,0 +1,144 @@
+// Host side of the MoE forward megakernel (mok/moe/forward.cuh, mok/moe/forward_kernel.cuh): the plan, the
+// scratch layout, the TMA descriptors of every rank, and the launch.
+#include <algorithm>
+#include <climits>
+
+#include "mok/common.cuh"
+#include "mok/moe/forward.cuh"
+#include "mok/moe/forward_kernel.cuh"
+
+namespace mok::moe {
+
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ Params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  run(params);
+#endif
+  // Without sm_90a machine code the kernel does nothing; the host refuses to launch such a build.
+}
+
+namespace {
+
+using Bf16 = cutlass::bfloat16_t;
+
+size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+
+}  // namespace
+
+const char* forward_unsupported(const ForwardShape& s, const ForwardKnobs& k) {
+  if (s.tokens < 1) return "tokens must be >= 1";
+  if (s.hidden <= 0 || s.hidden % 8) return "hidden size H must be a positive multiple of 8";
+  if (s.inter <= 0 || s.inter % 8) return "intermediate size I must be a positive multiple of 8";
+  if (s.shared_inter < 0 || s.shared_inter % 8) return "shared intermediate size must be a multiple of 8 (0: none)";
+  if (s.top_k < 1 || s.top_k > comm::kMaxTopK) return "top_k must be in [1, 32]";
+  if (s.local_experts < 1 || s.local_experts > kMaxLocalExperts) return "experts per rank must be in [1, 1024]";
+  if (s.ep < 1 || s.ep > comm::kMaxRanks) return "ep must be in [1, 1024]";
+  if (int64_t(s.ep) * s.tokens * s.top_k >= (int64_t(1) << 31)) return "ep * tokens * top_k must fit int32";
+  if (int64_t(s.hidden) * 2 >= INT_MAX || int64_t(s.inter) * 2 >= INT_MAX || int64_t(s.shared_inter) * 2 >= INT_MAX)
+    return "H, 2I and 2Is must be below 2^31";
+  if (k.granularity < comm::kMinGranularity || k.granularity > 32768 || k.granularity % comm::kChunkTokens)
+    return "granularity must be a multiple of 64 in [512, 32768]";
+  if (k.comm_items < 1) return "comm_items must be >= 1";
+  if (k.ring_slots < 1 || k.ring_slots > kMaxRingSlots) return "ring_slots must be in [1, 8]";
+  if (k.num_sms < 0) return "num_sms must be >= 0 (0 = every SM)";
+  const Plan p = make_plan(s, k);
+  if (int64_t(p.S) * p.slot_rows >= INT_MAX / 2) return "ring_slots * rows per slot must fit int32";
+  if (p.sync_words >= (int64_t(1) << 31)) return "the schedule does not fit int32 offsets";
+  return nullptr;
+}
+
+ScratchLayout forward_scratch_layout(const ForwardShape& s, const ForwardKnobs& k) {
+  const Plan p = make_plan(s, k);
+  ScratchLayout l{};
+  l.microbatches = p.M;
+  l.slots = p.S;
+  l.slot_rows = p.slot_rows;
+  const size_t rows = size_t(p.S) * p.slot_rows;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off = align256(off + bytes);
+    return at;
+  };
+  l.recv = take(rows * s.hidden * 2);
+  l.h = take(rows * s.inter * 2);
+  l.shared_h = take(size_t(s.tokens) * p.Is * 2);
+  l.shared_out = take(p.Is ? size_t(s.tokens) * s.hidden * 4 : 0);
+  l.sync_bytes = size_t(p.sync_words) * 4;
+  l.sync = take(l.sync_bytes);
+  l.total = off;
+  return l;
+}
+
+cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs, const ForwardRank* ranks,
+                           int num_ranks, cudaStream_t stream) {
+  if (forward_unsupported(shape, knobs)) return cudaErrorInvalidValue;
+  if (num_ranks < 1 || num_ranks > kMaxVirtualRanks || (num_ranks != 1 && num_ranks != shape.ep))
+    return cudaErrorInvalidValue;
+  int device = 0, sm_count = 0;
+  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MOK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  const int grid = knobs.num_sms > 0 && knobs.num_sms < sm_count ? knobs.num_sms : sm_count;
+  if (grid < num_ranks) return cudaErrorInvalidValue;  // every rank needs a CTA
+  ForwardKnobs kn = knobs;
+  kn.comm_items = std::min(kn.comm_items, grid / num_ranks);  // items of a stage never exceed a rank's CTAs
+
+  Params params{};  // tens of KB: the launch copies it into the kernel's parameter space
+  params.plan = make_plan(shape, kn);
+  params.num_ranks = num_ranks;
+  params.skip_rank = knobs.skip_rank;
+  params.dispatch_push = knobs.dispatch_push;
+  params.combine_pull = knobs.combine_pull;
+  const Plan& p = params.plan;
+  const ScratchLayout sl = forward_scratch_layout(shape, kn);
+  const int rows = p.S * p.slot_rows;
+  const int L = shape.local_experts, H = shape.hidden, I = shape.inter, Is = p.Is, T = shape.tokens;
+  for (int r = 0; r < num_ranks; ++r) {
+    const ForwardRank& in = ranks[r];
+    RankParams& rp = params.ranks[r];
+    auto* base = static_cast<uint8_t*>(in.scratch);
+    rp.view = in.view;
+    rp.x = static_cast<const int4*>(in.x);
+    rp.topk_idx = in.topk_idx;
+    rp.topk_weight = in.topk_weight;
+    rp.y = static_cast<int4*>(in.y);
+    rp.status = in.status;
+    rp.recv = reinterpret_cast<__nv_bfloat16*>(base + sl.recv);
+    rp.h = reinterpret_cast<__nv_bfloat16*>(base + sl.h);
+    rp.shared_h = reinterpret_cast<__nv_bfloat16*>(base + sl.shared_h);
+    rp.shared_out = reinterpret_cast<float*>(base + sl.shared_out);
+    rp.sync = reinterpret_cast<int32_t*>(base + sl.sync);
+    const auto* x = static_cast<const Bf16*>(in.x);
+    const auto* gate_up = static_cast<const Bf16*>(in.gate_up);
+    const auto* down = static_cast<const Bf16*>(in.down);
+    rp.a_gu = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.recv), rows, H);
+    rp.a_dn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.h), rows, I);
+    rp.b_gu = Tile::make_tma_b(gate_up, 2 * I, H, L);
+    rp.b_dn = Tile::make_tma_b(down, H, I, L);
+    rp.a_sgu = Tile::make_tma_a(x, T, H);
+    if (Is > 0) {
+      rp.a_sdn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.shared_h), T, Is);
+      rp.b_sgu = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_gate_up), 2 * Is, H, 1);
+      rp.b_sdn = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_down), H, Is, 1);
+    } else {  // never used: valid descriptors of existing tensors
+      rp.a_sdn = rp.a_sgu;
+      rp.b_sgu = rp.b_gu;
+      rp.b_sdn = rp.b_dn;
+    }
+    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
+  }
+  auto* kernel = &forward_kernel;
+  cudaFuncAttributes attr{};
+  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;  // needs sm_90a machine code
+  MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+cudaError_t preload_forward_kernel() {
+  cudaFuncAttributes attr;
+  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, forward_kernel));
+  return cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+}
+
+}  // namespace mok::moe
