@@ -25,6 +25,7 @@ FFI_TARGETS: dict[str, str] = {
     "mok_expert_counts": "MokExpertCounts",
     "mok_grouped_ffn": "MokGroupedFfn",
     "mok_comm_dispatch": "MokCommDispatch", "mok_comm_combine": "MokCommCombine",  # ffi_comm.cu
+    "mok_moe_forward": "MokMoeForward",  # ffi_moe.cu
 }
 
 

@@ -95,14 +95,20 @@ def load_model(name_or_path: str | pathlib.Path) -> ModelShape:
     return ModelShape(**raw)
 
 
+MAX_RING_SLOTS = 8  # kMaxRingSlots in ffi/include/mok/moe/forward.cuh
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
     """Tuning of the megakernel (DESIGN.md, "Overlap" and "Memory"). Ignored by implementation='xla'.
+    Every value gives bitwise the same outputs; only the speed and the memory change.
 
-    granularity: tokens per microbatch (512..32768).
-    comm_sms_fwd / comm_sms_bwd: SMs given to dispatch/combine in forward / backward.
+    granularity: tokens per microbatch (a multiple of 64 in 512..32768; clipped to the tokens of a call).
+    comm_sms_fwd / comm_sms_bwd: how many SMs move rows at once in forward / backward (the work items each
+        dispatch and combine stage is split into; the other SMs run GEMM tiles meanwhile).
     dispatch / combine: communication direction per operator.
-    ring_slots: macrobatch slots in the device-side receive ring.
+    ring_slots: microbatch slots in the device-side receive ring (memory: ring_slots x the worst case of
+        one microbatch's rows, whatever the routing).
     """
 
     granularity: int = 2048
@@ -113,8 +119,12 @@ class KernelConfig:
     ring_slots: int = 2
 
     def __post_init__(self):
-        _require(512 <= self.granularity <= 32768, f"KernelConfig.granularity must be in [512, 32768], "
-                 f"got {self.granularity}")
+        for f in ("granularity", "comm_sms_fwd", "comm_sms_bwd", "ring_slots"):
+            v = getattr(self, f)
+            _require(isinstance(v, int) and not isinstance(v, bool), f"KernelConfig.{f} must be an int, got {v!r}",
+                     TypeError)
+        _require(512 <= self.granularity <= 32768 and self.granularity % 64 == 0,
+                 f"KernelConfig.granularity must be a multiple of 64 in [512, 32768], got {self.granularity}")
         for f in ("comm_sms_fwd", "comm_sms_bwd"):
             v = getattr(self, f)
             _require(1 <= v <= 128, f"KernelConfig.{f} must be in [1, 128], got {v}")
@@ -122,7 +132,11 @@ class KernelConfig:
                  f"got {self.dispatch!r}")
         _require(self.combine in ("push", "pull"), f"KernelConfig.combine must be 'push' or 'pull', "
                  f"got {self.combine!r}")
-        _require(self.ring_slots >= 1, f"KernelConfig.ring_slots must be >= 1, got {self.ring_slots}")
+        _require(1 <= self.ring_slots <= MAX_RING_SLOTS,
+                 f"KernelConfig.ring_slots must be in [1, {MAX_RING_SLOTS}], got {self.ring_slots}")
+
+    def replace(self, **changes) -> "KernelConfig":
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,15 +144,19 @@ class MoEConfig:
     """Static arguments of ``mok_jax.moe``.
 
     implementation: "xla" (pure JAX, runs anywhere; the correctness oracle) or "mok" (the CUDA
-        megakernel; raises until it is available, never falls back silently).
+        megakernel: bf16, forward only so far; it never falls back to another implementation).
     ep_axis: name of the expert-parallel mesh axis when ``moe`` runs inside ``shard_map``; None
         when it runs on one device with every expert local.
-    kernel: tuning of the megakernel; None picks the tuned table or the heuristic.
+    kernel: tuning of the megakernel; None picks the tuned table or the heuristic (mok_jax.tuning).
+    workspace: the megakernel's symmetric workspace (mok_jax.workspace.moe_workspace). Needed when ``moe``
+        runs inside a caller's own shard_map with ``ep_axis`` set; ``expert_parallel_moe`` and the Flax
+        module set it up themselves, and without ``ep_axis`` a local one is used.
     """
 
     implementation: Implementation = "xla"
     ep_axis: str | None = None
     kernel: KernelConfig | None = None
+    workspace: object | None = None
 
     def __post_init__(self):
         _require(self.implementation in ("xla", "mok"),
@@ -147,3 +165,9 @@ class MoEConfig:
                  f"MoEConfig.ep_axis must be a mesh axis name or None, got {self.ep_axis!r}", TypeError)
         _require(self.kernel is None or isinstance(self.kernel, KernelConfig),
                  f"MoEConfig.kernel must be a KernelConfig or None, got {type(self.kernel).__name__}", TypeError)
+        if self.workspace is not None:
+            from mok_jax.workspace import Workspace
+
+            _require(isinstance(self.workspace, Workspace),
+                     f"MoEConfig.workspace must be a mok_jax.workspace.Workspace or None, got "
+                     f"{type(self.workspace).__name__}", TypeError)

@@ -3,8 +3,10 @@
     y_t = shared(x_t) + sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(x_t)
 
 ``implementation="xla"`` runs the pure-JAX reference (``mok_jax.reference``); its backward is the
-reference's VJP. ``implementation="mok"`` is the CUDA megakernel; until it lands it raises a clear
-error and never falls back to another implementation.
+reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
+(``mok_jax.ops.moe_forward``); its backward kernel is not built yet, so differentiating it raises a
+clear error (it never falls back to another implementation). An expert id of -1 marks a masked slot:
+it is skipped and its weight ignored.
 """
 
 from __future__ import annotations
@@ -52,13 +54,41 @@ def _forward_xla(x, topk_idx, topk_weight, weights, config: MoEConfig):
     return reference.ep_moe(x, topk_idx, topk_weight, weights, axis_name=config.ep_axis)
 
 
+def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig):
+    from mok_jax import ops, tuning
+    from mok_jax.workspace import local_workspace
+
+    require_native("implementation='mok'")
+    for name, a in (("x", x), ("weights.gate_up", weights.gate_up), ("weights.down", weights.down),
+                    ("weights.shared_gate_up", weights.shared_gate_up), ("weights.shared_down", weights.shared_down)):
+        if a is not None and a.dtype != jnp.bfloat16:
+            raise TypeError(f"implementation='mok' runs in bfloat16: {name} is {a.dtype} (cast it, or use "
+                            f"implementation='xla' for float32)")
+    ep = _ep_size(config)
+    tokens, k = topk_idx.shape
+    num_experts = weights.num_local_experts * ep
+    ws = config.workspace
+    if ws is None:
+        if config.ep_axis is not None:
+            raise ValueError(
+                f"implementation='mok' inside shard_map over {config.ep_axis!r} needs the layer's workspace: "
+                f"call mok_jax.expert_parallel_moe, or pass MoEConfig(workspace=mok_jax.workspace.moe_workspace("
+                f"mesh, {config.ep_axis!r}, ...)) created outside jit")
+        ws = local_workspace(max_tokens=tokens, hidden_size=x.shape[1], top_k=k, num_experts=num_experts)
+    if ws.config.ep != ep:
+        raise ValueError(f"MoEConfig.workspace spans {ws.config.ep} EP ranks, the mesh axis {config.ep_axis!r} {ep}")
+    key = tuning.ProblemKey(hidden=x.shape[1], intermediate=weights.intermediate_size, top_k=k,
+                            experts_per_rank=weights.num_local_experts, ep=ep, tokens=tokens)
+    device_kind = next((d.device_kind for d in jax.devices() if d.platform == "gpu"), None)
+    kernel = tuning.resolve(config.kernel, key, device_kind)
+    y, _ = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
+                           weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=kernel)
+    return y[0]
+
+
 def _forward(x, topk_idx, topk_weight, weights, config: MoEConfig):
     if config.implementation == "mok":
-        require_native("implementation='mok'")
-        raise NotImplementedError(
-            "implementation='mok': the fused megakernel is not part of this build yet (its grouped-GEMM and "
-            "communication parts are standalone ops in mok_jax.ops); use implementation='xla'"
-        )
+        return _forward_mok(x, topk_idx, topk_weight, weights, config)
     return _forward_xla(x, topk_idx, topk_weight, weights, config)
 
 
@@ -73,6 +103,10 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, config):
 
 
 def _moe_bwd(config, residuals, dy):
+    if config.implementation == "mok":
+        raise NotImplementedError(
+            "differentiating implementation='mok': the backward megakernel is not built yet, and mok never "
+            "falls back to another implementation silently; use implementation='xla' to train for now")
     _, vjp = jax.vjp(
         lambda x, w, W: _forward_xla(x, residuals.topk_idx, w, W, config),
         residuals.x, residuals.topk_weight, residuals.weights,
@@ -106,5 +140,9 @@ def moe(
     ep = _ep_size(config)
     check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=ep)
     check_routing_values(topk_idx, weights.num_local_experts * ep)
+    if config.implementation == "mok":
+        require_native("implementation='mok'")
+    if config.implementation == "mok" and x.dtype != jnp.bfloat16:
+        raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast it, or use implementation='xla')")
     # Weights are cast (not checked) so that an f32 router weight works in the bf16 path.
     return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, config)

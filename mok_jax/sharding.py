@@ -77,6 +77,14 @@ def expert_parallel_moe(
     if x.ndim != 2 or x.shape[0] % shards:
         raise ValueError(f"x must be [tokens, hidden] with tokens divisible by the {shards} token shards "
                          f"(mesh axes {axes}), got shape {x.shape}")
+    if config.implementation == "mok" and config.workspace is None:
+        from mok_jax._native import require_native
+        from mok_jax.workspace import moe_workspace
+
+        require_native("implementation='mok'")  # the workspace is set up here, outside the shard_map body
+        config = dataclasses.replace(config, workspace=moe_workspace(
+            mesh, ep_axis, max_tokens=x.shape[0] // shards, hidden_size=x.shape[1], top_k=topk_idx.shape[1],
+            num_experts=num_experts))
     tok = P(axes)
     shared = P() if weights.shared_gate_up is not None else None
     wspec = MoEWeights(P(ep_axis), P(ep_axis), shared, shared)

@@ -64,14 +64,16 @@ def check_moe_args(x, topk_idx, topk_weight, weights, *, num_ep_ranks: int = 1) 
 
 def check_routing_values(topk_idx, num_experts: int) -> None:
     """When ``topk_idx`` holds concrete values (not traced), check that each row names distinct
-    experts in [0, num_experts). Traced values cannot be checked at trace time."""
+    experts in [0, num_experts), or -1 (a masked slot, skipped; it may repeat). Traced values cannot be
+    checked at trace time (the megakernel reports bad ids itself)."""
     if isinstance(topk_idx, jax.core.Tracer):
         return
     idx = np.asarray(topk_idx)
     if idx.size == 0:
         return
-    if idx.min() < 0 or idx.max() >= num_experts:
-        raise ValueError(f"topk_idx values must be in [0, {num_experts}), got min {idx.min()} max {idx.max()}")
+    if idx.min() < -1 or idx.max() >= num_experts:
+        raise ValueError(f"topk_idx values must be in [0, {num_experts}) or -1 (masked), got min {idx.min()} "
+                         f"max {idx.max()}")
     sorted_idx = np.sort(idx, axis=1)
-    if np.any(sorted_idx[:, 1:] == sorted_idx[:, :-1]):
+    if np.any((sorted_idx[:, 1:] == sorted_idx[:, :-1]) & (sorted_idx[:, 1:] >= 0)):
         raise ValueError("topk_idx must name distinct experts within each token's row")

@@ -39,7 +39,8 @@ import numpy as np
 from mok_jax import _native
 from mok_jax.config import _require
 
-__all__ = ["CommConfig", "CommError", "CommTimeoutError", "Workspace"]
+__all__ = ["CommConfig", "CommError", "CommTimeoutError", "InvalidRoutingError", "Workspace", "emulated_workspace",
+           "local_workspace", "moe_workspace"]
 
 Mode = Literal["pull", "push"]
 MODES: dict[str, int] = {"pull": 0, "push": 1}
@@ -49,7 +50,7 @@ MAX_TOP_K = 32
 MAX_LOCAL_EXPERTS = 2048
 MAX_RANKS = 1024
 # Error codes of the poison word (workspace.cuh ErrorCode).
-_TIMEOUT_CODES = {1, 2, 3}
+_TIMEOUT_CODES = {1, 2, 3, 6}
 
 
 class CommError(RuntimeError):
@@ -58,6 +59,12 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError):
     """A rank waited longer than ``timeout_s`` for a peer (a peer skipped a call, or hung)."""
+
+
+class InvalidRoutingError(CommError, ValueError):
+    """A megakernel call met routing it cannot honour: an expert id outside [-1, num_experts) (-1 is a masked
+    slot), or one expert named twice in a token's row past what a ring slot holds. The tokens concerned got
+    NaN rows; the workspace stays usable (the error is reported once)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +148,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_comm_describe_error.restype = i32
         lib.mok_comm_read_state.argtypes = [i64, i32, p]
         lib.mok_comm_read_state.restype = i32
+        lib.mok_comm_alloc_emulated.argtypes = [i64, i32, i32, i32, i32, i32, i32, ctypes.c_double, p, i32]
+        lib.mok_comm_alloc_emulated.restype = i32
+        lib.mok_moe_error_words.argtypes = [i64, i32, i32, p]
+        lib.mok_moe_error_words.restype = i32
+        lib.mok_moe_clear_call_error.argtypes = [i64, i32]
+        lib.mok_moe_clear_call_error.restype = i32
+        lib.mok_moe_scratch_bytes.argtypes = [i32] * 11
+        lib.mok_moe_scratch_bytes.restype = i64
+        lib.mok_moe_unsupported.argtypes = [i32] * 10 + [p, i32]
+        lib.mok_moe_unsupported.restype = i32
         _declared = True
 
 
@@ -191,12 +208,13 @@ class Workspace:
     ``mok_jax.ops.dispatch`` / ``combine`` inside ``shard_map``; :meth:`close` it (or use ``with``).
     """
 
-    def __init__(self, *, ws_id: int, config: CommConfig, mesh: jax.sharding.Mesh, axis_name: str,
-                 local: list[_LocalRank]):
+    def __init__(self, *, ws_id: int, config: CommConfig, mesh: jax.sharding.Mesh | None, axis_name: str | None,
+                 local: list[_LocalRank], emulated: bool = False):
         self.id = ws_id
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name
+        self.emulated = emulated
         self._local = local
         self._closed = False
 
@@ -267,6 +285,28 @@ class Workspace:
             raise
         return cls(ws_id=ws_id, config=config, mesh=mesh, axis_name=axis_name, local=local)
 
+    @classmethod
+    def create_emulated(cls, device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
+                        num_experts: int, timeout_s: float = 10.0) -> "Workspace":
+        """All ``ep`` ranks of one EP group on one GPU, each with its own region, connected to each other:
+        the one-GPU emulation of DESIGN.md ("Testing any EP size on one GPU"). Only the megakernel runs on
+        it (``mok_jax.emulation``); the standalone comm ops need one rank per device."""
+        if device.platform != "gpu":
+            raise ValueError(f"Workspace.create_emulated needs a GPU device, got {device}")
+        config = CommConfig(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
+                            num_experts=num_experts, timeout_s=float(timeout_s))
+        lib = _lib()
+        ws_id = next(_ids)
+        err = ctypes.create_string_buffer(1024)
+        ordinal = int(device.local_hardware_id)
+        if lib.mok_comm_alloc_emulated(ws_id, ordinal, ep, max_tokens, hidden_size, top_k, num_experts,
+                                       config.timeout_s, err, len(err)) != 0:
+            lib.mok_comm_release_peers(ws_id)
+            lib.mok_comm_free(ws_id)
+            raise CommError(f"Workspace.create_emulated on {device}: {err.value.decode()}")
+        return cls(ws_id=ws_id, config=config, mesh=None, axis_name=None,
+                   local=[_LocalRank(device, 0, r) for r in range(ep)], emulated=True)
+
     def close(self) -> None:
         """Free every device allocation (waits for the local devices first). Idempotent. Collective
         across processes, like :meth:`create`."""
@@ -303,15 +343,24 @@ class Workspace:
                 for lr in self._local}
 
     def check(self) -> None:
-        """Raise CommTimeoutError / CommError if any local rank recorded an error. Call it after the
-        results of the ops are ready (``jax.block_until_ready``)."""
+        """Raise if any local rank recorded an error: CommTimeoutError / CommError for a poisoned workspace
+        (a timeout: a peer skipped a call or hung; fatal, close the workspace), InvalidRoutingError for a
+        megakernel call with bad routing (reported once, then cleared). Call it after the results of the
+        ops are ready (``jax.block_until_ready``)."""
         self.require_open("Workspace.check")
+        lib = _lib()
+        words = np.zeros(2, np.uint64)
         for lr in self._local:
-            word = int(_lib().mok_comm_error_word(self.id, lr.ordinal))
-            if word:
-                code = word & 0xFF
-                exc = CommTimeoutError if code in _TIMEOUT_CODES else CommError
-                raise exc(f"{describe_error(word)} [workspace {self.id}, EP group {lr.group}, device {lr.device}]")
+            if lib.mok_moe_error_words(self.id, lr.ordinal, lr.rank, words.ctypes.data) != 0:
+                continue
+            poison, call = int(words[0]), int(words[1])
+            where = f"[workspace {self.id}, EP group {lr.group}, rank {lr.rank}, device {lr.device}]"
+            if poison:
+                exc = CommTimeoutError if (poison & 0xFF) in _TIMEOUT_CODES else CommError
+                raise exc(f"{describe_error(poison)} {where}")
+            if call:
+                lib.mok_moe_clear_call_error(self.id, lr.ordinal)
+                raise InvalidRoutingError(f"{describe_error(call)} {where}")
 
     def device_state(self) -> dict[int, dict[str, int]]:
         """Diagnostics (synchronous device read, outside jit): per local EP rank, the device-side
@@ -337,3 +386,51 @@ class Workspace:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Workspace) and other.id == self.id
+
+
+# --- workspaces the layer sets up for itself, once per (devices, shape) --------------------------------
+
+_cache: dict[tuple, Workspace] = {}
+_cache_lock = threading.Lock()
+
+
+def _cached(key: tuple, max_tokens: int, make) -> Workspace:
+    """The cached workspace of ``key`` that holds at least ``max_tokens`` tokens per rank, else a new one
+    (an older, smaller one stays alive: compiled programs may still name it)."""
+    with _cache_lock:
+        ws = _cache.get(key)
+        if ws is None or ws.closed or ws.config.max_tokens < max_tokens:
+            ws = make()
+            _cache[key] = ws
+        return ws
+
+
+def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, hidden_size: int, top_k: int,
+                  num_experts: int, timeout_s: float = 10.0) -> Workspace:
+    """The workspace the megakernel uses over ``mesh[axis_name]`` for this shape (created on first use,
+    outside jit: call it before tracing, as ``mok_jax.expert_parallel_moe`` does)."""
+    key = ("mesh", tuple(d.id for d in np.asarray(mesh.devices).flat), tuple(mesh.axis_names),
+           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts)
+    return _cached(key, max_tokens, lambda: Workspace.create(
+        mesh, axis_name, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
+        timeout_s=timeout_s))
+
+
+def local_workspace(*, max_tokens: int, hidden_size: int, top_k: int, num_experts: int) -> Workspace:
+    """An EP-1 workspace on every local GPU (each its own group): what ``mok_jax.moe`` uses without an
+    expert-parallel axis (the kernel then needs only its flags, epoch and error words)."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if not gpus:
+        raise CommError("the megakernel needs a CUDA GPU; this JAX sees none")
+    mesh = jax.sharding.Mesh(np.asarray(gpus).reshape(len(gpus), 1), ("local", "ep"))
+    return moe_workspace(mesh, "ep", max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
+                         num_experts=num_experts)
+
+
+def emulated_workspace(device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
+                       num_experts: int, timeout_s: float = 10.0) -> Workspace:
+    """The cached emulated workspace of ``ep`` ranks on ``device`` for this shape."""
+    key = ("emulated", device.id, ep, hidden_size, top_k, num_experts, timeout_s)
+    return _cached(key, max_tokens, lambda: Workspace.create_emulated(
+        device, ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
+        timeout_s=timeout_s))

@@ -1,0 +1,134 @@
+"""FFI wrapper for mok_moe_forward (ffi/src/ffi_moe.cu): the MoE forward megakernel.
+
+One call runs the whole layer forward of every EP rank it carries (leading dimension R): R = 1 inside
+``shard_map`` (the calling rank against its workspace), or R = ep on one GPU against an emulated workspace
+(mok_jax.emulation). The kernel's per-call scratch (the receive ring, activations, the schedule) is an
+extra output that XLA allocates and frees; nothing a later call needs stays in the workspace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mok_jax._native import require_native
+from mok_jax.config import KernelConfig
+
+__all__ = ["moe_forward", "scratch_bytes"]
+
+_MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks in ffi/include/mok/moe/forward.cuh
+
+
+def _lib():
+    """The native library with its ctypes declarations (no GPU needed: scratch sizes are host arithmetic)."""
+    from mok_jax import _native
+    from mok_jax.workspace import _declare
+
+    lib = _native.library()
+    if lib is None:
+        require_native("mok_jax.ops.moe_forward")
+    _declare(lib)
+    return lib
+
+
+def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, top_k: int, local_experts: int,
+                  ep: int, kernel: KernelConfig, identity_experts: bool = False) -> int:
+    """Bytes of one rank's per-call scratch (the ring of ``kernel.ring_slots`` microbatch slots dominates).
+    Raises ValueError, saying why, for a call the kernel does not support."""
+    lib = _lib()
+    args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
+            kernel.granularity, kernel.comm_sms_fwd, kernel.ring_slots]
+    n = int(lib.mok_moe_scratch_bytes(*args, int(bool(identity_experts))))
+    if n < 0:
+        buf = ctypes.create_string_buffer(256)
+        lib.mok_moe_unsupported(*args, buf, len(buf))
+        raise ValueError(f"implementation='mok' does not support this call: {buf.value.decode()}")
+    return n
+
+
+def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, gate_up: jax.Array,
+                down: jax.Array, shared_gate_up: jax.Array | None, shared_down: jax.Array | None, *,
+                kernel: KernelConfig, identity_experts: bool = False, skip_rank: int = -1,
+                num_sms: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The MoE forward of R ranks: x: bf16[R, T, H]; topk_idx: int32[R, T, k] (global expert ids, -1 =
+    masked slot); topk_weight: f32[R, T, k]; gate_up: bf16[R, L, H, 2I]; down: bf16[R, L, I, H] (rank r's
+    experts); shared_gate_up: bf16[H, 2Is] and shared_down: bf16[Is, H], or None.
+
+    Returns y: bf16[R, T, H] and status: int32[R, 4] ({error code, op, rank that saw it, peer or token};
+    zeros when the call went well). identity_experts (a test mode) replaces every expert by the identity
+    and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
+    emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM).
+    """
+    from mok_jax.workspace import Workspace
+
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"ws must be a mok_jax.workspace.Workspace, got {type(ws).__name__}")
+    if not isinstance(kernel, KernelConfig):
+        raise TypeError(f"kernel must be a mok_jax.KernelConfig, got {type(kernel).__name__}")
+    ws.require_open("mok_jax.ops.moe_forward")
+    for name, a, rank, dtype in (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32),
+                                 ("topk_weight", topk_weight, 3, jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16),
+                                 ("down", down, 4, jnp.bfloat16)):
+        if a.ndim != rank:
+            raise ValueError(f"mok_jax.ops.moe_forward: {name} must have rank {rank}, got shape {a.shape}")
+        if a.dtype != dtype:
+            raise TypeError(f"mok_jax.ops.moe_forward: {name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
+    R, T, H = x.shape
+    cfg = ws.config
+    if not 1 <= R <= _MAX_VIRTUAL_RANKS or (R != 1 and R != cfg.ep):
+        raise ValueError(f"mok_jax.ops.moe_forward: x carries {R} ranks; a call carries 1 (inside shard_map) or "
+                         f"all {cfg.ep} of an emulated workspace (at most {_MAX_VIRTUAL_RANKS})")
+    if R != (cfg.ep if ws.emulated else 1):
+        raise ValueError("mok_jax.ops.moe_forward: an emulated workspace takes all its ranks in one call, a "
+                         "mesh workspace one rank per call")
+    if H != cfg.hidden_size:
+        raise ValueError(f"mok_jax.ops.moe_forward: x's hidden size {H} differs from the workspace's "
+                         f"{cfg.hidden_size}")
+    k = topk_idx.shape[2]
+    if topk_idx.shape[:2] != (R, T) or topk_weight.shape != topk_idx.shape:
+        raise ValueError(f"mok_jax.ops.moe_forward: topk_idx and topk_weight must be [{R}, {T}, k], got "
+                         f"{topk_idx.shape} and {topk_weight.shape}")
+    if not 1 <= k <= cfg.top_k:
+        raise ValueError(f"mok_jax.ops.moe_forward: top_k ({k}) must be in [1, {cfg.top_k}] (the workspace's)")
+    L, I2 = gate_up.shape[1], gate_up.shape[3]
+    if gate_up.shape[0] != R or gate_up.shape[2] != H or I2 % 2:
+        raise ValueError(f"mok_jax.ops.moe_forward: gate_up must be [{R}, L, {H}, 2I], got {gate_up.shape}")
+    inter = I2 // 2
+    if L * cfg.ep != cfg.num_experts:
+        raise ValueError(f"mok_jax.ops.moe_forward: gate_up holds {L} experts per rank; the workspace has "
+                         f"{cfg.num_experts // cfg.ep}")
+    if down.shape != (R, L, inter, H):
+        raise ValueError(f"mok_jax.ops.moe_forward: down must be {(R, L, inter, H)}, got {down.shape}")
+    if cfg.ep > 1 and T > cfg.max_tokens:
+        raise ValueError(f"mok_jax.ops.moe_forward: {T} tokens per rank exceed the workspace's max_tokens "
+                         f"({cfg.max_tokens})")
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("mok_jax.ops.moe_forward: shared_gate_up and shared_down must both be given or both None")
+    if shared_gate_up is None or identity_experts:
+        shared_gate_up = jnp.zeros((H, 0), jnp.bfloat16)
+        shared_down = jnp.zeros((0, H), jnp.bfloat16)
+    if shared_gate_up.dtype != jnp.bfloat16 or shared_down.dtype != jnp.bfloat16:
+        raise TypeError("mok_jax.ops.moe_forward: the shared expert's weights must be bfloat16")
+    Is = shared_gate_up.shape[1] // 2
+    if shared_gate_up.shape != (H, 2 * Is) or shared_down.shape != (Is, H):
+        raise ValueError(f"mok_jax.ops.moe_forward: shared weights must be [{H}, 2Is] and [Is, {H}], got "
+                         f"{shared_gate_up.shape} and {shared_down.shape}")
+    require_native("mok_jax.ops.moe_forward")
+    nbytes = scratch_bytes(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L, ep=cfg.ep,
+                           kernel=kernel, identity_experts=identity_experts)
+    out = (
+        jax.ShapeDtypeStruct((R, T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((R, 4), jnp.int32),
+        jax.ShapeDtypeStruct((R, nbytes), jnp.uint8),
+    )
+    attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
+                 comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),
+                 dispatch_push=np.int32(kernel.dispatch == "push"), combine_pull=np.int32(kernel.combine == "pull"),
+                 num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
+                 skip_rank=np.int32(skip_rank))
+    y, status, _ = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True)(
+        x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, **attrs)
+    return y, status

@@ -1,0 +1,100 @@
+"""Where the megakernel's tuning comes from: an explicit KernelConfig, else a tuned table, else a heuristic.
+
+Tuned tables live under ``configs/tuned/<device>/kernel.toml`` (``<device>`` is the JAX device kind in
+lower case with spaces as dashes, e.g. ``nvidia-h200``); ``mok-bench --tune`` writes them. Each
+``[[entry]]`` names a problem (hidden, intermediate, top_k, experts_per_rank, ep, tokens) and the knobs
+that ran it fastest; a call takes the entry of its problem whose token count is nearest (in log scale),
+else the heuristic. Every choice gives the same bits: only speed depends on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import tomllib
+
+from mok_jax.config import KernelConfig
+
+__all__ = ["ProblemKey", "device_slug", "heuristic", "load_table", "resolve", "table_path"]
+
+_KNOBS = tuple(f.name for f in dataclasses.fields(KernelConfig))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProblemKey:
+    """The problem a tuned entry is for (per rank)."""
+
+    hidden: int
+    intermediate: int
+    top_k: int
+    experts_per_rank: int
+    ep: int
+    tokens: int
+
+    def same_shape(self, other: "ProblemKey") -> bool:
+        return dataclasses.replace(self, tokens=0) == dataclasses.replace(other, tokens=0)
+
+
+def device_slug(device_kind: str) -> str:
+    return "-".join(device_kind.lower().split())
+
+
+def _tuned_dirs() -> list[pathlib.Path]:
+    here = pathlib.Path(__file__).resolve().parent
+    return [here / "configs" / "tuned", here.parent / "configs" / "tuned"]
+
+
+def table_path(device_kind: str, root: pathlib.Path | None = None) -> pathlib.Path:
+    """Where the table of ``device_kind`` is (or would be written, under ``root`` when given)."""
+    if root is not None:
+        return pathlib.Path(root) / device_slug(device_kind) / "kernel.toml"
+    for d in _tuned_dirs():
+        p = d / device_slug(device_kind) / "kernel.toml"
+        if p.is_file():
+            return p
+    return _tuned_dirs()[-1] / device_slug(device_kind) / "kernel.toml"
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
+    """The entries of a tuned table (empty when the file is absent). Bad entries raise ValueError."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        return ()
+    with open(p, "rb") as f:
+        raw = tomllib.load(f)
+    out = []
+    key_fields = {f.name for f in dataclasses.fields(ProblemKey)}
+    for i, e in enumerate(raw.get("entry", [])):
+        unknown = set(e) - key_fields - set(_KNOBS) - {"median_ms", "model"}
+        if unknown:
+            raise ValueError(f"{p}: entry {i} has unknown keys {sorted(unknown)}")
+        try:
+            key = ProblemKey(**{k: int(e[k]) for k in key_fields})
+        except KeyError as missing:
+            raise ValueError(f"{p}: entry {i} lacks {missing}") from None
+        out.append((key, KernelConfig(**{k: e[k] for k in _KNOBS if k in e})))
+    return tuple(out)
+
+
+def heuristic(key: ProblemKey) -> KernelConfig:
+    """Knobs without a tuned entry. One microbatch up to 2048 tokens (small microbatches cost GEMM
+    efficiency: a rank's experts see fewer rows per tile); two ring slots, so that dispatch of the next
+    microbatch overlaps compute of this one; 16 of the SMs move rows at a time (on one H200 at EP 1 the
+    rows are local copies, which fewer SMs keep up with while the shared expert runs)."""
+    g = min(max(512, 64 * math.ceil(min(key.tokens, 2048) / 64)), 32768)
+    return KernelConfig(granularity=g, comm_sms_fwd=16, comm_sms_bwd=16, ring_slots=2)
+
+
+def resolve(kernel: KernelConfig | None, key: ProblemKey, device_kind: str | None = None) -> KernelConfig:
+    """``kernel`` when given; else the tuned entry of ``key`` on ``device_kind``; else the heuristic."""
+    if kernel is not None:
+        return kernel
+    if device_kind:
+        entries = [(k, c) for k, c in load_table(str(table_path(device_kind))) if k.same_shape(key)]
+        if entries:
+            best = min(entries, key=lambda kc: abs(math.log(kc[0].tokens) - math.log(max(key.tokens, 1))))
+            return best[1]
+    return heuristic(key)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The forward megakernel on a lent H200, in one command: environment, the GPU tests of the megakernel and of
+# the grouped FFN (whose GEMM pieces it shares), then mok-bench against the JAX baselines in the same process.
+# Logs under $OUT (the device tool's folder) or ./out. A short summary is printed last.
+# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline zipf granularity sweep profile'] bash scripts/gpu_moe.sh [pytest -k expr]
+# (SKIP_TESTS=1 skips the tests; BENCH_STEPS='' skips the benchmarks).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+LOGS=${OUT:-$PWD/out}; mkdir -p "$LOGS"
+PY=${PY:-python3}
+declare -a SUMMARY
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  local verdict=ok; [ $rc -ne 0 ] && verdict="FAILED rc=$rc"; [ $rc -eq 124 ] && verdict="TIMED OUT"
+  SUMMARY+=("$(printf '%-12s %-14s %4ds  %s' "$name" "$verdict" $((SECONDS - t0)) "$(tail -n 1 "$LOGS/$name.log" | cut -c1-100)")")
+  echo "== $name: $verdict"; tail -n ${TAIL:-25} "$LOGS/$name.log"
+}
+step env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, mok_jax; from mok_jax._native import native_status; print(jax.__version__, jax.devices(), native_status())'"
+[ -z "${SKIP_TESTS:-}" ] && step tests ${TEST_LIMIT:-330} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_TEST_METRICS="$LOGS/metrics.jsonl" \
+  $PY -m pytest -q -rs --timeout=${TEST_TIMEOUT:-120} -p no:cacheprovider ${TEST_FILES:-tests/test_moe_gpu.py tests/test_grouped_ffn_gpu.py} ${1:+-k "$1"}
+# mok-bench on one GPU: the whole 2-GPU ep64-slice problem (E/32 experts), bf16, uniform routing
+BENCH=($PY -m mok_jax.bench --experts-per-gpu E/32 --dtype bf16 --pass fwd --no-progress --samples ${SAMPLES:-10})
+MODELS=${MODELS:-kimi-k2,glm-5,qwen3.5-397b-a17b,deepseek-v4-pro}
+for s in ${BENCH_STEPS-headline granularity}; do
+  case $s in
+    tune) step tune 170 "${BENCH[@]}" --model "$MODELS" --tokens 2048 --tune --time-budget ${TUNE_BUDGET:-120} \
+            --json "$LOGS/tune.json"
+          cp configs/tuned/*/kernel.toml "$LOGS/" 2>/dev/null ;;
+    headline) step headline ${HEADLINE_LIMIT:-240} "${BENCH[@]}" --model "$MODELS" --tokens 2048 \
+                --impl xla,xla-capacity,mok --time-budget ${HEADLINE_BUDGET:-200} --json "$LOGS/headline.json" ;;
+    zipf) step zipf 150 "${BENCH[@]}" --model "$MODELS" --tokens 2048 --routing zipf --zipf-s 1.2 \
+            --impl xla,xla-capacity,mok --time-budget 120 --json "$LOGS/zipf.json" ;;
+    granularity) step granularity 150 "${BENCH[@]}" --model kimi-k2 --tokens ${GTOKENS:-2048} --impl mok \
+                   --granularity ${GRANS:-512,1024,2048} --time-budget 120 --json "$LOGS/granularity.json" ;;
+    sweep) step sweep 200 "${BENCH[@]}" --model kimi-k2 --tokens 16384 --impl mok,xla-capacity \
+             --granularity 512,1024,2048,4096,8192,16384 --time-budget 170 --json "$LOGS/sweep.json" ;;
+    profile) step profile 120 "${BENCH[@]}" --model kimi-k2 --tokens 2048 --impl mok,xla-capacity --samples 3 \
+               --profile "$LOGS/profile" --time-budget 60 --json "$LOGS/profile.json" ;;
+  esac
+done
+echo; echo "=== summary ==="; printf '%s\n' "${SUMMARY[@]}"
