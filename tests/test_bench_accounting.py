@@ -104,3 +104,89 @@ def test_bench_shape_modes():
         acc.bench_shape(load_model("ci"), 3, "full")
     with pytest.raises(ValueError, match="ep mode"):
         acc.bench_shape(kimi, 2, "ep8")
+
+
+def _hand_model(**kw):
+    from mok_jax.config import ModelShape
+
+    base = dict(name="hand", num_experts=8, top_k=2, hidden_size=4, intermediate_size=2, num_shared_experts=1,
+                shared_intermediate_size=3)
+    return ModelShape(**{**base, **kw})
+
+
+def test_experts_per_gpu_by_hand():
+    # E/2 on 1 GPU: 4 experts there, 4 in all; E/2 of 8 experts is the same as "4"
+    s = acc.bench_shape(_hand_model(), 1, "full", experts_per_gpu="E/2")
+    assert (s.ep_mode, s.experts_per_gpu, s.total_experts, s.num_gpus) == ("E/2", 4, 4, 1)
+    assert acc.bench_shape(_hand_model(), 1, "ep64-slice", experts_per_gpu="4").experts_per_gpu == 4
+    # T = 5: useful routed 2*T*k*3*H*I = 2*5*2*3*4*2 = 480, shared 2*T*3*H*Is = 2*5*3*4*3 = 360 (no split in it)
+    assert acc.flops_per_gpu(s, 5) == 840
+    # dropless xla runs E_total*T = 4*5 = 20 rows: 2*20*3*4*2 = 960, plus the shared 360
+    assert acc.executed_rows_per_gpu("xla", s, 5, 1.25) == 20
+    assert acc.executed_flops_per_gpu(s, 5, 20) == 960 + 360
+    # "3" on 2 GPUs: 6 in all, rows 6*5 = 30: 2*30*3*4*2 = 1440 (full mode would have 8 experts, 40 rows)
+    s3 = acc.bench_shape(_hand_model(), 2, "full", experts_per_gpu=3)
+    assert (s3.ep_mode, s3.total_experts, acc.executed_rows_per_gpu("xla", s3, 5, 1.25)) == ("3/gpu", 6, 30)
+    assert acc.executed_flops_per_gpu(s3, 5, 30) == 1440 + 360
+    # capacity ceil(1.0 * 5*2/6) = 2 per (source rank, expert): 6*2 = 12 rows
+    assert acc.executed_rows_per_gpu("xla-capacity", s3, 5, 1.0) == 12
+    # traffic follows the split: rank 0 owns experts 0..2, rank 1 3..5
+    t = acc.routing_traffic(np.array([[0, 3], [1, 2], [4, 5], [2, 5]]), s3.num_gpus, s3.experts_per_gpu)
+    np.testing.assert_array_equal(t.sent_slots, [1, 1])  # t0's expert 3; t3's expert 2
+    np.testing.assert_array_equal(t.owner_rows, [4, 4])
+
+
+def test_experts_per_gpu_errors():
+    with pytest.raises(ValueError, match=r"--experts-per-gpu E/3: hand has E = 8 experts, which is not divisible"):
+        acc.bench_shape(_hand_model(), 1, "full", experts_per_gpu="E/3")
+    with pytest.raises(ValueError, match=r"--experts-per-gpu 1: hand on 1 GPU\(s\) would have 1 experts in all, "
+                                         r"fewer than top_k=2"):
+        acc.bench_shape(_hand_model(), 1, "full", experts_per_gpu=1)
+    with pytest.raises(ValueError, match="--experts-per-gpu E/8: .* fewer than top_k=2"):
+        acc.bench_shape(_hand_model(), 1, "full", experts_per_gpu="E/8")
+    with pytest.raises(ValueError, match="more than hand's 8 experts"):
+        acc.bench_shape(_hand_model(), 1, "full", experts_per_gpu="9")
+    for bad in ("0", "E/0", "E/", "x/2", "-3", "2.5", ""):
+        with pytest.raises(ValueError, match="--experts-per-gpu: cannot read"):
+            acc.parse_experts_per_gpu(bad)
+    assert acc.parse_experts_per_gpu(" e/32 ") == "E/32" and acc.parse_experts_per_gpu("012") == "12"
+
+
+@pytest.mark.parametrize("name,experts,fwd_ms,fwd_bwd_ms", [("kimi-k2", 12, 2.02, 6.06), ("glm-5", 8, 1.73, 5.19),
+                                                             ("qwen3.5-397b-a17b", 16, 0.70, 2.10),
+                                                             ("deepseek-v4-pro", 12, 2.35, 7.05)])
+def test_one_gpu_e32_matches_hardware_md(name, experts, fwd_ms, fwd_bwd_ms):
+    # HARDWARE.md, "The layer on ONE H200": E/32 experts, the floors of the 2-GPU ep64-slice setting
+    model = load_model(name)
+    s = acc.bench_shape(model, 1, "ep64-slice", experts_per_gpu="E/32")
+    assert s.experts_per_gpu == s.total_experts == experts
+    assert s.total_experts == acc.bench_shape(model, 2, "ep64-slice").total_experts
+    assert round(acc.flops_per_gpu(s, 2048, "fwd") / 805e12 * 1e3, 2) == fwd_ms
+    # the table's fwd+bwd floor is 3x its forward floor as printed (rounded first): ours is 3x the exact one
+    assert acc.flops_per_gpu(s, 2048, "fwd+bwd") == 3 * acc.flops_per_gpu(s, 2048, "fwd")
+    assert round(3 * fwd_ms, 2) == fwd_bwd_ms
+    assert acc.uniform_remote_fraction(s.num_gpus) == 0.0  # one GPU: no link traffic
+
+
+def test_mok_memory_per_rank():
+    from mok_jax import _native
+    from mok_jax.config import KernelConfig
+
+    if _native.library() is None:
+        pytest.skip(f"sizes come from the native library: {_native.native_status()}")
+    from mok_jax.ops.moe_forward import scratch_bytes
+    from mok_jax.workspace import CommConfig
+
+    s = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
+    k = KernelConfig(granularity=512, ring_slots=2)  # 4 microbatches of 512: the ring holds 2 of them
+    m = acc.mok_memory_per_rank(s, 2048, k)
+    assert m["workspace_bytes_per_rank"] == CommConfig(ep=2, max_tokens=2048, hidden_size=7168, top_k=8,
+                                                       num_experts=12).workspace_bytes()
+    assert m["scratch_bytes_per_rank"] == scratch_bytes(tokens=2048, hidden=7168, inter=2048, shared_inter=2048,
+                                                        top_k=8, local_experts=6, ep=2, kernel=k)
+    assert m["residual_bytes_per_rank"] == 0
+    # the two bf16 staging buffers, 2 * ep * T * H * 2 bytes, are most of the workspace
+    assert m["workspace_bytes_per_rank"] >= 2 * 2 * 2048 * 7168 * 2
+    # a third ring slot costs scratch
+    more = acc.mok_memory_per_rank(s, 2048, k.replace(ring_slots=3))["scratch_bytes_per_rank"]
+    assert more > m["scratch_bytes_per_rank"]

@@ -145,3 +145,26 @@ def test_build_and_errors(cpu_devices):
     x, idx, w, W = random_problem(mj.load_model("ci"), 8, seed=80)
     with pytest.raises(ValueError, match=r"axis size \(3\)"):
         baselines.xla_dropless(_mesh(3))(x[:6], idx[:6], w[:6], W)  # 16 experts over 3 ranks
+
+
+def test_mok_builder_passes_the_kernel_config(cpu_devices, monkeypatch):
+    # the real mok needs a GPU: stand in for expert_parallel_moe and check the MoEConfig it is handed
+    from mok_jax import sharding
+
+    seen = []
+
+    def fake_ep_moe(x, topk_idx, topk_weight, weights, *, mesh, config):
+        seen.append(config)
+        return x
+
+    monkeypatch.setattr(sharding, "expert_parallel_moe", fake_ep_moe)
+    x, idx, w, W = random_problem(mj.load_model("ci"), 8, seed=90)
+    kernel = mj.KernelConfig(granularity=1024, comm_sms_fwd=8, ring_slots=3, dispatch="push")
+    for fn in (baselines.mok(_mesh(2), kernel=kernel), baselines.build("mok", _mesh(2), kernel=kernel),
+               baselines.build("mok", _mesh(2))):
+        y, stats = fn(x, idx, w, W)
+        assert y.shape == x.shape and stats == {}
+    assert [(c.implementation, c.ep_axis, c.kernel) for c in seen] == [("mok", "ep", kernel)] * 2 + [
+        ("mok", "ep", None)]  # None: mok_jax.tuning resolves inside the layer
+    with pytest.raises(TypeError, match="KernelConfig"):
+        baselines.mok(_mesh(2), kernel={"granularity": 1024})

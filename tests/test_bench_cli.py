@@ -54,9 +54,9 @@ def test_main_rejects_bad_options(capsys):
     assert "not a multiple of 64" in capsys.readouterr().err
 
 
-def test_mok_not_available_yet(capsys, cpu_devices):
+def test_mok_asked_for_by_name_but_unavailable(capsys, cpu_devices):
     assert cli.main(["ci", "--impl", "mok,xla", "--tokens", "8", *FAST]) == 2
-    assert "'mok' is not available yet" in capsys.readouterr().err
+    assert "'mok' is not available here" in capsys.readouterr().err
 
 
 def test_list_models(capsys):
@@ -147,3 +147,218 @@ def test_python_dash_m():
     done = subprocess.run([sys.executable, "-m", "mok_jax.bench", "--list-models"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "qwen3.5-397b-a17b" in done.stdout
+
+
+# ------------------------------------------------------------------ --experts-per-gpu, mok knobs, --tune
+
+
+def test_parse_experts_per_gpu():
+    assert cli.parse_args(["--experts-per-gpu", "E/32"]).experts_per_gpu == "E/32"
+    assert cli.parse_args(["--experts-per-gpu", "e/32"]).experts_per_gpu == "E/32"  # normalised
+    assert cli.parse_args(["--experts-per-gpu", "12"]).experts_per_gpu == "12"
+    assert cli.parse_args([]).experts_per_gpu is None  # absent: the split of --ep-mode
+    for bad in ("0", "E/0", "E/", "x", "32/E", "-3", "2.5", "E/-2"):
+        with pytest.raises(cli.UsageError, match="--experts-per-gpu"):
+            cli.parse_args(["--experts-per-gpu", bad])
+
+
+def test_parse_kernel_knobs():
+    o = cli.parse_args(["--granularity", "512,1024,512", "--comm-sms", "16", "--ring-slots", "3", "--dispatch", "push",
+                        "--combine", "pull"])
+    assert o.granularity == (512, 1024) and o.comm_sms == 16 and o.ring_slots == 3
+    assert (o.dispatch, o.combine) == ("push", "pull")
+    o = cli.parse_args([])
+    assert (o.granularity, o.comm_sms, o.ring_slots, o.dispatch, o.combine, o.tune) == (None,) * 5 + (False,)
+    for argv, option in ((["--granularity", "500"], "--granularity"), (["--granularity", "512,x"], "--granularity"),
+                         (["--granularity", "65536"], "--granularity"), (["--comm-sms", "0"], "--comm-sms"),
+                         (["--comm-sms", "129"], "--comm-sms"), (["--ring-slots", "0"], "--ring-slots"),
+                         (["--ring-slots", "9"], "--ring-slots")):
+        with pytest.raises(cli.UsageError, match=option):
+            cli.parse_args(argv)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--dispatch", "both"])  # argparse's own choices
+
+
+def test_parse_tune_conflicts():
+    assert cli.parse_args(["--tune"]).tune is True
+    assert cli.parse_args(["--tune", "--impl", "mok"]).impls == ("mok",)
+    for argv, msg in ((["--granularity", "512"], "drop --granularity"), (["--comm-sms", "8", "--ring-slots", "2"],
+                                                                          "drop --comm-sms, --ring-slots"),
+                      (["--impl", "xla"], "mok only"), (["--pass", "fwd,fwd+bwd"], "forward only")):
+        with pytest.raises(cli.UsageError, match=msg):
+            cli.parse_args(["--tune", *argv])
+
+
+def test_kernel_settings():
+    assert cli.kernel_settings(cli.parse_args([]), 2048) == [None]  # every knob left to mok_jax.tuning
+    assert cli.kernel_settings(cli.parse_args(["--comm-sms", "8"]), 2048) == [{"comm_sms_fwd": 8, "comm_sms_bwd": 8}]
+    got = cli.kernel_settings(cli.parse_args(["--granularity", "512,2048", "--ring-slots", "3"]), 2048)
+    assert got == [{"ring_slots": 3, "granularity": 512}, {"ring_slots": 3, "granularity": 2048}]
+    tune = cli.kernel_settings(cli.parse_args(["--tune"]), 1024)
+    assert len(tune) == 2 * 3 * 2 and {s["granularity"] for s in tune} == {512, 1024}
+
+
+def test_main_rejects_bad_experts_per_gpu(capsys, cpu_devices):
+    assert cli.main(["ci", "--experts-per-gpu", "E/3", "--devices", "2"]) == 2  # 16 experts
+    assert "--experts-per-gpu E/3: ci has E = 16 experts, which is not divisible by 3" in capsys.readouterr().err
+    assert cli.main(["ci", "--experts-per-gpu", "1", "--devices", "2"]) == 2  # 2 experts in all, k = 4
+    err = capsys.readouterr().err
+    assert "--experts-per-gpu 1" in err and "fewer than top_k=4" in err
+    assert cli.main(["ci", "--experts-per-gpu", "17"]) == 2
+    assert "more than ci's 16 experts" in capsys.readouterr().err
+
+
+def test_tune_needs_a_gpu(capsys, cpu_devices):
+    assert cli.main(["--tune", "ci", "--tokens", "8"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == ["mok-bench: error: --tune needs a GPU (it times the mok megakernel); this machine has only cpu "
+                     "devices"]
+
+
+def test_experts_per_gpu_run_json(tmp_path, cpu_devices):
+    # ci (E 16, k 4, H 64, I 32, Is 48) on 2 devices with E/4 = 4 experts each: 8 in all, not full mode's 16
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--impl", "xla", "--experts-per-gpu", "E/4", "--devices", "2", "--tokens", "16",
+                     "--json", str(out), "-q", *FAST]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["experts_per_gpu"] == "E/4"
+    (r,) = rep["results"]
+    assert r["status"] == "ok", r["error"]
+    assert (r["ep_mode"], r["experts_per_gpu"], r["total_experts"], r["num_gpus"]) == ("E/4", 4, 8, 2)
+    # useful: 2*16*4*3*64*32 + 2*16*3*64*48 = 786432 + 294912; dropless xla runs E_total*T = 8*16 = 128 rows:
+    # 2*128*3*64*32 = 1572864 routed, plus the same shared
+    assert r["flops_per_gpu"] == 786432 + 294912
+    assert r["executed_flops_per_gpu"] == 1572864 + 294912
+    assert r["compute_floor_ms"] == pytest.approx((786432 + 294912) / 805e12 * 1e3)
+    assert r["kernel"] is None and r["workspace_bytes_per_rank"] is None  # not a mok row
+
+
+def _fake_mok_build(built):
+    """baselines.build with 'mok' replaced by xla's forward under a custom_vjp whose backward raises
+    NotImplementedError at trace time, as mok's does; records the kernel each mok build gets."""
+    import jax
+
+    from mok_jax.bench import baselines
+
+    real = baselines.build
+
+    def build(name, mesh, *, axis="ep", capacity_factor=1.25, kernel=None):
+        if name != "mok":
+            return real(name, mesh, axis=axis, capacity_factor=capacity_factor, kernel=kernel)
+        built.append(kernel)
+        inner = real("xla", mesh)
+
+        @jax.custom_vjp
+        def f(x, idx, w, W):
+            return inner(x, idx, w, W)[0]
+
+        def f_bwd(res, dy):
+            raise NotImplementedError("differentiating the fake mok: no backward")
+
+        f.defvjp(lambda x, idx, w, W: (f(x, idx, w, W), None), f_bwd)
+        return jax.jit(lambda x, idx, w, W: (f(x, idx, w, W), {}))
+
+    return build
+
+
+def test_mok_rows_kernel_memory_and_unsupported_backward(tmp_path, cpu_devices, monkeypatch, capsys):
+    from mok_jax.bench import accounting as acc, baselines
+    from mok_jax.config import KernelConfig, load_model
+
+    built = []
+    monkeypatch.setattr(baselines, "build", _fake_mok_build(built))
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--impl", "xla,mok", "--pass", "fwd,fwd+bwd", "--tokens", "16", "--devices", "2",
+                     "--granularity", "512,1024", "--ring-slots", "3", "--json", str(out), *FAST]) == 0
+    captured = capsys.readouterr()
+    rep = json.loads(out.read_text())
+    rows = [(r["pass"], r["impl"], r["kernel"] and r["kernel"]["granularity"], r["status"]) for r in rep["results"]]
+    assert rows == [("fwd", "xla", None, "ok"), ("fwd", "mok", 512, "ok"), ("fwd", "mok", 1024, "ok"),
+                    ("fwd+bwd", "xla", None, "ok"), ("fwd+bwd", "mok", 512, "unsupported"),
+                    ("fwd+bwd", "mok", 1024, "unsupported")]
+    # on CPU tuning has no device table: the knobs not given are the heuristic's (16 comm SMs)
+    want = [KernelConfig(granularity=g, comm_sms_fwd=16, comm_sms_bwd=16, ring_slots=3) for g in (512, 1024)]
+    assert built[-2:] == want  # the builder got each explicit KernelConfig (the first build: the availability check)
+    shape = acc.bench_shape(load_model("ci"), 2, "full")
+    for r in rep["results"]:
+        assert tuple(r) == RESULT_KEYS
+        if r["impl"] != "mok":
+            assert r["kernel"] is None and r["kernel_source"] is None
+            continue
+        assert r["kernel_source"] == "explicit" and r["kernel"]["ring_slots"] == 3
+        if r["pass"] == "fwd":
+            k = KernelConfig(**r["kernel"])
+            assert {f: r[f] for f in ("workspace_bytes_per_rank", "scratch_bytes_per_rank",
+                                      "residual_bytes_per_rank")} == acc.mok_memory_per_rank(shape, 16, k)
+            assert r["residual_bytes_per_rank"] == 0
+        else:
+            assert "no backward" in r["error"] and r["median_ms"] is None
+            assert r["workspace_bytes_per_rank"] is None  # the backward's memory is not known
+    assert "unsupported" in captured.err
+    # the table names each mok row's granularity; the memory lines are for GPU runs only
+    assert "kernel" in captured.out and "g=512" in captured.out and "g=1024" in captured.out
+    assert "mok memory per rank" not in captured.out
+
+
+def test_unavailable_default_mok_is_reported_once_and_skipped(tmp_path, cpu_devices, monkeypatch, capsys):
+    monkeypatch.setitem(cli.CPU_DEFAULTS, "impls", ("mok", "xla"))
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--tokens", "8,16", "--devices", "2", "--json", str(out), "-q", *FAST]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["impl"] for r in rep["results"]] == ["xla", "xla"]
+    assert "needs a CUDA GPU" in rep["unavailable_impls"]["mok"]
+    assert capsys.readouterr().err.count("not run (unavailable here): mok") == 1
+
+
+def test_table_and_memory_lines():
+    from mok_jax.bench import report
+
+    base = dict.fromkeys(RESULT_KEYS)
+    base.update(model="kimi-k2", ep_mode="E/32", tokens_per_gpu=2048, impl="mok", status="skipped", error="budget",
+                comm_floor_ms=0.3, workspace_bytes_per_rank=117_707_776, residual_bytes_per_rank=0)
+    base["pass"] = "fwd"
+    kernel = dict(granularity=512, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push", ring_slots=2)
+    rows = [{**base, "kernel": kernel, "scratch_bytes_per_rank": 100_000_000},
+            {**base, "kernel": {**kernel, "granularity": 2048}, "scratch_bytes_per_rank": 369_236_992},
+            {**base, "tokens_per_gpu": 4096, "kernel": kernel, "scratch_bytes_per_rank": 5_000}]
+    lines = report.format_memory(rows).splitlines()
+    assert len(lines) == 2  # one per (model, tokens)
+    assert "kimi-k2 E/32 T=2048" in lines[0] and "workspace 117.7 MB" in lines[0]
+    assert "scratch 100.0 MB..369.2 MB over 2 kernel settings" in lines[0] and "residuals 0 B" in lines[0]
+    assert "T=4096" in lines[1] and "scratch 5.0 kB" in lines[1]
+    assert report.format_memory([{**rows[0], "impl": "xla", "kernel": None}]) == ""
+    table = report.format_table(rows)
+    assert table.splitlines()[0].split()[5] == "kernel" and "g=2048" in table
+    assert "kernel" not in report.format_table([{**rows[0], "impl": "xla", "kernel": None}]).splitlines()[0]
+    assert "`mok` (g=512)" in report.format_markdown(rows)
+
+
+def test_tune_path_with_a_stand_in_gpu(tmp_path, cpu_devices, monkeypatch, capsys):
+    """--tune end to end on CPU: the fake mok of the test above, the CPU devices passed off as a GPU, and the
+    table written under tmp_path (as <root>/cpu/kernel.toml: the device kind is 'cpu')."""
+    from mok_jax import tuning
+    from mok_jax.bench import baselines, tune
+
+    monkeypatch.setattr(baselines, "build", _fake_mok_build([]))
+    monkeypatch.setattr(cli, "_on_gpu", lambda devices: True)
+    monkeypatch.setattr(tune, "tuned_root", lambda: tmp_path)
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--tune", "--tokens", "16,32", "--devices", "2", "--ep-mode", "full", "--json", str(out),
+                     "-q", *FAST]) == 0
+    rep = json.loads(out.read_text())
+    rows = rep["results"]
+    assert len(rows) == 2 * 6 and {r["impl"] for r in rows} == {"mok"}  # 16 and 32 tokens: granularity 512 only
+    assert all(r["status"] == "ok" and r["kernel_source"] == "explicit" for r in rows)
+    path = tmp_path / "cpu" / "kernel.toml"
+    assert rep["tuned"]["path"] == str(path) and rep["tuned"]["incomplete"] == []
+    entries = tune.read_entries(path)
+    assert [e["tokens"] for e in entries] == [16, 32]
+    for e in entries:
+        fastest = min((r for r in rows if r["tokens_per_gpu"] == e["tokens"]), key=lambda r: r["median_ms"])
+        assert {k: e[k] for k in tune.KNOBS} == fastest["kernel"] and e["model"] == "ci"
+        assert (e["hidden"], e["experts_per_rank"], e["ep"]) == (64, 8, 2)
+    assert path.read_text().startswith("# written by mok-bench --tune on ")
+    captured = capsys.readouterr()
+    assert "tuned table written to" in captured.err
+    assert captured.out.count("mok memory per rank, ci full T=") == 2  # one line per (model, tokens) "on GPU"
+    tuning.load_table.cache_clear()

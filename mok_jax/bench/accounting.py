@@ -7,6 +7,10 @@ routed experts and ``tokens`` tokens; every token picks ``top_k`` of the ``total
 - ``ep64-slice``: E/64 experts per GPU, as at expert-parallel degree 64 on an NVL72 rack, so the
   per-GPU work matches the paper's headline setting on however many GPUs are here
   (total experts = num_gpus * E/64; HARDWARE.md).
+- ``--experts-per-gpu`` (N, or ``E/d``: the model's E experts divided by d) overrides either split: each
+  GPU holds that many experts (total num_gpus * that). HARDWARE.md's one-GPU table is E/32 on one GPU: the
+  whole 2-GPU ep64-slice problem (2 * E/64 experts), with the same per-GPU FLOPs. ``ep_mode`` then names
+  the split: ``E/32``, or ``12/gpu`` for a plain count.
 
 Useful FLOPs per GPU, forward (SwiGLU: gate, up and down projections are 3 GEMMs of H x I):
     routed 2*T*k*3*H*I  +  shared 2*T*3*H*Is
@@ -31,8 +35,8 @@ from mok_jax.config import ModelShape
 
 __all__ = [
     "EP_MODES", "PASSES", "BenchShape", "Traffic", "bench_shape", "capacity", "dispatch_bytes_per_gpu",
-    "executed_rows_per_gpu", "flops_per_gpu", "pass_multiplier", "routing_traffic", "transfers_per_pass",
-    "uniform_remote_fraction",
+    "executed_rows_per_gpu", "experts_per_gpu_count", "flops_per_gpu", "mok_memory_per_rank",
+    "parse_experts_per_gpu", "pass_multiplier", "routing_traffic", "transfers_per_pass", "uniform_remote_fraction",
 ]
 
 EP_MODES = ("full", "ep64-slice")
@@ -61,14 +65,52 @@ class BenchShape:
         return {**dataclasses.asdict(self), "total_experts": self.total_experts}
 
 
-def bench_shape(model: ModelShape, num_gpus: int, ep_mode: str) -> BenchShape:
-    """The BenchShape of ``model`` on ``num_gpus`` GPUs in ``ep_mode`` (one of EP_MODES)."""
+def parse_experts_per_gpu(text: str | int) -> str:
+    """The --experts-per-gpu value, normalised: 'N' (a positive count) or 'E/d' (d a positive int).
+    Raises ValueError naming the option for anything else."""
+    t = str(text).strip().replace(" ", "")
+    if t.isdigit() and int(t) > 0:
+        return str(int(t))
+    if t[:2] in ("E/", "e/") and t[2:].isdigit() and int(t[2:]) > 0:
+        return f"E/{int(t[2:])}"
+    raise ValueError(f"--experts-per-gpu: cannot read {text!r}; give a positive count N or E/<d> (the model's "
+                     f"experts divided by d, e.g. E/32)")
+
+
+def experts_per_gpu_count(model: ModelShape, spec: str | int) -> int:
+    """The routed experts per GPU that --experts-per-gpu ``spec`` ('N' or 'E/d') gives ``model``."""
+    spec = parse_experts_per_gpu(spec)
+    E = model.num_experts
+    if spec.startswith("E/"):
+        d = int(spec[2:])
+        if E % d:
+            raise ValueError(f"--experts-per-gpu {spec}: {model.name} has E = {E} experts, which is not divisible "
+                             f"by {d}")
+        return E // d
+    n = int(spec)
+    if n > E:
+        raise ValueError(f"--experts-per-gpu {spec}: more than {model.name}'s {E} experts on one GPU")
+    return n
+
+
+def bench_shape(model: ModelShape, num_gpus: int, ep_mode: str, *,
+                experts_per_gpu: str | int | None = None) -> BenchShape:
+    """The BenchShape of ``model`` on ``num_gpus`` GPUs in ``ep_mode`` (one of EP_MODES), or with
+    ``experts_per_gpu`` ('N' or 'E/d', as --experts-per-gpu) experts on each GPU, overriding ep_mode's split."""
     if ep_mode not in EP_MODES:
         raise ValueError(f"ep mode must be one of {', '.join(EP_MODES)}, got {ep_mode!r}")
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
     E = model.num_experts
-    if ep_mode == "full":
+    if experts_per_gpu is not None:
+        spec = parse_experts_per_gpu(experts_per_gpu)
+        per_gpu = experts_per_gpu_count(model, spec)
+        ep_mode = spec if spec.startswith("E/") else f"{spec}/gpu"
+        if model.top_k > per_gpu * num_gpus:
+            raise ValueError(f"--experts-per-gpu {spec}: {model.name} on {num_gpus} GPU(s) would have "
+                             f"{per_gpu * num_gpus} experts in all, fewer than top_k={model.top_k} (a token picks k "
+                             f"distinct experts)")
+    elif ep_mode == "full":
         if E % num_gpus:
             raise ValueError(f"ep mode 'full' splits {model.name}'s {E} experts over the GPUs, but {E} is not "
                              f"divisible by {num_gpus} GPUs")
@@ -193,3 +235,32 @@ def routing_traffic(topk_idx: np.ndarray, num_gpus: int, experts_per_gpu: int) -
     recv_unique = hit.sum(axis=0)
     owner_rows = np.bincount(dest.ravel(), minlength=num_gpus)
     return Traffic(sent_slots, recv_slots, sent_unique, recv_unique, owner_rows)
+
+
+def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel) -> dict[str, int | None]:
+    """Device memory of one mok forward call per rank, in bytes (None where the native library that sizes it
+    is missing or the kernel does not support the call):
+
+    workspace_bytes_per_rank: the symmetric workspace (mok_jax.workspace.CommConfig.workspace_bytes) of a layer
+        sized for this call (max_tokens = tokens); it lives as long as the layer.
+    scratch_bytes_per_rank: the per-call scratch XLA allocates for the kernel (mok_jax.ops.moe_forward.scratch_bytes:
+        the ring of kernel.ring_slots microbatches dominates); freed when the call ends.
+    residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs. Today 0: mok's
+        custom_vjp saves only x, the routing and the weights (MoEResiduals, all inputs), and its backward is not
+        built yet; a backward that saves activations will change this.
+    """
+    from mok_jax.ops.moe_forward import scratch_bytes
+    from mok_jax.workspace import CommConfig
+
+    out: dict[str, int | None] = {"workspace_bytes_per_rank": None, "scratch_bytes_per_rank": None,
+                                  "residual_bytes_per_rank": 0}
+    try:
+        out["workspace_bytes_per_rank"] = CommConfig(
+            ep=shape.num_gpus, max_tokens=tokens, hidden_size=shape.hidden_size, top_k=shape.top_k,
+            num_experts=shape.total_experts).workspace_bytes()
+        out["scratch_bytes_per_rank"] = scratch_bytes(
+            tokens=tokens, hidden=shape.hidden_size, inter=shape.intermediate_size, shared_inter=shape.shared_size,
+            top_k=shape.top_k, local_experts=shape.experts_per_gpu, ep=shape.num_gpus, kernel=kernel)
+    except (ValueError, RuntimeError):  # unsupported shape, or no native library: the run itself says why
+        pass
+    return out

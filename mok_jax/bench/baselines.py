@@ -27,7 +27,8 @@ weighted sum over a token's k slots runs in fp32 in slot order before the final 
   XLA:CPU cannot run ragged-all-to-all; ``emulate_collective=True`` swaps in an all_gather-based
   equivalent (for CPU tests of the offset logic only).
 - ``reference``: ``mok_jax.expert_parallel_moe`` with implementation="xla" (dense; small shapes only).
-- ``mok``: the same with implementation="mok" (raises until the megakernel exists).
+- ``mok``: the same with implementation="mok" and ``kernel`` (a KernelConfig, or None: mok_jax.tuning picks);
+  forward only for now (differentiating it raises NotImplementedError at trace time).
 
 Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
 ``/shared``) so profiler traces read by name.
@@ -44,7 +45,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.bench.accounting import capacity as _capacity
-from mok_jax.config import MoEConfig
+from mok_jax.config import KernelConfig, MoEConfig
 from mok_jax.reference.experts import swiglu_ffn
 from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
@@ -256,14 +257,14 @@ def ragged(mesh: Mesh, *, axis: str = "ep", emulate_collective: bool = False) ->
 # ----------------------------------------------------------------------------- the library's own paths
 
 
-def _library(mesh: Mesh, axis: str, implementation: str) -> MoEFn:
-    from mok_jax.sharding import expert_parallel_moe
+def _library(mesh: Mesh, axis: str, implementation: str, kernel: KernelConfig | None = None) -> MoEFn:
+    from mok_jax import sharding
 
-    config = MoEConfig(implementation=implementation, ep_axis=axis)
+    config = MoEConfig(implementation=implementation, ep_axis=axis, kernel=kernel)
 
     def fn(x, topk_idx, topk_weight, weights):
         with jax.named_scope(implementation if implementation == "mok" else "reference"):
-            return expert_parallel_moe(x, topk_idx, topk_weight, weights, mesh=mesh, config=config), {}
+            return sharding.expert_parallel_moe(x, topk_idx, topk_weight, weights, mesh=mesh, config=config), {}
 
     fn.__name__ = fn.__qualname__ = ("mok" if implementation == "mok" else "reference") + "_moe"
     return jax.jit(fn)
@@ -274,9 +275,12 @@ def reference(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
     return _library(mesh, axis, "xla")
 
 
-def mok(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
-    """mok_jax.expert_parallel_moe(implementation="mok"): the megakernel."""
-    return _library(mesh, axis, "mok")
+def mok(mesh: Mesh, *, axis: str = "ep", kernel: KernelConfig | None = None) -> MoEFn:
+    """mok_jax.expert_parallel_moe(implementation="mok", kernel=kernel): the megakernel (kernel None: the tuned
+    table or the heuristic, mok_jax.tuning)."""
+    if kernel is not None and not isinstance(kernel, KernelConfig):
+        raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
+    return _library(mesh, axis, "mok", kernel)
 
 
 BASELINES: dict[str, Callable[..., MoEFn]] = {
@@ -285,10 +289,12 @@ BASELINES: dict[str, Callable[..., MoEFn]] = {
 IMPLEMENTATIONS = (*BASELINES, "mok")
 
 
-def build(name: str, mesh: Mesh, *, axis: str = "ep", capacity_factor: float = 1.25) -> MoEFn:
-    """The jitted callable of implementation ``name`` (one of IMPLEMENTATIONS)."""
+def build(name: str, mesh: Mesh, *, axis: str = "ep", capacity_factor: float = 1.25,
+          kernel: KernelConfig | None = None) -> MoEFn:
+    """The jitted callable of implementation ``name`` (one of IMPLEMENTATIONS); ``kernel`` is mok's (the
+    others have no kernel knobs and ignore it)."""
     if name == "mok":
-        return mok(mesh, axis=axis)
+        return mok(mesh, axis=axis, kernel=kernel)
     if name not in BASELINES:
         raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     if name == "xla-capacity":

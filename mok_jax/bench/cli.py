@@ -5,6 +5,9 @@ synchronisation (``mok_jax.bench.timing.time_fn``), and report median/min/max, T
 of the compute roofline and of the NVLink communication floor, and the ratio to a baseline measured
 in the same process (accounting: ``mok_jax.bench.accounting``; implementations:
 ``mok_jax.bench.baselines``). Writes a table, and on request a JSON report, a plot and a profile.
+``mok`` rows run the KernelConfig the knob options give (else the one mok_jax.tuning resolves) and record
+it with their memory; ``--tune`` times mok over a grid of knobs and writes the device's tuned table
+(``mok_jax.bench.tune``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from mok_jax.bench import accounting as acc
 from mok_jax.bench.report import eprint
 from mok_jax.bench.routing import ROUTINGS
 
-__all__ = ["BenchOptions", "Unavailable", "UsageError", "build_parser", "main", "parse_args", "parse_tokens", "run"]
+__all__ = ["BenchOptions", "Unavailable", "UsageError", "build_parser", "kernel_settings", "main", "parse_args",
+           "parse_experts_per_gpu", "parse_tokens", "run"]
 
 # Defaults. Roofline figures are HARDWARE.md's measurements on the H200 machines.
 PEAK_TFLOPS = {"bf16": 805.0}  # cuBLAS bf16 GEMM 8192^3
@@ -41,6 +45,9 @@ examples:
   mok-bench glm-5 --tokens 512..16384 --plot sweep.png        # 512, 1024, ..., 16384
   mok-bench kimi-k2 --routing zipf --zipf-s 1.2 --impl xla,xla-capacity --capacity-factor 2
   mok-bench kimi-k2 --profile /tmp/prof       # jax.profiler trace per run (TensorBoard / Perfetto)
+  mok-bench bench --devices 1 --experts-per-gpu E/32   # HARDWARE.md's one-GPU table: the 2-GPU ep64-slice problem
+  mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-sms 16   # a mok granularity sweep
+  mok-bench bench --tune --tokens 512..8192   # time mok's knobs, write configs/tuned/<device>/kernel.toml
 """
 
 
@@ -71,6 +78,24 @@ def parse_tokens(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def parse_experts_per_gpu(text: str) -> str:
+    """'12' | 'E/32' (the model's experts over 32), normalised; UsageError naming --experts-per-gpu otherwise."""
+    try:
+        return acc.parse_experts_per_gpu(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        out = tuple(dict.fromkeys(int(v) for v in str(text).split(",")))
+    except ValueError:
+        raise UsageError(f"{option}: cannot read {text!r}; give integers, comma-separated") from None
+    return out
+
+
 def _names(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
@@ -99,6 +124,13 @@ class BenchOptions:
     samples: int = 20
     target_sample_ms: float = 20.0
     ragged_samples: int = 3
+    experts_per_gpu: str | None = None  # 'N' or 'E/d'; None: the split of ep_mode
+    granularity: tuple[int, ...] | None = None  # mok knobs; None: mok_jax.tuning picks
+    comm_sms: int | None = None
+    ring_slots: int | None = None
+    dispatch: str | None = None
+    combine: str | None = None
+    tune: bool = False
     peak_tflops: float | None = None
     nvlink_gbps: float = NVLINK_GBPS
     devices: int | None = None
@@ -139,6 +171,35 @@ class BenchOptions:
         need(self.nvlink_gbps > 0, "--nvlink-gbps must be > 0")
         need(self.devices is None or self.devices >= 1, "--devices must be >= 1")
         need(self.time_budget_s is None or self.time_budget_s > 0, "--time-budget must be > 0")
+        if self.experts_per_gpu is not None:
+            object.__setattr__(self, "experts_per_gpu", parse_experts_per_gpu(self.experts_per_gpu))
+        self._check_knobs()
+        if self.tune:
+            set_knobs = [o for o, v in (("--granularity", self.granularity), ("--comm-sms", self.comm_sms),
+                                        ("--ring-slots", self.ring_slots), ("--dispatch", self.dispatch),
+                                        ("--combine", self.combine)) if v is not None]
+            need(not set_knobs, f"--tune sweeps the kernel knobs itself; drop {', '.join(set_knobs)}")
+            need(self.impls in (None, ("mok",)), "--tune times implementation mok only; drop --impl")
+            need(self.baseline in (None, "mok"), "--tune times implementation mok only; drop --baseline")
+            need(self.passes == ("fwd",), "--tune times the forward only (mok has no backward yet); drop --pass")
+
+    def _check_knobs(self) -> None:
+        """Each knob option as mok_jax.KernelConfig checks it, the error naming the option."""
+        from mok_jax.config import KernelConfig
+
+        checks = [("--granularity", {"granularity": g}) for g in self.granularity or ()]
+        if self.granularity is not None and not self.granularity:
+            raise UsageError("--granularity: give at least one value")
+        if self.comm_sms is not None:
+            checks.append(("--comm-sms", {"comm_sms_fwd": self.comm_sms, "comm_sms_bwd": self.comm_sms}))
+        for option, field in (("--ring-slots", "ring_slots"), ("--dispatch", "dispatch"), ("--combine", "combine")):
+            if getattr(self, field) is not None:
+                checks.append((option, {field: getattr(self, field)}))
+        for option, knobs in checks:
+            try:
+                KernelConfig(**knobs)
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"{option}: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--capacity-factor", type=float, default=1.25,
                    help="xla-capacity: slots per (source rank, expert) = ceil(cf * T*k / E)")
     w.add_argument("--devices", type=int, help="EP degree: use the first N devices (default: all)")
+    w.add_argument("--experts-per-gpu", metavar="N|E/d", help="routed experts each GPU holds, overriding the split "
+                   "of --ep-mode: a count, or E/d for the model's E experts over d (E/32 on one GPU is the 2-GPU "
+                   "ep64-slice problem: HARDWARE.md's one-GPU table)")
+    k = p.add_argument_group("mok kernel knobs (mok_jax.KernelConfig; unset: the tuned table or the heuristic, "
+                             "mok_jax.tuning; other implementations ignore them)")
+    k.add_argument("--granularity", help="tokens per microbatch: a multiple of 64 in 512..32768, or a comma list "
+                   "to sweep (mok runs once per value)")
+    k.add_argument("--comm-sms", type=int, help="SMs moving rows at once (forward and backward)")
+    k.add_argument("--ring-slots", type=int, help="microbatch slots of the receive ring")
+    k.add_argument("--dispatch", choices=("pull", "push"), help="dispatch direction")
+    k.add_argument("--combine", choices=("push", "pull"), help="combine direction")
+    k.add_argument("--tune", action="store_true", help="time mok over granularity x comm SMs x ring slots per model "
+                   "and token count, and write the fastest to configs/tuned/<device>/kernel.toml (GPU only)")
     t = p.add_argument_group("timing and rooflines")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--samples", type=int, default=20, help="timed samples (each several calls)")
@@ -206,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
         ep_mode=ns.ep_mode, dtype=ns.dtype, passes=_names(ns.passes), impls=_names(ns.impl), baseline=ns.baseline,
         routing=ns.routing, zipf_s=ns.zipf_s, seed=ns.seed, capacity_factor=ns.capacity_factor, warmup=ns.warmup,
         samples=ns.samples, target_sample_ms=ns.target_sample_ms, ragged_samples=ns.ragged_samples,
+        experts_per_gpu=ns.experts_per_gpu, granularity=_ints(ns.granularity, "--granularity"),
+        comm_sms=ns.comm_sms, ring_slots=ns.ring_slots, dispatch=ns.dispatch, combine=ns.combine, tune=ns.tune,
         peak_tflops=ns.peak_tflops, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
         reference_max_gb=ns.reference_max_gb, time_budget_s=ns.time_budget_s, json=ns.json, plot=ns.plot,
         profile=ns.profile, progress=ns.progress, quiet=ns.quiet, markdown=ns.markdown,
@@ -379,7 +455,36 @@ def _reference_gb(shape: acc.BenchShape, tokens: int, pass_: str) -> float:
     return rows * per_row * (1 if pass_ == "fwd" else 2) / 1e9
 
 
-def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype) -> str | None:
+def kernel_settings(opts: BenchOptions, tokens: int) -> list[dict | None]:
+    """The mok knob settings to run at ``tokens`` per GPU: one per --granularity value (with the other knob
+    options), the --tune grid, or [None] (no knob option: mok_jax.tuning resolves every knob)."""
+    from mok_jax.bench import tune
+
+    if opts.tune:
+        return tune.grid(tokens)
+    fixed: dict[str, Any] = {}
+    if opts.comm_sms is not None:
+        fixed.update(comm_sms_fwd=opts.comm_sms, comm_sms_bwd=opts.comm_sms)
+    for field in ("ring_slots", "dispatch", "combine"):
+        if getattr(opts, field) is not None:
+            fixed[field] = getattr(opts, field)
+    if opts.granularity:
+        return [{**fixed, "granularity": g} for g in opts.granularity]
+    return [fixed or None]
+
+
+def _on_gpu(devices) -> bool:
+    return devices[0].platform == "gpu"
+
+
+def _gpu_kind() -> str | None:
+    """The device kind mok_jax.moe resolves kernels for (the first GPU's), None without a GPU."""
+    import jax
+
+    return next((d.device_kind for d in jax.devices() if d.platform == "gpu"), None)
+
+
+def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype, kernel=None) -> str | None:
     """None when ``impl`` can run here, else why not (traced with abstract inputs: no device work)."""
     import jax
     import jax.numpy as jnp
@@ -391,7 +496,7 @@ def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype) ->
     if impl not in ("mok", "reference"):
         return None
     try:
-        fn = baselines.build(impl, mesh)
+        fn = baselines.build(impl, mesh, kernel=kernel)
         n, E, H, I, Is, k = (shape.num_gpus * tokens, shape.total_experts, shape.hidden_size,
                              shape.intermediate_size, shape.shared_size, shape.top_k)
         tok, rep = NamedSharding(mesh, P("ep")), NamedSharding(mesh, P())
@@ -410,11 +515,14 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     import jax
     from jax.sharding import AxisType
 
-    from mok_jax.bench import baselines, report as rep
+    from mok_jax.bench import baselines, report as rep, tune
 
     t_start = time.perf_counter()
     devices = jax.devices()
-    on_gpu = devices[0].platform == "gpu"
+    on_gpu = _on_gpu(devices)
+    if opts.tune and not on_gpu:
+        raise Unavailable(f"--tune needs a GPU (it times the mok megakernel); this machine has only "
+                          f"{devices[0].platform} devices")
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     n = opts.devices or len(devices)
     if n > len(devices):
@@ -425,18 +533,24 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     peak = opts.peak_tflops or PEAK_TFLOPS[opts.dtype]
     dtype = _jnp_dtype(opts.dtype)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n], axis_types=(AxisType.Explicit,))
-    shapes = [acc.bench_shape(m, n, ep_mode) for m in models]  # ValueError -> usage error below
+    # ValueError -> usage error in main()
+    shapes = [acc.bench_shape(m, n, ep_mode, experts_per_gpu=opts.experts_per_gpu) for m in models]
     if not on_gpu:
         eprint(CPU_NOTICE)
+    gpu_kind = _gpu_kind()
 
-    impls = list(opts.impls or defaults["impls"])
+    impls = ["mok"] if opts.tune else list(opts.impls or defaults["impls"])
     dropped_impls = {}
     for impl in list(impls):
-        why = _availability(impl, mesh, shapes[0], tokens_list[0], dtype)
+        kernel = None
+        if impl == "mok":
+            knobs = kernel_settings(opts, tokens_list[0])[0]
+            kernel = tune.resolve_kernel(tune.problem_key(shapes[0], tokens_list[0]), knobs, gpu_kind)[0]
+        why = _availability(impl, mesh, shapes[0], tokens_list[0], dtype, kernel)
         if why is None:
             continue
-        if opts.impls:
-            raise Unavailable(f"implementation {impl!r} is not available yet: {why}")
+        if opts.impls or opts.tune:  # asked for by name: say why it cannot run, once, and stop
+            raise Unavailable(f"implementation {impl!r} is not available here: {why}")
         impls.remove(impl)
         dropped_impls[impl] = why
     if not impls:
@@ -455,8 +569,10 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
               "roofline": {"peak_tflops": peak, "nvlink_gbps": opts.nvlink_gbps},
               "unavailable_impls": dropped_impls, "results": []}
     results = report["results"]
-    # pass-major, so a sweep cut short by --time-budget still has whole curves for the first pass
-    plan = [(s, p, t, i) for s in shapes for p in opts.passes for t in tokens_list for i in impls]
+    # pass-major, so a sweep cut short by --time-budget still has whole curves for the first pass; mok once per
+    # kernel setting (--granularity list, --tune grid), the others once
+    plan = [(s, p, t, i, knobs) for s in shapes for p in opts.passes for t in tokens_list for i in impls
+            for knobs in (kernel_settings(opts, t) if i == "mok" else [None])]
 
     from tqdm import tqdm
 
@@ -468,15 +584,15 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         old_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
     except ValueError:  # not the main thread: no handler
         old_handler = None
-    fns: dict[str, Any] = {}
-    steps: dict[tuple[str, str], Any] = {}
+    fns: dict[tuple, Any] = {}  # per (impl, kernel)
+    steps: dict[tuple, Any] = {}
     cur = {"shape": None, "weights": None, "tokens": None, "problem": None}
     routings: dict[int, Any] = {}  # per tokens, for the current model (host arrays)
     base_ms: dict[tuple, float] = {}  # baseline median per (model, tokens, pass)
     dropped: dict[tuple, int] = {}  # dropped slots per (model, tokens, impl)
     stop_reason = None
     try:
-        for shape, pass_, tokens, impl in plan:
+        for shape, pass_, tokens, impl, knobs in plan:
             if cur["shape"] is not shape:
                 cur.update(shape=shape, weights=None, tokens=None, problem=None)
                 routings.clear()
@@ -488,6 +604,14 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
             results.append(r)
             label = f"[{len(results)}/{len(plan)}] {shape.model} T={tokens} {pass_} {impl}"
             try:
+                kernel = None  # what the builder gets: None lets mok_jax.tuning resolve inside the layer
+                if impl == "mok":
+                    kernel, ran, r["kernel_source"] = tune.resolve_kernel(tune.problem_key(shape, tokens), knobs,
+                                                                          gpu_kind)
+                    r["kernel"] = dataclasses.asdict(ran)
+                    label += f" [{rep.kernel_label(r, ('comm_sms_fwd', 'ring_slots'))}]"
+                    if pass_ == "fwd":  # the forward's memory; the backward's is not known until it exists
+                        r.update(acc.mok_memory_per_rank(shape, tokens, ran))
                 if stop_reason:
                     raise _Skip(stop_reason)
                 if opts.time_budget_s and time.perf_counter() - t_start > opts.time_budget_s:
@@ -501,21 +625,23 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                 if cur["tokens"] != tokens:
                     cur.update(tokens=None, problem=None)  # free the previous inputs first
                     cur.update(tokens=tokens, problem=_inputs(shape, tokens, routing, mesh, dtype, opts.seed))
-                if impl not in fns:
-                    fns[impl] = baselines.build(impl, mesh, capacity_factor=opts.capacity_factor)
-                if (impl, pass_) not in steps:
-                    steps[impl, pass_] = _step(fns[impl], pass_)
+                if (impl, kernel) not in fns:
+                    fns[impl, kernel] = baselines.build(impl, mesh, capacity_factor=opts.capacity_factor,
+                                                        kernel=kernel)
+                if (impl, kernel, pass_) not in steps:
+                    steps[impl, kernel, pass_] = _step(fns[impl, kernel], pass_)
+                step = steps[impl, kernel, pass_]
                 x, idx, w, dy = cur["problem"]
                 args = (x, idx, w, cur["weights"], dy)
-                _measure(r, steps[impl, pass_], args, slow=impl == "ragged", opts=opts, peak=peak)
+                _measure(r, step, args, slow=impl == "ragged", opts=opts, peak=peak)
                 if impl == "xla-capacity":
                     key = (shape.model, tokens, impl)
                     if key not in dropped:
-                        dropped[key] = int(fns[impl](*args[:4])[1]["dropped_slots"])
+                        dropped[key] = int(fns[impl, kernel](*args[:4])[1]["dropped_slots"])
                     r["dropped_slots"] = dropped[key]
                     r["dropped_fraction"] = dropped[key] / (n * tokens * shape.top_k)
-                if impl == baseline:
-                    base_ms[shape.model, tokens, pass_] = r["median_ms"]
+                if impl == baseline and (shape.model, tokens, pass_) not in base_ms:  # mok as baseline: its first
+                    base_ms[shape.model, tokens, pass_] = r["median_ms"]  # kernel setting (--tune, --granularity)
                 if (shape.model, tokens, pass_) in base_ms:
                     r["baseline_median_ms"] = base_ms[shape.model, tokens, pass_]
                     r["speedup_vs_baseline"] = r["baseline_median_ms"] / r["median_ms"]
@@ -523,7 +649,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                     f"{r['compute_fraction'] * 100:.1f}% of peak; first call {r['first_call_s']:.1f} s)")
                 if opts.profile:
                     try:  # a trace that cannot be taken (no CUPTI, say) costs the trace, not the timing
-                        _profile(opts.profile, r, steps[impl, pass_], args)
+                        _profile(opts.profile, r, step, args)
                     except Exception as e:  # noqa: BLE001
                         r["error"] = f"profile not written: {_error_text(e)}"
                         say(f"{label}: {r['error'].splitlines()[0][:300]}")
@@ -533,6 +659,9 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
             except _Interrupted as e:
                 stop_reason = str(e)
                 r.update(status="skipped", error=stop_reason)
+            except NotImplementedError as e:  # e.g. mok's backward (raised at trace time): this pass only
+                r.update(status="unsupported", error=_error_text(e))
+                say(f"{label}: unsupported ({_error_text(e).splitlines()[0][:300]})")
             except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
                 r.update(status="error", error=_error_text(e))
                 say(f"{label}: ERROR {_error_text(e).splitlines()[0][:300]}")
@@ -546,6 +675,8 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
             signal.signal(signal.SIGTERM, old_handler)
         bar.close()
         cur.clear()
+    if opts.tune:
+        report["tuned"] = _write_tuned(results, devices[0].device_kind, report["git"])
     report["elapsed_s"] = time.perf_counter() - t_start
     report["stopped"] = stop_reason
     if opts.json:
@@ -555,12 +686,24 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         print(rep.format_markdown(results, peak_tflops=peak, cpu=not on_gpu), flush=True)
     else:
         print(rep.format_table(results, cpu=not on_gpu), flush=True)
+    memory = rep.format_memory(results) if on_gpu else ""
+    if memory:
+        print(memory, flush=True)
+    if opts.tune:
+        t = report["tuned"]
+        for e in t["entries"]:
+            eprint(f"mok-bench: tuned {e['model']} T={e['tokens']}: granularity {e['granularity']}, comm SMs "
+                   f"{e['comm_sms_fwd']}, ring slots {e['ring_slots']} ({e['median_ms']:.3f} ms)")
+        if t["incomplete"]:
+            eprint(f"mok-bench: not tuned (grid cut short or every setting failed): {', '.join(t['incomplete'])}")
+        eprint(f"mok-bench: tuned table {'written to ' + t['path'] if t['entries'] else 'unchanged: nothing to write'}")
     if dropped_impls:
         eprint(f"mok-bench: not run (unavailable here): {', '.join(dropped_impls)}")
     if opts.plot:
         models_txt = ",".join(dict.fromkeys(r["model"] for r in results))
+        modes = ",".join(dict.fromkeys(s.ep_mode for s in shapes))
         path = rep.plot_sweep(opts.plot, results, peak_tflops=peak if on_gpu else None,
-                              title=f"{models_txt} ({ep_mode}, {opts.dtype}, {opts.routing} routing) on {title}")
+                              title=f"{models_txt} ({modes}, {opts.dtype}, {opts.routing} routing) on {title}")
         eprint(f"mok-bench: plot written to {path}")
     if opts.json:
         eprint(f"mok-bench: JSON written to {opts.json}")
@@ -569,6 +712,18 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
 
 class _Skip(Exception):
     pass
+
+
+def _write_tuned(results: list[dict], device_kind: str, git: dict) -> dict:
+    """--tune: the fastest setting of each fully timed problem, merged into the device's tuned table."""
+    from mok_jax import tuning
+    from mok_jax.bench import tune
+
+    entries, incomplete = tune.best_entries(results)
+    path = tuning.table_path(device_kind, root=tune.tuned_root())
+    if entries:
+        tune.write_table(path, entries, commit=git.get("commit", "unknown"), dirty=git.get("dirty"))
+    return {"path": str(path), "entries": entries, "incomplete": incomplete}
 
 
 def _measure(r: dict, step, args, *, slow: bool, opts: BenchOptions, peak: float) -> None:
@@ -592,6 +747,10 @@ def _profile(directory: str, r: dict, step, args) -> None:
     import jax
 
     label = f"{r['model']}_{r['ep_mode']}_T{r['tokens_per_gpu']}_{r['pass'].replace('+', '_')}_{r['impl']}"
+    if r.get("kernel"):
+        k = r["kernel"]
+        label += f"_g{k['granularity']}_s{k['comm_sms_fwd']}_r{k['ring_slots']}_{k['dispatch']}_{k['combine']}"
+    label = label.replace("/", "-")  # ep_mode E/32
     with jax.profiler.trace(os.path.join(directory, label)):
         with jax.profiler.TraceAnnotation(f"mok-bench {label}"):
             out = None

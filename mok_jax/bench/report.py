@@ -6,10 +6,14 @@ JSON (``SCHEMA``): {
   "device": {"platform", "kind", "count", "used", "platform_version"},
   "versions": {"python", "jax", "jaxlib", "flax", "numpy", "mok_jax"},
   "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "nvlink_gbps"},
-  "results": [one record per (model, tokens, pass, implementation), with exactly the keys RESULT_KEYS;
-              status "ok" | "error" | "skipped", and error: why (or, with status "ok", a profile that failed)],
+  "results": [one record per (model, tokens, pass, implementation, and for mok kernel setting), with exactly
+              the keys RESULT_KEYS; status "ok" | "error" | "skipped" | "unsupported" (the implementation cannot
+              run this pass, e.g. mok's backward), and error: why (or, with status "ok", a profile that failed);
+              mok rows also carry "kernel" (the KernelConfig's fields), "kernel_source" (explicit | tuned |
+              heuristic) and the memory per rank in bytes (fwd rows; accounting.mok_memory_per_rank)],
   "unavailable_impls": {implementation: why} for defaults that cannot run here, "elapsed_s",
-  "stopped": why the runs stopped early (a signal), or null
+  "stopped": why the runs stopped early (a signal), or null,
+  "tuned": with --tune: {"path", "entries" written or replaced, "incomplete" problems not written}, else absent
 }
 """
 
@@ -26,8 +30,8 @@ import sys
 from typing import Any, Iterable
 
 __all__ = [
-    "RESULT_KEYS", "SCHEMA", "environment", "format_markdown", "format_table", "git_info", "load_results",
-    "plot_sweep", "write_json",
+    "RESULT_KEYS", "SCHEMA", "environment", "format_markdown", "format_memory", "format_table", "git_info",
+    "kernel_label", "load_results", "plot_sweep", "write_json",
 ]
 
 SCHEMA = "mok-bench/1"
@@ -51,6 +55,8 @@ RESULT_KEYS = (
     "baseline", "baseline_median_ms", "speedup_vs_baseline",
     # capacity baseline
     "capacity", "dropped_slots", "dropped_fraction",
+    # the megakernel (mok rows): its KernelConfig, where that came from, and its memory per rank in bytes
+    "kernel", "kernel_source", "workspace_bytes_per_rank", "scratch_bytes_per_rank", "residual_bytes_per_rank",
 )
 
 
@@ -148,14 +154,34 @@ def _note(r: dict) -> str:
     return ", ".join(notes)
 
 
+def kernel_label(r: dict, varying: Iterable[str] = ()) -> str:
+    """A mok row's kernel in a few characters: "g=2048", plus the ``varying`` other knobs ("-" for other rows)."""
+    k = r.get("kernel")
+    if not k:
+        return "-"
+    short = {"comm_sms_fwd": "sms", "ring_slots": "ring", "dispatch": "disp", "combine": "comb"}
+    return " ".join([f"g={k['granularity']}"] + [f"{short.get(n, n)}={k[n]}" for n in varying])
+
+
+def _varying_knobs(results: list[dict]) -> list[str]:
+    """The knobs besides granularity that differ between the mok rows (shown next to it)."""
+    kernels = [r["kernel"] for r in results if r.get("kernel")]
+    return [n for n in ("comm_sms_fwd", "ring_slots", "dispatch", "combine") if len({k[n] for k in kernels}) > 1]
+
+
 def format_table(results: Iterable[dict], *, cpu: bool = False) -> str:
-    """Aligned text table, one row per result."""
+    """Aligned text table, one row per result (a "kernel" column when mok rows are present)."""
+    results = list(results)
+    with_kernel = any(r.get("kernel") for r in results)
+    varying = _varying_knobs(results)
     head = ("model", "mode", "T/GPU", "pass", "impl", "median ms", "min..max ms", "TFLOP/s", "%peak",
             "comm ms", "%comm", "vs base", "note")
+    if with_kernel:
+        head = head[:5] + ("kernel",) + head[5:]
     rows = []
     for r in results:
         ok = r["status"] == "ok"
-        rows.append((
+        row = (
             r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], r["impl"],
             _fmt(r["median_ms"], ".3f") if ok else "-",
             f"{r['min_ms']:.3f}..{r['max_ms']:.3f}" if ok else "-",
@@ -165,9 +191,11 @@ def format_table(results: Iterable[dict], *, cpu: bool = False) -> str:
             _fmt(r["comm_fraction"] and r["comm_fraction"] * 100, ".1f") if ok else "-",
             (_fmt(r["speedup_vs_baseline"], ".2f") + "x") if ok and r["speedup_vs_baseline"] else "-",
             _note(r),
-        ))
+        )
+        rows.append(row[:5] + (kernel_label(r, varying),) + row[5:] if with_kernel else row)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    numeric = {2, 5, 6, 7, 8, 9, 10, 11}
+    numeric = {head.index(h) for h in ("T/GPU", "median ms", "min..max ms", "TFLOP/s", "%peak", "comm ms", "%comm",
+                                       "vs base")}
     line = lambda cells: "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     out = [line(head), line(["-" * w for w in widths])] + [line(row) for row in rows]
@@ -181,14 +209,17 @@ def format_table(results: Iterable[dict], *, cpu: bool = False) -> str:
 
 
 def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None, cpu: bool = False) -> str:
-    """A short markdown table (for the README): one row per result."""
+    """A short markdown table (for the README): one row per result (mok rows name their kernel)."""
+    results = list(results)
+    varying = _varying_knobs(results)
     peak = f"% of {peak_tflops:g}" if peak_tflops else "% of peak"
     head = ("model", "mode", "T/GPU", "pass", "impl", "median ms", "TFLOP/s", peak, "comm floor ms", "vs baseline",
             "note")
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["--:"] * 5 + ["---"]) + "|"]
     for r in results:
         ok = r["status"] == "ok"
-        cells = (r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], f"`{r['impl']}`",
+        impl = f"`{r['impl']}`" + (f" ({kernel_label(r, varying)})" if r.get("kernel") else "")
+        cells = (r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], impl,
                  _fmt(r["median_ms"], ".3f") if ok else "-", _fmt(r["tflops"], ".1f") if ok else "-",
                  _fmt(r["compute_fraction"] * 100, ".1f") if ok else "-", _fmt(r["comm_floor_ms"], ".3f"),
                  (_fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}") if ok and r["speedup_vs_baseline"]
@@ -197,6 +228,36 @@ def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None
     if cpu:
         out.append("\n**CPU NUMBERS**: measured without a GPU; CPU times of the pure-JAX paths, not GPU performance.")
     return "\n".join(out)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_memory(results: Iterable[dict]) -> str:
+    """One line per (model, tokens) of the mok forward's device memory per rank (from the mok fwd rows)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if r["impl"] == "mok" and r.get("workspace_bytes_per_rank") is not None:
+            groups.setdefault((r["model"], r["ep_mode"], r["tokens_per_gpu"]), []).append(r)
+    lines = []
+    for (model, mode, tokens), rs in groups.items():
+        scratch = {r["scratch_bytes_per_rank"] for r in rs}
+        if len(scratch) == 1:
+            scratch_txt = _bytes(next(iter(scratch)))
+        else:  # several kernel settings: the ring (ring_slots x one microbatch) sets the scratch
+            known = sorted(v for v in scratch if v is not None)
+            scratch_txt = f"{_bytes(known[0])}..{_bytes(known[-1])} over {len(rs)} kernel settings" if known else "?"
+        workspace = _bytes(rs[0]["workspace_bytes_per_rank"])
+        lines.append(f"mok memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per layer), "
+                     f"scratch {scratch_txt} (per call), residuals "
+                     f"{_bytes(rs[0]['residual_bytes_per_rank'])} (the forward keeps only its inputs)")
+    return "\n".join(lines)
 
 
 def load_results(paths: Iterable[str | os.PathLike]) -> tuple[list[dict], list[dict]]:
@@ -222,9 +283,14 @@ def plot_sweep(path: str | os.PathLike, results: Iterable[dict], *, peak_tflops:
     ok = [r for r in results if r["status"] == "ok"]
     keys = ("model", "ep_mode", "pass", "impl")
     varying = [k for k in keys[:-1] if len({r[k] for r in ok}) > 1]
+    # one line per granularity when a --granularity sweep ran several (resolved kernels may differ per token
+    # count: those rows stay one line)
+    explicit = lambda r: r.get("kernel") and r.get("kernel_source") == "explicit"
+    several = len({r["kernel"]["granularity"] for r in ok if explicit(r)}) > 1
     series: dict[tuple, list[dict]] = {}
     for r in ok:
-        series.setdefault(tuple(r[k] for k in keys), []).append(r)
+        impl = f"{r['impl']} {kernel_label(r)}" if several and explicit(r) else r["impl"]
+        series.setdefault((r["model"], r["ep_mode"], r["pass"], impl), []).append(r)
     fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(12, 4.6))
     # one colour per implementation (per model too when several), dashed for fwd+bwd
     colour_keys = list(dict.fromkeys((k[0], k[3]) for k in sorted(series)))
