@@ -24,7 +24,8 @@ step env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, mok_jax; from mok_jax._n
 [ -z "${SKIP_TESTS:-}" ] && step tests ${TEST_LIMIT:-330} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_TEST_METRICS="$LOGS/metrics.jsonl" \
   $PY -m pytest -q -rs --timeout=${TEST_TIMEOUT:-120} -p no:cacheprovider ${TEST_FILES:-tests/test_moe_gpu.py tests/test_grouped_ffn_gpu.py} ${1:+-k "$1"}
 # mok-bench on one GPU: the whole 2-GPU ep64-slice problem (E/32 experts), bf16, uniform routing
-BENCH=($PY -m mok_jax.bench --experts-per-gpu E/32 --dtype bf16 --pass fwd --no-progress --samples ${SAMPLES:-10})
+BENCH=($PY -m mok_jax.bench --experts-per-gpu E/32 --dtype bf16 --pass fwd --no-progress --samples ${SAMPLES:-10}
+       --target-sample-ms ${SAMPLE_MS:-20})
 MODELS=${MODELS:-kimi-k2,glm-5,qwen3.5-397b-a17b,deepseek-v4-pro}
 for s in ${BENCH_STEPS-headline granularity}; do
   case $s in

@@ -31,6 +31,7 @@ __all__ = ["BenchOptions", "Unavailable", "UsageError", "build_parser", "kernel_
 PEAK_TFLOPS = {"bf16": 805.0}  # cuBLAS bf16 GEMM 8192^3
 NVLINK_GBPS = 394.0  # peer copy GPU0 -> GPU1, one direction
 GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice", "impls": ("mok", "xla", "xla-capacity")}
+ONE_GPU_EXPERTS = "E/32"  # default --experts-per-gpu on a machine with one GPU (and no --ep-mode given)
 CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("reference", "xla", "xla-capacity")}
 CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
 IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok")
@@ -213,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("-t", "--tokens", help=f"tokens per GPU: N, N1,N2,... or LO..HI doubling (default "
                    f"{GPU_DEFAULTS['tokens']}; {CPU_DEFAULTS['tokens']} on CPU)")
     w.add_argument("--ep-mode", choices=acc.EP_MODES, help="full: the model's experts split over the GPUs; "
-                   "ep64-slice: E/64 experts per GPU (default ep64-slice on GPU, full on CPU)")
+                   "ep64-slice: E/64 experts per GPU (default ep64-slice on GPU, full on CPU; on one GPU without "
+                   "--ep-mode the default is --experts-per-gpu E/32, the whole 2-GPU problem)")
     w.add_argument("--dtype", default="bf16", choices=DTYPES, help="bf16 (fp8: not implemented yet)")
     w.add_argument("--pass", dest="passes", default="fwd", help="fwd, fwd+bwd or both: 'fwd,fwd+bwd'")
     w.add_argument("--impl", help=f"comma list of {', '.join(IMPLEMENTATIONS)} (default: "
@@ -534,7 +536,11 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     dtype = _jnp_dtype(opts.dtype)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n], axis_types=(AxisType.Explicit,))
     # ValueError -> usage error in main()
-    shapes = [acc.bench_shape(m, n, ep_mode, experts_per_gpu=opts.experts_per_gpu) for m in models]
+    experts_per_gpu = opts.experts_per_gpu
+    if experts_per_gpu is None and on_gpu and n == 1 and not opts.ep_mode:
+        # one GPU: the whole 2-GPU ep64-slice problem (E/32 experts), HARDWARE.md's one-GPU table
+        experts_per_gpu = parse_experts_per_gpu(ONE_GPU_EXPERTS)
+    shapes = [acc.bench_shape(m, n, ep_mode, experts_per_gpu=experts_per_gpu) for m in models]
     if not on_gpu:
         eprint(CPU_NOTICE)
     gpu_kind = _gpu_kind()
