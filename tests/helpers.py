@@ -44,3 +44,39 @@ def max_ulp_err(a, b, dtype) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     eps = float(jnp.finfo(dtype).eps)
     return float(np.max(np.abs(a - b) / (eps * np.maximum(np.abs(b), 1e-3))))
+
+
+# --- GPU kernel tests: skip reasons, seeded keys, per-case metrics --------------------------------------------
+
+
+def gpu_skip_reason() -> str | None:
+    """Why the GPU kernel tests cannot run here (no GPU, or no native library), or None."""
+    from mok_jax import _native
+
+    try:
+        if not jax.devices("gpu"):
+            return "no CUDA GPU visible to JAX (not a pass)"
+    except RuntimeError:
+        return "no CUDA GPU visible to JAX (not a pass)"
+    if _native.library() is None:
+        return "mok native library unavailable (not a pass): " + _native.native_status()
+    return None
+
+
+def seeded_key(seed: int, tag: str):
+    """A JAX key for case ``tag`` of a run seeded with ``seed`` (the seed is printed by the test module)."""
+    import zlib
+
+    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(tag.encode()) % (2**31))
+
+
+def record_metrics(case: str, seed: int, **metrics) -> None:
+    """Print one JSON line of a case's errors; append it to $MOK_TEST_METRICS when set."""
+    import json
+    import os
+
+    line = json.dumps({"case": case, "seed": seed, **metrics})
+    print(line)
+    if path := os.environ.get("MOK_TEST_METRICS"):
+        with open(path, "a") as f:
+            f.write(line + "\n")

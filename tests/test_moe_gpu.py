@@ -15,7 +15,6 @@ Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import zlib
 
@@ -24,9 +23,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import gpu_skip_reason, record_metrics, seeded_key
 
 import mok_jax as mj
-from mok_jax import _native, reference
+from mok_jax import reference
 from mok_jax.bench.routing import make_routing
 from mok_jax.config import KernelConfig, ModelShape
 from mok_jax.emulation import emulated_moe
@@ -48,34 +48,19 @@ _SEED = int.from_bytes(os.urandom(4), "little")
 print(f"test_moe_gpu: seed {_SEED}")
 
 
-def _skip_reason() -> str | None:
-    try:
-        if not jax.devices("gpu"):
-            return "no CUDA GPU visible to JAX (not a pass)"
-    except RuntimeError:
-        return "no CUDA GPU visible to JAX (not a pass)"
-    if _native.library() is None:
-        return "mok native library unavailable (not a pass): " + _native.native_status()
-    return None
-
-
 @pytest.fixture(autouse=True)
 def _need_gpu_and_library():
-    reason = _skip_reason()
+    reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
 
 
 def _record(case: str, **metrics):
-    line = json.dumps({"case": case, "seed": _SEED, **metrics})
-    print(line)
-    if path := os.environ.get("MOK_TEST_METRICS"):
-        with open(path, "a") as f:
-            f.write(line + "\n")
+    record_metrics(case, _SEED, **metrics)
 
 
 def _key(tag: str):
-    return jax.random.fold_in(jax.random.key(_SEED), zlib.crc32(tag.encode()) % (2**31))
+    return seeded_key(_SEED, tag)
 
 
 def _shape(E, H, I, k, Is=None, name="t") -> ModelShape:

@@ -69,10 +69,44 @@ __device__ __forceinline__ int4 round8(const float* acc) {
   return r;
 }
 
+// acc[u] (+)= sum over lanes j in `lanes`, ascending, of my_w[j] * rows[my_row[j]] at vector
+// v0 + 32u + lane (u < kUnroll), fp32. Slots are taken kGroup at a time so kGroup rows' loads
+// (kGroup * kUnroll vectors per lane) are in flight before any is accumulated; the accumulation order
+// stays ascending. The loop is latency-bound on HBM reads, so bytes in flight per SM set its speed.
+template <int kUnroll, int kGroup>
+__device__ __forceinline__ void warp_weighted_partial(const int4* rows, int nvec, int v0, int my_row, float my_w,
+                                                      uint32_t lanes, float (&acc)[kUnroll][8], int lane) {
+  uint32_t m = lanes;
+  while (m) {
+    const int4* src[kGroup];
+    float wt[kGroup];
+    bool use[kGroup];  // warp-uniform
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      use[g] = m != 0;
+      const int j = use[g] ? __ffs(m) - 1 : 0;
+      if (use[g]) m &= m - 1;
+      src[g] = rows + size_t(__shfl_sync(kFullMask, my_row, j)) * nvec;
+      wt[g] = __shfl_sync(kFullMask, my_w, j);
+    }
+    int4 buf[kGroup][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g)
+        if (use[g] && v < nvec) buf[g][u] = ld_v4_na(src[g] + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v0 + u * 32 + lane < nvec)
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+          if (use[g]) accumulate8_weighted(acc[u], buf[g][u], wt[g]);
+  }
+}
+
 // dst = bf16( sum over lanes j in `lanes`, ascending, of my_w[j] * rows[my_row[j]] ), fp32 inside.
-// Slots are taken kGroup at a time so kGroup rows' loads (kGroup * kUnroll vectors per lane) are in
-// flight before any is accumulated; the accumulation order stays ascending. The loop is
-// latency-bound on HBM reads, so bytes in flight per SM is what sets its speed.
 template <int kUnroll, int kGroup>
 __device__ __forceinline__ void warp_weighted_sum_row(const int4* rows, int nvec, int my_row, float my_w,
                                                       uint32_t lanes, int4* dst, int lane) {
@@ -82,34 +116,7 @@ __device__ __forceinline__ void warp_weighted_sum_row(const int4* rows, int nvec
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
-    uint32_t m = lanes;
-    while (m) {
-      const int4* src[kGroup];
-      float wt[kGroup];
-      bool use[kGroup];  // warp-uniform
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        use[g] = m != 0;
-        const int j = use[g] ? __ffs(m) - 1 : 0;
-        if (use[g]) m &= m - 1;
-        src[g] = rows + size_t(__shfl_sync(kFullMask, my_row, j)) * nvec;
-        wt[g] = __shfl_sync(kFullMask, my_w, j);
-      }
-      int4 buf[kGroup][kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = v0 + u * 32 + lane;
-#pragma unroll
-        for (int g = 0; g < kGroup; ++g)
-          if (use[g] && v < nvec) buf[g][u] = ld_v4_na(src[g] + v);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (v0 + u * 32 + lane < nvec)
-#pragma unroll
-          for (int g = 0; g < kGroup; ++g)
-            if (use[g]) accumulate8_weighted(acc[u], buf[g][u], wt[g]);
-    }
+    warp_weighted_partial<kUnroll, kGroup>(rows, nvec, v0, my_row, my_w, lanes, acc, lane);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int v = v0 + u * 32 + lane;

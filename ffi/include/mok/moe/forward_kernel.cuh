@@ -124,20 +124,6 @@ __device__ __forceinline__ bool is_tile(int kind) {
   return kind == kSharedGu || kind == kSharedDn || kind == kGu || kind == kDn;
 }
 
-// ================================================================================ memory-model wrappers
-
-__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(int32_t* p, int32_t v) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 // ================================================================================ flags and counters
 
 __device__ __forceinline__ uint64_t* flag_row(const CommView& v, int rank_of_region, int row) {
@@ -148,7 +134,7 @@ __device__ __forceinline__ uint64_t* flag_row(const CommView& v, int rank_of_reg
 __device__ inline void publish(const CommView& v, int row, uint64_t epoch) {
   comm::fence_sys();
   for (int p = 0; p < v.shape.ep; ++p)
-    if (p != v.rank) st_release_sys(flag_row(v, p, row) + v.rank, epoch);
+    if (p != v.rank) comm::st_release_sys(flag_row(v, p, row) + v.rank, epoch);
 }
 
 // Wait until every peer stamped flag row `row` of my region with at least `target`.
@@ -165,10 +151,10 @@ constexpr uint64_t kLocalTimeoutFactor = 4;
 
 // Wait until a counter of this rank's scratch reaches target (bounded; stops on poison).
 __device__ inline bool wait_count(const CommView& v, const int32_t* ctr, int32_t target, uint64_t epoch) {
-  if (ld_acquire_gpu(ctr) >= target) return true;
+  if (comm::ld_acquire_gpu(ctr) >= target) return true;
   const uint64_t start = comm::global_timer_ns();
   for (uint32_t it = 1;; ++it) {
-    if (ld_acquire_gpu(ctr) >= target) return true;
+    if (comm::ld_acquire_gpu(ctr) >= target) return true;
     if ((it & 31u) == 0) {
       const uint64_t err = comm::read_poison(v);
       if (err != 0) {
@@ -347,7 +333,7 @@ __device__ inline void complete(const Plan& p, const RankParams& R, const Item& 
     case kCount: bump(sync + kCtlCount); break;
     case kScan:
       __threadfence();
-      st_release_gpu(sync + kCtlScan, 1);
+      comm::st_release_gpu(sync + kCtlScan, 1);
       break;
     case kPlace: bump(sync + kCtlPlace); break;
     case kDispatch:
@@ -586,17 +572,28 @@ __device__ __forceinline__ size_t stage_row(const CommView& v, int s, int64_t t)
   return size_t(s) * v.shape.max_tokens + size_t(t);
 }
 
+// The ring slot of microbatch m: its rows, nvec 16-byte vectors each.
+__device__ __forceinline__ int4* ring_slot(const Plan& p, const RankParams& R, int m) {
+  return reinterpret_cast<int4*>(R.recv) + size_t(m % p.S) * p.slot_rows * (p.H / 8);
+}
+
+// The first token of microbatch m, and this item's share [*q0, *q1) of the stage's per_token * tokens units.
+__device__ __forceinline__ int stage_share(const Plan& p, const Item& it, int per_token, int64_t* q0, int64_t* q1) {
+  int t_lo, t_hi;
+  mb_tokens(p, it.mb, &t_lo, &t_hi);
+  share(int64_t(t_hi - t_lo) * per_token, it.idx, it.count, q0, q1);
+  return t_lo;
+}
+
 // DISPATCH(m): every (source, token) of microbatch m with local slots -> its rows of the ring slot.
 __device__ inline void run_dispatch(const Params& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
   const int warp = ct / 32, lane = ct % 32, k = p.k, ep = p.ep;
   const int nvec = p.H / 8;
-  int t_lo, t_hi;
-  mb_tokens(p, it.mb, &t_lo, &t_hi);
   int64_t q0, q1;
-  share(int64_t(t_hi - t_lo) * ep, it.idx, it.count, &q0, &q1);
-  int4* slot = reinterpret_cast<int4*>(R.recv) + size_t(it.mb % p.S) * p.slot_rows * nvec;
+  const int t_lo = stage_share(p, it, ep, &q0, &q1);
+  int4* slot = ring_slot(p, R, it.mb);
   const int32_t* row_table = R.sync + p.o_row;
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / ep;
@@ -618,11 +615,9 @@ __device__ inline void run_send(const Params& P, const RankParams& R, const Item
   const CommView& v = R.view;
   const int warp = ct / 32, lane = ct % 32, k = p.k, ep = p.ep;
   const int nvec = p.H / 8;
-  int t_lo, t_hi;
-  mb_tokens(p, it.mb, &t_lo, &t_hi);
   int64_t q0, q1;
-  share(int64_t(t_hi - t_lo) * (ep - 1), it.idx, it.count, &q0, &q1);
-  const int4* slot = reinterpret_cast<const int4*>(R.recv) + size_t(it.mb % p.S) * p.slot_rows * nvec;
+  const int t_lo = stage_share(p, it, ep - 1, &q0, &q1);
+  const int4* slot = ring_slot(p, R, it.mb);
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / (ep - 1);
     const int so = int(q % (ep - 1));
@@ -664,32 +659,7 @@ __device__ inline void reduce_row(const int4* rows, int my_row, float my_w, uint
         for (int u = 0; u < kU; ++u)
 #pragma unroll
           for (int e = 0; e < 8; ++e) part[u][e] = 0.0f;
-        uint32_t m = own;
-        while (m) {
-          const int4* src[kReduceGroup];
-          float wt[kReduceGroup];
-          bool use[kReduceGroup];  // warp-uniform
-#pragma unroll
-          for (int g = 0; g < kReduceGroup; ++g) {
-            use[g] = m != 0;
-            const int j = use[g] ? __ffs(m) - 1 : 0;
-            if (use[g]) m &= m - 1;
-            src[g] = rows + size_t(__shfl_sync(kFull, my_row, j)) * nvec;
-            wt[g] = __shfl_sync(kFull, my_w, j);
-          }
-          int4 buf[kReduceGroup][kU];
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-#pragma unroll
-            for (int g = 0; g < kReduceGroup; ++g)
-              if (use[g] && v0 + u * 32 + lane < nvec) buf[g][u] = comm::ld_v4_na(src[g] + v0 + u * 32 + lane);
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (v0 + u * 32 + lane < nvec)
-#pragma unroll
-              for (int g = 0; g < kReduceGroup; ++g)
-                if (use[g]) comm::accumulate8_weighted(part[u], buf[g][u], wt[g]);
-        }
+        comm::warp_weighted_partial<kU, kReduceGroup>(rows, nvec, v0, my_row, my_w, own, part, lane);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
           if (v0 + u * 32 + lane < nvec) comm::accumulate8(acc[u], comm::round8(part[u]));
@@ -728,11 +698,9 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
   const int warp = ct / 32, lane = ct % 32, k = p.k, rank = v.rank;
   const int nvec = p.H / 8;
   const int num_experts = p.L * p.ep;
-  int t_lo, t_hi;
-  mb_tokens(p, it.mb, &t_lo, &t_hi);
   int64_t b, e;
-  share(t_hi - t_lo, it.idx, it.count, &b, &e);
-  const int4* rows = reinterpret_cast<const int4*>(R.recv) + size_t(it.mb % p.S) * p.slot_rows * nvec;
+  const int t_lo = stage_share(p, it, 1, &b, &e);
+  const int4* rows = ring_slot(p, R, it.mb);
   for (int64_t t = t_lo + b + warp; t < t_lo + e; t += kWorkerWarps) {
     int4* dst = R.y + t * nvec;
     if (it.skip) {
