@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mok_jax import ops, tuning
+from mok_jax import ops
 from mok_jax._native import require_native
 from mok_jax.config import KernelConfig
 from mok_jax.validation import check_moe_args
@@ -51,16 +51,13 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         raise ValueError(f"skip_rank must be -1 (none) or in [0, {ep}), got {skip_rank}")
     require_native("mok_jax.emulation.emulated_moe")
     tokens, H = x.shape[0] // ep, x.shape[1]
-    k, L = topk_idx.shape[1], num_experts // ep
+    k = topk_idx.shape[1]
     if device is None:
         device = next(d for d in jax.devices() if d.platform == "gpu")
     ws = workspace or emulated_workspace(device, ep, max_tokens=tokens, hidden_size=H, top_k=k,
                                          num_experts=num_experts, timeout_s=timeout_s)
     if not ws.emulated or ws.config.ep != ep:
         raise ValueError(f"workspace must be an emulated workspace of {ep} ranks, got {ws}")
-    key = tuning.ProblemKey(hidden=H, intermediate=weights.intermediate_size, top_k=k, experts_per_rank=L, ep=ep,
-                            tokens=tokens)
-    kernel = tuning.resolve(kernel, key, device.device_kind)
     per_rank = lambda a: a.reshape(ep, a.shape[0] // ep, *a.shape[1:])
     y, status = ops.moe_forward(
         ws, per_rank(x).astype(jnp.bfloat16), per_rank(topk_idx), per_rank(topk_weight.astype(jnp.float32)),

@@ -55,15 +55,10 @@ def _forward_xla(x, topk_idx, topk_weight, weights, config: MoEConfig):
 
 
 def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig):
-    from mok_jax import ops, tuning
+    """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here."""
+    from mok_jax import ops
     from mok_jax.workspace import local_workspace
 
-    require_native("implementation='mok'")
-    for name, a in (("x", x), ("weights.gate_up", weights.gate_up), ("weights.down", weights.down),
-                    ("weights.shared_gate_up", weights.shared_gate_up), ("weights.shared_down", weights.shared_down)):
-        if a is not None and a.dtype != jnp.bfloat16:
-            raise TypeError(f"implementation='mok' runs in bfloat16: {name} is {a.dtype} (cast it, or use "
-                            f"implementation='xla' for float32)")
     ep = _ep_size(config)
     tokens, k = topk_idx.shape
     num_experts = weights.num_local_experts * ep
@@ -77,12 +72,8 @@ def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfi
         ws = local_workspace(max_tokens=tokens, hidden_size=x.shape[1], top_k=k, num_experts=num_experts)
     if ws.config.ep != ep:
         raise ValueError(f"MoEConfig.workspace spans {ws.config.ep} EP ranks, the mesh axis {config.ep_axis!r} {ep}")
-    key = tuning.ProblemKey(hidden=x.shape[1], intermediate=weights.intermediate_size, top_k=k,
-                            experts_per_rank=weights.num_local_experts, ep=ep, tokens=tokens)
-    device_kind = next((d.device_kind for d in jax.devices() if d.platform == "gpu"), None)
-    kernel = tuning.resolve(config.kernel, key, device_kind)
     y, _ = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
-                           weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=kernel)
+                           weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=config.kernel)
     return y[0]
 
 
@@ -142,7 +133,8 @@ def moe(
     check_routing_values(topk_idx, weights.num_local_experts * ep)
     if config.implementation == "mok":
         require_native("implementation='mok'")
-    if config.implementation == "mok" and x.dtype != jnp.bfloat16:
-        raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast it, or use implementation='xla')")
+        if x.dtype != jnp.bfloat16:  # check_moe_args holds every weight to x's dtype
+            raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast x and the weights, or use "
+                            f"implementation='xla')")
     # Weights are cast (not checked) so that an f32 router weight works in the bf16 path.
     return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, config)

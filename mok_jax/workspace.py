@@ -331,6 +331,11 @@ class Workspace:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def device_kind(self) -> str | None:
+        """The device kind of this process's ranks (what tuned tables are keyed by), None if it holds none."""
+        return self._local[0].device.device_kind if self._local else None
+
     def require_open(self, what: str) -> None:
         if self._closed:
             raise CommError(f"{what}: workspace {self.id} is closed")
@@ -410,7 +415,7 @@ def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, h
     """The workspace the megakernel uses over ``mesh[axis_name]`` for this shape (created on first use,
     outside jit: call it before tracing, as ``mok_jax.expert_parallel_moe`` does)."""
     key = ("mesh", tuple(d.id for d in np.asarray(mesh.devices).flat), tuple(mesh.axis_names),
-           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts)
+           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts, timeout_s)
     return _cached(key, max_tokens, lambda: Workspace.create(
         mesh, axis_name, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
         timeout_s=timeout_s))

@@ -16,17 +16,8 @@ FETCH=${OUT:-}
 OUT=${WORK:-$PWD/out}; mkdir -p "$OUT"
 export MOK_GIT_COMMIT=${MOK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
-declare -a SUMMARY
-
-step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record the outcome
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  local verdict=ok; [ $rc -ne 0 ] && verdict="FAILED rc=$rc"; [ $rc -eq 124 ] && verdict="TIMED OUT"
-  SUMMARY+=("$(printf '%-22s %-14s %4ds  %s' "$name" "$verdict" $((SECONDS - t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-90)")")
-  echo "== $name: $verdict"; tail -n 15 "$OUT/$name.log"
-}
+LOGS=$OUT
+source scripts/step.sh
 
 step environment 120 bash -c "nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5; $PY -c '
 import jax, flax, numpy, sys

@@ -10,16 +10,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LOGS=${OUT:-$PWD/out}; mkdir -p "$LOGS"
 PY=${PY:-python3}
-declare -a SUMMARY
-step() {
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
-  local rc=$?
-  local verdict=ok; [ $rc -ne 0 ] && verdict="FAILED rc=$rc"; [ $rc -eq 124 ] && verdict="TIMED OUT"
-  SUMMARY+=("$(printf '%-12s %-14s %4ds  %s' "$name" "$verdict" $((SECONDS - t0)) "$(tail -n 1 "$LOGS/$name.log" | cut -c1-100)")")
-  echo "== $name: $verdict"; tail -n ${TAIL:-25} "$LOGS/$name.log"
-}
+STEP_WIDTH=12 STEP_TAIL=${TAIL:-25}
+source scripts/step.sh
 step env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, mok_jax; from mok_jax._native import native_status; print(jax.__version__, jax.devices(), native_status())'"
 [ -z "${SKIP_TESTS:-}" ] && step tests ${TEST_LIMIT:-330} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_TEST_METRICS="$LOGS/metrics.jsonl" \
   $PY -m pytest -q -rs --timeout=${TEST_TIMEOUT:-120} -p no:cacheprovider ${TEST_FILES:-tests/test_moe_gpu.py tests/test_grouped_ffn_gpu.py} ${1:+-k "$1"}

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax._native import require_native
+from mok_jax import tuning
 from mok_jax.config import KernelConfig
 
 __all__ = ["moe_forward", "scratch_bytes"]
@@ -51,7 +52,7 @@ def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, to
 
 def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, gate_up: jax.Array,
                 down: jax.Array, shared_gate_up: jax.Array | None, shared_down: jax.Array | None, *,
-                kernel: KernelConfig, identity_experts: bool = False, skip_rank: int = -1,
+                kernel: KernelConfig | None = None, identity_experts: bool = False, skip_rank: int = -1,
                 num_sms: int = 0) -> tuple[jax.Array, jax.Array]:
     """The MoE forward of R ranks: x: bf16[R, T, H]; topk_idx: int32[R, T, k] (global expert ids, -1 =
     masked slot); topk_weight: f32[R, T, k]; gate_up: bf16[R, L, H, 2I]; down: bf16[R, L, I, H] (rank r's
@@ -60,14 +61,15 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     Returns y: bf16[R, T, H] and status: int32[R, 4] ({error code, op, rank that saw it, peer or token};
     zeros when the call went well). identity_experts (a test mode) replaces every expert by the identity
     and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
-    emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM).
+    emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM). kernel None: the tuned table
+    of the workspace's device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
     """
     from mok_jax.workspace import Workspace
 
     if not isinstance(ws, Workspace):
         raise TypeError(f"ws must be a mok_jax.workspace.Workspace, got {type(ws).__name__}")
-    if not isinstance(kernel, KernelConfig):
-        raise TypeError(f"kernel must be a mok_jax.KernelConfig, got {type(kernel).__name__}")
+    if kernel is not None and not isinstance(kernel, KernelConfig):
+        raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
     ws.require_open("mok_jax.ops.moe_forward")
     for name, a, rank, dtype in (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32),
                                  ("topk_weight", topk_weight, 3, jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16),
@@ -117,6 +119,8 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         raise ValueError(f"mok_jax.ops.moe_forward: shared weights must be [{H}, 2Is] and [Is, {H}], got "
                          f"{shared_gate_up.shape} and {shared_down.shape}")
     require_native("mok_jax.ops.moe_forward")
+    key = tuning.ProblemKey(hidden=H, intermediate=inter, top_k=k, experts_per_rank=L, ep=cfg.ep, tokens=T)
+    kernel = tuning.resolve(kernel, key, ws.device_kind)
     nbytes = scratch_bytes(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L, ep=cfg.ep,
                            kernel=kernel, identity_experts=identity_experts)
     out = (
