@@ -19,6 +19,10 @@ Typical use::
         y, status = f(x, topk_idx, topk_weight)
         ws.check()   # raises CommTimeoutError naming the op and the rank if a peer never came
 
+The comm ops' defaults (direction per operator, communication SMs) come from the workspace's
+:class:`mok_jax.KernelConfig` (``Workspace.create(..., kernel=KernelConfig(dispatch="push"))``; None: its
+defaults); a call's own ``mode=`` / ``num_sms=`` wins. The megakernel takes its KernelConfig per call.
+
 Calls on one workspace must happen in the same order on every rank (SPMD programs do this); a rank
 that skips a call makes its peers time out after ``timeout_s``: the op's status output says so, the
 workspace becomes poisoned, :meth:`Workspace.check` raises, and the next call's handler fails.
@@ -30,19 +34,17 @@ import ctypes
 import dataclasses
 import itertools
 import threading
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mok_jax import _native
-from mok_jax.config import _require
+from mok_jax.config import KernelConfig, _require
 
 __all__ = ["CommConfig", "CommError", "CommTimeoutError", "InvalidRoutingError", "Workspace", "emulated_workspace",
            "local_workspace", "moe_workspace"]
 
-Mode = Literal["pull", "push"]
 MODES: dict[str, int] = {"pull": 0, "push": 1}
 
 # Limits of the kernels (ffi/include/mok/comm/workspace.cuh).
@@ -69,8 +71,15 @@ class InvalidRoutingError(CommError, ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CommConfig:
-    """Static shape of a workspace, identical on every rank. Calls may use fewer tokens
-    (``T <= max_tokens``) and a smaller top-k (``k <= top_k``)."""
+    """Static shape of a workspace, identical on every rank, and its timeout. Calls may use fewer tokens
+    (``T <= max_tokens``) and a smaller top-k (``k <= top_k``).
+
+    kernel: the tuning the standalone comm ops (``mok_jax.ops.dispatch`` / ``combine``) take as their
+        defaults: ``num_sms`` = ``kernel.comm_sms_fwd``, ``dispatch_mode`` = ``kernel.dispatch``,
+        ``combine_mode`` = ``kernel.combine`` (a call's own ``mode=`` / ``num_sms=`` wins). It does not
+        change the layout: the megakernel takes its KernelConfig per call (``mok_jax.ops.moe_forward``)
+        and never reads this one.
+    """
 
     ep: int
     max_tokens: int
@@ -78,12 +87,12 @@ class CommConfig:
     top_k: int
     num_experts: int
     timeout_s: float = 10.0
-    num_sms: int = 24
-    dispatch_mode: Mode = "pull"
-    combine_mode: Mode = "push"
+    kernel: KernelConfig = KernelConfig()
 
     def __post_init__(self):
-        for f in ("ep", "max_tokens", "hidden_size", "top_k", "num_experts", "num_sms"):
+        _require(isinstance(self.kernel, KernelConfig),
+                 f"CommConfig.kernel must be a mok_jax.KernelConfig, got {type(self.kernel).__name__}", TypeError)
+        for f in ("ep", "max_tokens", "hidden_size", "top_k", "num_experts"):
             v = getattr(self, f)
             _require(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0,
                      f"CommConfig.{f} must be a positive int, got {v!r}")
@@ -98,8 +107,21 @@ class CommConfig:
         _require(self.ep * self.max_tokens * self.top_k < 2**31, "CommConfig: ep * max_tokens * top_k must fit int32")
         _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0,
                  f"CommConfig.timeout_s must be > 0, got {self.timeout_s!r}")
-        for f in ("dispatch_mode", "combine_mode"):
-            _require(getattr(self, f) in MODES, f"CommConfig.{f} must be 'pull' or 'push', got {getattr(self, f)!r}")
+
+    @property
+    def num_sms(self) -> int:
+        """The comm ops' default number of communication blocks: ``kernel.comm_sms_fwd``."""
+        return self.kernel.comm_sms_fwd
+
+    @property
+    def dispatch_mode(self) -> str:
+        """``mok_jax.ops.dispatch``'s default direction: ``kernel.dispatch``."""
+        return self.kernel.dispatch
+
+    @property
+    def combine_mode(self) -> str:
+        """``mok_jax.ops.combine``'s default direction: ``kernel.combine``."""
+        return self.kernel.combine
 
     @property
     def num_local_experts(self) -> int:
@@ -159,6 +181,24 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_moe_unsupported.argtypes = [i32] * 10 + [p, i32]
         lib.mok_moe_unsupported.restype = i32
         _declared = True
+
+
+# Tuning knobs the workspace once took one by one; KernelConfig holds them now.
+_REMOVED_KNOBS = {"num_sms": "comm_sms_fwd", "dispatch_mode": "dispatch", "combine_mode": "combine"}
+
+
+def _kernel_arg(what: str, kernel, removed: dict) -> KernelConfig:
+    """``kernel`` (None: the defaults) checked, after refusing the old per-knob keywords in ``removed``."""
+    for name in removed:
+        if name in _REMOVED_KNOBS:
+            raise TypeError(f"{what}: the keyword {name}= is gone; pass kernel=KernelConfig(comm_sms_fwd=..., "
+                            f"dispatch=..., combine=...) instead (its {_REMOVED_KNOBS[name]} is the old {name})")
+        raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
+    if kernel is None:
+        return KernelConfig()
+    _require(isinstance(kernel, KernelConfig),
+             f"{what}: kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}", TypeError)
+    return kernel
 
 
 def _lib() -> ctypes.CDLL:
@@ -221,16 +261,18 @@ class Workspace:
     # --- setup / teardown -------------------------------------------------------------------------
     @classmethod
     def create(cls, mesh: jax.sharding.Mesh, axis_name: str = "ep", *, max_tokens: int, hidden_size: int,
-               top_k: int, num_experts: int, dtype=jnp.bfloat16, timeout_s: float = 10.0, num_sms: int = 24,
-               dispatch_mode: Mode = "pull", combine_mode: Mode = "push") -> "Workspace":
+               top_k: int, num_experts: int, dtype=jnp.bfloat16, timeout_s: float = 10.0,
+               kernel: KernelConfig | None = None, **removed) -> "Workspace":
         """Allocate and connect the workspace on every local device of the mesh (collective across
-        processes: every process must call it, in the same order as its other workspaces)."""
+        processes: every process must call it, in the same order as its other workspaces).
+
+        kernel: the comm ops' default tuning (None: ``KernelConfig()``); see :class:`CommConfig`."""
+        kernel = _kernel_arg("Workspace.create", kernel, removed)
         if jnp.dtype(dtype) != jnp.bfloat16:
             raise NotImplementedError(f"Workspace: only bfloat16 rows are supported, got {jnp.dtype(dtype)}")
         groups = ep_groups(mesh, axis_name)
         config = CommConfig(ep=groups.shape[1], max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
-                            num_experts=num_experts, timeout_s=float(timeout_s), num_sms=num_sms,
-                            dispatch_mode=dispatch_mode, combine_mode=combine_mode)
+                            num_experts=num_experts, timeout_s=float(timeout_s), kernel=kernel)
         lib = _lib()
         for d in groups.flat:
             if d.platform != "gpu":
@@ -287,14 +329,17 @@ class Workspace:
 
     @classmethod
     def create_emulated(cls, device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
-                        num_experts: int, timeout_s: float = 10.0) -> "Workspace":
+                        num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
+                        **removed) -> "Workspace":
         """All ``ep`` ranks of one EP group on one GPU, each with its own region, connected to each other:
         the one-GPU emulation of DESIGN.md ("Testing any EP size on one GPU"). Only the megakernel runs on
-        it (``mok_jax.emulation``); the standalone comm ops need one rank per device."""
+        it (``mok_jax.emulation``); the standalone comm ops need one rank per device, so ``kernel`` (kept
+        in :class:`CommConfig` like :meth:`create`'s) sets nothing that runs here."""
+        kernel = _kernel_arg("Workspace.create_emulated", kernel, removed)
+        config = CommConfig(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
+                            num_experts=num_experts, timeout_s=float(timeout_s), kernel=kernel)
         if device.platform != "gpu":
             raise ValueError(f"Workspace.create_emulated needs a GPU device, got {device}")
-        config = CommConfig(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
-                            num_experts=num_experts, timeout_s=float(timeout_s))
         lib = _lib()
         ws_id = next(_ids)
         err = ctypes.create_string_buffer(1024)
@@ -411,31 +456,43 @@ def _cached(key: tuple, max_tokens: int, make) -> Workspace:
 
 
 def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, hidden_size: int, top_k: int,
-                  num_experts: int, timeout_s: float = 10.0) -> Workspace:
+                  num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
+                  **removed) -> Workspace:
     """The workspace the megakernel uses over ``mesh[axis_name]`` for this shape (created on first use,
-    outside jit: call it before tracing, as ``mok_jax.expert_parallel_moe`` does)."""
+    outside jit: call it before tracing, as ``mok_jax.expert_parallel_moe`` does).
+
+    kernel only sets the standalone comm ops' defaults (:class:`CommConfig`): the megakernel takes its
+    resolved KernelConfig per call (``mok_jax.ops.moe_forward``), so its callers leave it None and share one
+    workspace; each other kernel config gets a workspace of its own."""
+    kernel = _kernel_arg("moe_workspace", kernel, removed)
     key = ("mesh", tuple(d.id for d in np.asarray(mesh.devices).flat), tuple(mesh.axis_names),
-           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts, timeout_s)
+           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts, timeout_s, kernel)
     return _cached(key, max_tokens, lambda: Workspace.create(
         mesh, axis_name, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
-        timeout_s=timeout_s))
+        timeout_s=timeout_s, kernel=kernel))
 
 
-def local_workspace(*, max_tokens: int, hidden_size: int, top_k: int, num_experts: int) -> Workspace:
+def local_workspace(*, max_tokens: int, hidden_size: int, top_k: int, num_experts: int,
+                    kernel: KernelConfig | None = None, **removed) -> Workspace:
     """An EP-1 workspace on every local GPU (each its own group): what ``mok_jax.moe`` uses without an
-    expert-parallel axis (the kernel then needs only its flags, epoch and error words)."""
+    expert-parallel axis (the kernel then needs only its flags, epoch and error words). kernel: as for
+    :func:`moe_workspace`."""
+    kernel = _kernel_arg("local_workspace", kernel, removed)
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         raise CommError("the megakernel needs a CUDA GPU; this JAX sees none")
     mesh = jax.sharding.Mesh(np.asarray(gpus).reshape(len(gpus), 1), ("local", "ep"))
     return moe_workspace(mesh, "ep", max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
-                         num_experts=num_experts)
+                         num_experts=num_experts, kernel=kernel)
 
 
 def emulated_workspace(device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
-                       num_experts: int, timeout_s: float = 10.0) -> Workspace:
-    """The cached emulated workspace of ``ep`` ranks on ``device`` for this shape."""
-    key = ("emulated", device.id, ep, hidden_size, top_k, num_experts, timeout_s)
+                       num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
+                       **removed) -> Workspace:
+    """The cached emulated workspace of ``ep`` ranks on ``device`` for this shape. kernel: as for
+    :func:`moe_workspace` (only the megakernel runs on an emulated workspace, with its own per-call config)."""
+    kernel = _kernel_arg("emulated_workspace", kernel, removed)
+    key = ("emulated", device.id, ep, hidden_size, top_k, num_experts, timeout_s, kernel)
     return _cached(key, max_tokens, lambda: Workspace.create_emulated(
         device, ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
-        timeout_s=timeout_s))
+        timeout_s=timeout_s, kernel=kernel))

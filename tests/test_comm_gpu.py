@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mok_jax import ops
 from mok_jax.bench.comm import decode_row, routing_case, self_identifying_tokens
+from mok_jax.config import KernelConfig
 from mok_jax.reference.comm import (
     dispatch_combine_identity_numpy,
     dispatch_layout_numpy,
@@ -209,6 +210,19 @@ def test_full_hidden_size_and_few_sms(mesh):
         x = self_identifying_tokens(ep, tokens, 7168, seed=7)
         layout, y = expected(x, idx, w)
         check(run(big, x, idx, w, num_sms=3), layout, y, "H=7168")
+
+
+def test_workspace_kernel_config_sets_the_defaults(mesh):
+    """Calls that name no mode and no SM count run the workspace's KernelConfig (here push dispatch, pull
+    combine, 3 communication blocks: none of them the defaults), bitwise as the oracles say."""
+    tokens, k, ep = 200, 8, mesh.devices.size
+    kernel = KernelConfig(comm_sms_fwd=3, dispatch="push", combine="pull")
+    with _create(mesh, kernel=kernel) as tuned:
+        assert (tuned.config.num_sms, tuned.config.dispatch_mode, tuned.config.combine_mode) == (3, "push", "pull")
+        idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=11)
+        x = self_identifying_tokens(ep, tokens, HIDDEN, seed=11)
+        layout, y = expected(x, idx, w)
+        check(run(tuned, x, idx, w, modes=((None, None),)), layout, y, "workspace kernel config")
 
 
 def test_thousand_calls_back_to_back(ws):

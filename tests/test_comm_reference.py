@@ -20,6 +20,7 @@ from mok_jax.reference.comm import (
     ep_dispatch_combine_identity,
     ep_dispatch_layout,
 )
+from mok_jax.config import KernelConfig
 from mok_jax.workspace import CommConfig
 
 CASES = [  # (routing kind, ep, tokens, top_k, num_experts)
@@ -228,7 +229,6 @@ def test_unique_remote_rows_uniform_goal_shape():
     (dict(hidden_size=12), "multiple of 8"),
     (dict(top_k=33), "top_k"),
     (dict(timeout_s=0.0), "timeout_s"),
-    (dict(dispatch_mode="pool"), "dispatch_mode"),
     (dict(max_tokens=0), "max_tokens"),
 ])
 def test_comm_config_validation(bad, msg):
@@ -236,6 +236,64 @@ def test_comm_config_validation(bad, msg):
     kw.update(bad)
     with pytest.raises(ValueError, match=msg):
         CommConfig(**kw)
+
+
+def test_comm_config_knobs_follow_its_kernel_config():
+    """The comm ops' defaults are read from CommConfig.kernel: num_sms = comm_sms_fwd, dispatch_mode =
+    dispatch, combine_mode = combine; the properties are read-only."""
+    shape = dict(ep=2, max_tokens=64, hidden_size=64, top_k=8, num_experts=12)
+    plain = CommConfig(**shape)
+    assert plain.kernel == KernelConfig()
+    assert (plain.num_sms, plain.dispatch_mode, plain.combine_mode) == (24, "pull", "push")
+    k = KernelConfig(comm_sms_fwd=5, comm_sms_bwd=7, dispatch="push", combine="pull")
+    cfg = CommConfig(**shape, kernel=k)
+    assert (cfg.num_sms, cfg.dispatch_mode, cfg.combine_mode) == (5, "push", "pull")
+    for name in ("num_sms", "dispatch_mode", "combine_mode"):
+        with pytest.raises(AttributeError):
+            setattr(cfg, name, getattr(plain, name))
+    assert cfg != plain and cfg.workspace_bytes() == plain.workspace_bytes()  # tuning, not layout
+
+
+@pytest.mark.parametrize("bad", ["push", None, {"dispatch": "push"}, 24])
+def test_comm_config_kernel_must_be_a_kernel_config(bad):
+    with pytest.raises(TypeError, match=r"CommConfig\.kernel must be a mok_jax\.KernelConfig"):
+        CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=8, num_experts=12, kernel=bad)
+
+
+@pytest.mark.parametrize("name,value", [("num_sms", 16), ("dispatch_mode", "push"), ("combine_mode", "pull")])
+def test_comm_config_has_no_knob_fields(name, value):
+    with pytest.raises(TypeError, match=name):
+        CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=8, num_experts=12, **{name: value})
+
+
+def _workspace_makers(cpu_devices):
+    """Each entry point that takes a workspace's kernel config, called with a CPU mesh or device."""
+    from mok_jax.workspace import Workspace, emulated_workspace, local_workspace, moe_workspace
+
+    mesh = _mesh(2, cpu_devices)
+    shape = dict(max_tokens=8, hidden_size=8, top_k=2, num_experts=4)
+    return {
+        "Workspace.create": lambda **kw: Workspace.create(mesh, "ep", **shape, **kw),
+        "Workspace.create_emulated": lambda **kw: Workspace.create_emulated(cpu_devices[0], 2, **shape, **kw),
+        "moe_workspace": lambda **kw: moe_workspace(mesh, "ep", **shape, **kw),
+        "local_workspace": lambda **kw: local_workspace(**shape, **kw),
+        "emulated_workspace": lambda **kw: emulated_workspace(cpu_devices[0], 2, **shape, **kw),
+    }
+
+
+@pytest.mark.parametrize("name,value", [("num_sms", 16), ("dispatch_mode", "push"), ("combine_mode", "pull")])
+def test_workspace_old_knob_keywords_say_what_replaces_them(cpu_devices, name, value):
+    for what, make in _workspace_makers(cpu_devices).items():
+        with pytest.raises(TypeError, match=rf"{what}: the keyword {name}= is gone; pass kernel=KernelConfig\("):
+            make(**{name: value})
+
+
+def test_workspace_unknown_keyword_and_bad_kernel_are_named(cpu_devices):
+    for what, make in _workspace_makers(cpu_devices).items():
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_blocks'"):
+            make(num_blocks=4)
+        with pytest.raises(TypeError, match=rf"{what}: kernel must be a mok_jax\.KernelConfig or None, got dict"):
+            make(kernel={"dispatch": "push"})
 
 
 def test_comm_config_capacity():
@@ -277,21 +335,22 @@ def test_workspace_on_cpu_says_why(cpu_devices):
         Workspace.create(mesh, "ep", max_tokens=8, hidden_size=8, top_k=2, num_experts=4)
 
 
-def test_ops_lower_to_side_effecting_custom_calls(cpu_devices, monkeypatch):
-    """The thin wrappers emit one side-effecting custom call each, with the workspace id, mode, SM
-    count and padding flag as typed attributes, also inside lax.cond under shard_map."""
+def _lowered_comm_calls(cpu_devices, monkeypatch, kernel=None, dispatch_kw=None, combine_kw=None):
+    """The custom calls (dispatch's, combine's) of dispatch + combine on a fake workspace (id 7) whose
+    config holds ``kernel``, lowered inside lax.cond under shard_map on host devices."""
     import mok_jax.ops.comm as comm_ops
     from mok_jax.workspace import Workspace
 
     monkeypatch.setattr(comm_ops, "require_native", lambda what: None)
     mesh = _mesh(2, cpu_devices)
-    ws = Workspace(ws_id=7, config=CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=8, num_experts=12),
-                   mesh=mesh, axis_name="ep", local=[])
+    config = CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=8, num_experts=12,
+                        **({} if kernel is None else dict(kernel=kernel)))
+    ws = Workspace(ws_id=7, config=config, mesh=mesh, axis_name="ep", local=[])
 
     def body(x, i, w):
         def call():
-            recv, lay = comm_ops.dispatch(ws, x, i, w, mode="push", num_sms=5)
-            return comm_ops.combine(ws, recv, lay, mode="pull")
+            recv, lay = comm_ops.dispatch(ws, x, i, w, **(dispatch_kw or {}))
+            return comm_ops.combine(ws, recv, lay, **(combine_kw or {}))
 
         return jax.lax.cond(jax.lax.axis_index("ep") == 0, lambda: (jnp.zeros_like(x), jnp.zeros(4, jnp.int32)), call)
 
@@ -303,6 +362,28 @@ def test_ops_lower_to_side_effecting_custom_calls(cpu_devices, monkeypatch):
     dispatch = [c for c in calls if "@mok_comm_dispatch" in c]
     combine = [c for c in calls if "@mok_comm_combine" in c]
     assert len(dispatch) == 1 and len(combine) == 1, calls
-    assert "has_side_effect = true" in dispatch[0] and "has_side_effect = true" in combine[0]
-    assert "mode = 1 : i32" in dispatch[0] and "num_sms = 5 : i32" in dispatch[0] and "ws_id = 7 : i64" in dispatch[0]
-    assert "mode = 0 : i32" in combine[0] and "zero_padding = 0 : i32" in combine[0]
+    return dispatch[0], combine[0]
+
+
+def test_ops_lower_to_side_effecting_custom_calls(cpu_devices, monkeypatch):
+    """The thin wrappers emit one side-effecting custom call each, with the workspace id, mode, SM
+    count and padding flag as typed attributes, also inside lax.cond under shard_map."""
+    dispatch, combine = _lowered_comm_calls(cpu_devices, monkeypatch, dispatch_kw=dict(mode="push", num_sms=5),
+                                            combine_kw=dict(mode="pull"))
+    assert "has_side_effect = true" in dispatch and "has_side_effect = true" in combine
+    assert "mode = 1 : i32" in dispatch and "num_sms = 5 : i32" in dispatch and "ws_id = 7 : i64" in dispatch
+    assert "mode = 0 : i32" in combine and "zero_padding = 0 : i32" in combine
+    assert "num_sms = 24 : i32" in combine  # KernelConfig().comm_sms_fwd
+
+
+def test_comm_ops_defaults_come_from_the_workspace_kernel_config(cpu_devices, monkeypatch):
+    """Without mode= / num_sms= a call runs the workspace's KernelConfig; a call's own arguments win."""
+    k = KernelConfig(comm_sms_fwd=5, comm_sms_bwd=9, dispatch="push", combine="pull")
+    dispatch, combine = _lowered_comm_calls(cpu_devices, monkeypatch, kernel=k)
+    assert "mode = 1 : i32" in dispatch and "num_sms = 5 : i32" in dispatch  # push, comm_sms_fwd
+    assert "mode = 0 : i32" in combine and "num_sms = 5 : i32" in combine    # pull, comm_sms_fwd
+    dispatch, combine = _lowered_comm_calls(cpu_devices, monkeypatch, kernel=k,
+                                            dispatch_kw=dict(mode="pull", num_sms=3),
+                                            combine_kw=dict(mode="push", num_sms=40))
+    assert "mode = 0 : i32" in dispatch and "num_sms = 3 : i32" in dispatch
+    assert "mode = 1 : i32" in combine and "num_sms = 40 : i32" in combine
