@@ -2,7 +2,7 @@
 # The forward megakernel on a lent H200, in one command: environment, the GPU tests of the megakernel and of
 # the grouped FFN (whose GEMM pieces it shares), then mok-bench against the JAX baselines in the same process.
 # Logs under $OUT (the device tool's folder) or ./out. A short summary is printed last.
-# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline zipf granularity sweep profile'] bash scripts/gpu_moe.sh [pytest -k expr]
+# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
 # (SKIP_TESTS=1 skips the tests; BENCH_STEPS='' skips the benchmarks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +32,10 @@ for s in ${BENCH_STEPS-headline granularity}; do
                    --granularity ${GRANS:-512,1024,2048} --time-budget 120 --json "$LOGS/granularity.json" ;;
     sweep) step sweep 200 "${BENCH[@]}" --model kimi-k2 --tokens 16384 --impl mok,xla-capacity \
              --granularity 512,1024,2048,4096,8192,16384 --time-budget 170 --json "$LOGS/sweep.json" ;;
+    breakdown) step breakdown ${BREAKDOWN_LIMIT:-300} $PY -m mok_jax.bench.breakdown --model "$MODELS" \
+                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-20} --trace "$LOGS/breakdown_trace" \
+                 --json "$LOGS/breakdown.json"
+               tar czf "$LOGS/breakdown_trace.tgz" -C "$LOGS" breakdown_trace 2>/dev/null && rm -rf "$LOGS/breakdown_trace" ;;
     profile) step profile 120 "${BENCH[@]}" --model kimi-k2 --tokens 2048 --impl mok,xla-capacity --samples 3 \
                --profile "$LOGS/profile" --time-budget 60 --json "$LOGS/profile.json" ;;
   esac

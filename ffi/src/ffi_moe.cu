@@ -7,7 +7,7 @@
 //     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes]
 //   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device).
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
-//   combine_pull, num_sms, identity_experts, skip_rank
+//   combine_pull, num_sms, identity_experts, skip_rank, leave_out (a bench-only timing mode: LeaveOut bits)
 //
 // The handler finds the rank(s) of (ws_id, the stream's device), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the
@@ -34,13 +34,15 @@ struct MoeForwardAttrs {
   int32_t num_sms;
   int32_t identity_experts;
   int32_t skip_rank;
+  int32_t leave_out;
 };
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(MoeForwardAttrs, StructMember<int64_t>("ws_id"),
                                       StructMember<int32_t>("granularity"), StructMember<int32_t>("comm_items"),
                                       StructMember<int32_t>("ring_slots"), StructMember<int32_t>("dispatch_push"),
                                       StructMember<int32_t>("combine_pull"), StructMember<int32_t>("num_sms"),
-                                      StructMember<int32_t>("identity_experts"), StructMember<int32_t>("skip_rank"));
+                                      StructMember<int32_t>("identity_experts"), StructMember<int32_t>("skip_rank"),
+                                      StructMember<int32_t>("leave_out"));
 
 namespace {
 
@@ -63,7 +65,7 @@ bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
 
 mok::moe::ForwardKnobs knobs_of(const MoeForwardAttrs& a) {
   return mok::moe::ForwardKnobs{a.granularity, a.comm_items, a.ring_slots, a.dispatch_push, a.combine_pull,
-                                a.num_sms, a.identity_experts, a.skip_rank};
+                                a.num_sms, a.identity_experts, a.skip_rank, a.leave_out};
 }
 
 ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardAttrs attrs,

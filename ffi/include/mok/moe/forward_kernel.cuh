@@ -595,6 +595,7 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
   const int t_lo = stage_share(p, it, ep, &q0, &q1);
   int4* slot = ring_slot(p, R, it.mb);
   const int32_t* row_table = R.sync + p.o_row;
+  if (p.leave_out & kLeaveOutDispatchRows) q1 = q0;  // timing mode
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / ep;
     const int s = int(q % ep);  // sources interleaved: NVLink and local reads proceed together
@@ -618,6 +619,7 @@ __device__ inline void run_send(const Params& P, const RankParams& R, const Item
   int64_t q0, q1;
   const int t_lo = stage_share(p, it, ep - 1, &q0, &q1);
   const int4* slot = ring_slot(p, R, it.mb);
+  if (p.leave_out & kLeaveOutSendRows) q1 = q0;  // timing mode
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / (ep - 1);
     const int so = int(q % (ep - 1));
@@ -701,6 +703,7 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
   int64_t b, e;
   const int t_lo = stage_share(p, it, 1, &b, &e);
   const int4* rows = ring_slot(p, R, it.mb);
+  if (p.leave_out & kLeaveOutReduceRows) e = b;  // timing mode
   for (int64_t t = t_lo + b + warp; t < t_lo + e; t += kWorkerWarps) {
     int4* dst = R.y + t * nvec;
     if (it.skip) {

@@ -1,0 +1,263 @@
+"""Where the megakernel's forward time goes, on one GPU: timing variants that leave one stage out.
+
+    python -m mok_jax.bench.breakdown [--model kimi-k2,...] [--tokens 2048] [--json out.json] [--trace DIR]
+
+For each model (the one-GPU ep64-slice problem: E/32 experts, uniform routing, bf16, the tuned kernel
+config), in one process, median ms of back-to-back calls (mok_jax.bench.timing):
+- ``mok``: the layer forward (emulated EP 1: the same kernel and plan as a one-rank mesh call);
+- ``-dispatch rows`` / ``-reduce rows`` / ``-both``: the kernel with those stages' row moves left out
+  (``ops.moe_forward(leave_out=...)``: wrong outputs, every flag and counter still runs). mok minus a
+  variant is what that stage costs the call beyond what the overlap hides;
+- ``data path``: identity experts (dispatch and combine, no GEMMs, no shared expert);
+- ``grouped FFN`` and ``shared FFN``: the standalone grouped FFN kernel over the same expert-major rows, and
+  over the T rows of the shared expert; with ``data path`` they make an unfused lower bound;
+- at emulated EP 2 (T/2 tokens per rank, the same total work): ``mok`` and ``-send rows`` (the owners'
+  pre-summed partials left out), which is what choice (b)'s owner side costs.
+Beside them: a dense bf16 GEMM of 8192^3 (the compute floor's reference) timed the same way, and the SM
+clock and power that nvidia-smi reports while each variant runs. ``--trace DIR`` also records 40 calls of
+``mok`` with jax.profiler and prints the kernel's device time of the first and last calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["main", "run"]
+
+MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
+
+
+class _Clocks:
+    """nvidia-smi's SM clock (MHz) and power (W), sampled every 50 ms while the block runs."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self._proc = None
+
+    def __enter__(self):
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+            return self
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                mhz, watts = (float(v) for v in line.split(",")[:2])
+            except ValueError:
+                continue
+            self.samples.append((mhz, watts))
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+            self._thread.join(timeout=5)
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"sm_mhz": None, "watts": None}
+        mhz = [s[0] for s in self.samples]
+        return {"sm_mhz": statistics.median(mhz), "sm_mhz_min": min(mhz),
+                "watts": statistics.median(s[1] for s in self.samples)}
+
+
+def _timed(fn, args, timing_kw) -> dict:
+    from mok_jax.bench.timing import time_fn
+
+    with _Clocks() as clk:
+        t = time_fn(fn, *args, **timing_kw)
+    return {"ms": t.median_ms, "min_ms": t.min_ms, "max_ms": t.max_ms, "calls": t.calls_per_sample, **clk.summary()}
+
+
+def _kernel_times_from_trace(trace_dir: str, name: str) -> list[float]:
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        return []
+    ev = json.load(gzip.open(files[-1]))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    ks = sorted((e for e in ev if e.get("ph") == "X" and name in e.get("name", "")), key=lambda e: e["ts"])
+    return [e["dur"] / 1e3 for e in ks]
+
+
+def _problem(model_name: str, tokens: int, seed: int):
+    import jax
+    import jax.numpy as jnp
+
+    from mok_jax.bench.routing import make_routing
+    from mok_jax.config import load_model
+    from mok_jax.weights import MoEWeights
+
+    m = load_model(model_name)
+    E, H, I, k, Is = m.num_experts // 32, m.hidden_size, m.intermediate_size, m.top_k, m.shared_size
+    idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=tokens, num_experts=E, top_k=k, seed=seed)
+    keys = jax.random.split(jax.random.key(seed), 5)
+    normal = lambda key, s, fan_in: (jax.random.normal(key, s, jnp.float32) * fan_in**-0.5).astype(jnp.bfloat16)
+    W = MoEWeights(normal(keys[0], (E, H, 2 * I), H), normal(keys[1], (E, I, H), I),
+                   normal(keys[2], (H, 2 * Is), H) if Is else None, normal(keys[3], (Is, H), Is) if Is else None)
+    x = normal(keys[4], (tokens, H), 1.0)
+    flops = 2 * tokens * 3 * H * (k * I + Is)
+    return m, x, jnp.asarray(idx), jnp.asarray(w), W, flops
+
+
+def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, comm_sms=(), only_sweep=False) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from mok_jax import ops, tuning
+    from mok_jax.emulation import emulated_moe
+    from mok_jax.ops.moe_forward import LEAVE_OUT
+
+    m, x, idx, w, W, flops = _problem(model_name, tokens, seed)
+    E, H = W.gate_up.shape[0], x.shape[1]
+    out = {"model": model_name, "tokens": tokens, "experts": E, "flops": flops}
+
+    key = tuning.ProblemKey(hidden=H, intermediate=m.intermediate_size, top_k=m.top_k, experts_per_rank=E, ep=1,
+                            tokens=tokens)
+    tuned = tuning.resolve(None, key, jax.devices()[0].device_kind)
+    out["kernel"] = str(tuned)
+
+    def layer(ep=1, leave_out=0, identity=False, kernel=None):
+        return jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=ep, leave_out=leave_out, kernel=kernel,
+                                                        identity_experts=identity)[0])
+
+    args = (x, idx, w, W)
+    rows = {}
+    for c in comm_sms:  # the tuned config with another communication SM count
+        rows[f"comm SMs {c}"] = _timed(layer(kernel=tuned.replace(comm_sms_fwd=c, comm_sms_bwd=c)), args, timing_kw)
+    if only_sweep:
+        rows["mok"] = _timed(layer(), args, timing_kw)
+        out["rows"] = rows
+        return out
+    rows["mok"] = _timed(layer(), args, timing_kw)
+    rows["-dispatch rows"] = _timed(layer(leave_out=LEAVE_OUT["dispatch"]), args, timing_kw)
+    rows["-reduce rows"] = _timed(layer(leave_out=LEAVE_OUT["reduce"]), args, timing_kw)
+    rows["-both"] = _timed(layer(leave_out=LEAVE_OUT["dispatch"] | LEAVE_OUT["reduce"]), args, timing_kw)
+    rows["data path"] = _timed(layer(identity=True), args, timing_kw)
+
+    # The standalone grouped FFN over the same expert-major rows, and the shared expert as one group of T rows.
+    flat = np.asarray(idx).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    sizes = jnp.asarray(np.bincount(flat, minlength=E).astype(np.int32))
+    xr = jnp.asarray(x)[jnp.asarray(order // idx.shape[1])]
+    gffn = jax.jit(lambda a, g, w1, w2: ops.grouped_ffn(a, g, w1, w2).y)
+    rows["grouped FFN"] = _timed(gffn, (xr, sizes, W.gate_up, W.down), timing_kw)
+    if W.shared_gate_up is not None:
+        rows["shared FFN"] = _timed(gffn, (x, jnp.asarray([tokens], jnp.int32), W.shared_gate_up[None],
+                                           W.shared_down[None]), timing_kw)
+
+    # Emulated EP 2 with the same total work: choice (b)'s owner side.
+    if E % 2 == 0 and tokens % 2 == 0:
+        rows["ep2 mok"] = _timed(layer(ep=2), args, timing_kw)
+        rows["ep2 -send rows"] = _timed(layer(ep=2, leave_out=LEAVE_OUT["send"]), args, timing_kw)
+
+    if trace:
+        fn = layer()
+        jax.block_until_ready(fn(*args))
+        d = os.path.join(trace, model_name)
+        with jax.profiler.trace(d):
+            for _ in range(40):
+                y = fn(*args)
+            jax.block_until_ready(y)
+        ks = _kernel_times_from_trace(d, "forward_kernel")
+        out["trace_kernel_ms"] = ks
+    out["rows"] = rows
+    return out
+
+
+def _dense(timing_kw) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    r = _timed(jax.jit(lambda a, b: a @ b), (a, b), timing_kw)
+    r["tflops"] = 2 * n**3 / r["ms"] / 1e9
+    return r
+
+
+def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 20.0, seed: int = 0,
+        trace: str | None = None, comm_sms=(), only_sweep: bool = False) -> dict:
+    import jax
+
+    timing_kw = dict(samples=samples, target_sample_ms=sample_ms)
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tokens": tokens,
+           "dense_before": _dense(timing_kw), "cases": []}
+    for name in models:
+        res["cases"].append(_case(name, tokens, timing_kw, seed, trace, comm_sms, only_sweep))
+        print(table({**res, "cases": res["cases"][-1:]}, header=False), flush=True)
+    res["dense_after"] = _dense(timing_kw)
+    return res
+
+
+def table(res: dict, header: bool = True) -> str:
+    lines = []
+    if header:
+        for key in ("dense_before", "dense_after"):
+            d = res.get(key)
+            if d:
+                lines.append(f"dense bf16 GEMM 8192^3 ({key[6:]}): {d['ms']:.3f} ms = {d['tflops']:.0f} TFLOP/s "
+                             f"(SM {d['sm_mhz']} MHz, {d['watts']} W)")
+    for c in res["cases"]:
+        floor = c["flops"] / 805e9
+        lines.append(f"{c['model']} ({c['experts']} experts, {c['tokens']} tokens; floor {floor:.3f} ms at 805 "
+                     f"TFLOP/s; {c['kernel']})")
+        lines.append("| variant | ms | vs mok | SM MHz (min) | W |")
+        lines.append("| --- | --: | --: | --: | --: |")
+        base = c["rows"]["mok"]["ms"]
+        for name, r in c["rows"].items():
+            lines.append(f"| {name} | {r['ms']:.3f} | {r['ms'] - base:+.3f} | {r['sm_mhz']} ({r.get('sm_mhz_min')}) "
+                         f"| {r['watts']} |")
+        ks = c.get("trace_kernel_ms")
+        if ks:
+            lines.append(f"profiler: {len(ks)} kernels, first 3 {[round(v, 3) for v in ks[:3]]}, last 3 "
+                         f"{[round(v, 3) for v in ks[-3:]]}, median {statistics.median(ks):.3f} ms")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mok_jax.bench.breakdown", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=",".join(MODELS))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=15)
+    p.add_argument("--sample-ms", type=float, default=20.0)
+    p.add_argument("--json")
+    p.add_argument("--trace")
+    p.add_argument("--comm-sms", default="", help="comma list: also time the tuned config at these comm SM counts")
+    p.add_argument("--only-comm-sms", action="store_true", help="time only the --comm-sms sweep and mok")
+    a = p.parse_args(argv)
+    import jax
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        print("mok_jax.bench.breakdown: no GPU here; it times the CUDA megakernel and needs one.")
+        return 2
+    res = run(tuple(a.model.split(",")), a.tokens, samples=a.samples, sample_ms=a.sample_ms, trace=a.trace,
+              comm_sms=tuple(int(c) for c in a.comm_sms.split(",") if c), only_sweep=a.only_comm_sms)
+    print(table({**res, "cases": []}))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
