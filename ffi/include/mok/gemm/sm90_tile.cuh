@@ -164,6 +164,71 @@ struct Sm90TileT {
     return true;
   }
 
+  // ---- producer warpgroup (128 threads): the loads of one tile whose A rows are gathered ----------------
+  // Hopper's TMA cannot gather rows (one-row boxes, measured, made the layer 2.5-4x slower), so the
+  // producer warpgroup copies A with cp.async, 16 bytes per thread and instruction (16 rows x 128 B per
+  // warpgroup instruction, 8 per k-tile), into the 128B-swizzled layout that TMA would have written:
+  // chunk c of row r at r * 128 + ((c ^ r % 8) * 16). Row r of the tile comes from row_ptr(r) (its first
+  // element, or nullptr: zeros, reading nothing at `any_row`, a valid global address); columns past k are
+  // zeros. Each thread's copies are tracked by the stage's full barrier (cp.async.mbarrier.arrive adds to
+  // the pending count first, so the phase cannot complete before them); after a named barrier of the
+  // warpgroup, thread 0 arrives with the B bytes and issues B's TMA loads as load_tile does. A failed wait
+  // of any thread makes all of them return false. Every thread walks the same StagePos.
+  static constexpr int kGatherThreads = 128;
+  template <class RowPtr>
+  __device__ static bool load_tile_gather(RowPtr row_ptr, const Element* any_row, const TmaB& tma_b, Stages& s,
+                                          StagePos& pos, const TileLoad& t, int pt, uint32_t barrier,
+                                          volatile int32_t* abort, int32_t* status) {
+    using namespace cute;
+    Tensor mB = tma_b.get_tma_tensor(make_shape(t.n_b, t.k, t.groups));
+    Tensor mBg = mB(_, _, t.group);
+    Tensor gB0 = local_tile(domain_offset(make_coord(t.col0, 0), mBg), Shape<Int<kHalfN>, Int<kBlockK>>{},
+                            make_coord(0, _));
+    const bool load_second = t.col1 < t.n_b;
+    Tensor gB1 = local_tile(domain_offset(make_coord(load_second ? t.col1 : 0, 0), mBg),
+                            Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
+    const uint32_t b_bytes = (load_second ? kStageElemsB : kHalfElemsB) * sizeof(Element);
+    constexpr int kRowsPerPass = kGatherThreads / 8;
+    const int chunk = pt % 8, r0 = pt / 8;
+    const int n_k = k_tiles(t.k);
+    for (int k = 0; k < n_k; ++k) {
+      if (pt == 0 && !mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, status)) *abort = 1;
+      named_barrier_sync(barrier, kGatherThreads);  // one poller; the others sleep in the barrier
+      if (*abort) return false;
+      {
+        const uint32_t a_stage = cute::cast_smem_ptr_to_uint(s.a + pos.stage * kStageElemsA);
+        const int col = k * kBlockK + chunk * 8;
+        const uint32_t src_bytes = col < t.k ? 16u : 0u;
+        CUTE_UNROLL
+        for (int i = 0; i < kBlockM / kRowsPerPass; ++i) {
+          const int r = r0 + kRowsPerPass * i;
+          const Element* src = row_ptr(r);
+          const uint32_t dst = a_stage + uint32_t(r * 128 + ((chunk ^ (r & 7)) << 4));
+          const uint32_t bytes = src != nullptr ? src_bytes : 0u;
+          const Element* from = bytes ? src + col : any_row;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from), "r"(bytes) : "memory");
+        }
+        cutlass::arch::cpasync_barrier_arrive(&s.full[pos.stage]);
+      }
+      named_barrier_sync(barrier, kGatherThreads);
+      if (pt == 0) {
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], b_bytes);
+        Tensor sB0 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB), SmemLayoutBHalf{});
+        auto [tB0g, tB0s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB0),
+                                          group_modes<0, 2>(gB0(_, _, k)));
+        copy(tma_b.with(s.full[pos.stage]), tB0g, tB0s);
+        if (load_second) {
+          Tensor sB1 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB + kHalfElemsB), SmemLayoutBHalf{});
+          auto [tB1g, tB1s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB1),
+                                            group_modes<0, 2>(gB1(_, _, k)));
+          copy(tma_b.with(s.full[pos.stage]), tB1g, tB1s);
+        }
+      }
+      pos.advance();
+    }
+    return true;
+  }
+
   // ---- consumers (two warpgroups): the MMAs of one tile into acc --------------------------------------
   // ct: thread index among the 256 consumer threads.
   __device__ static bool mma_tile(Stages& s, StagePos& pos, Accumulator& acc, int k, int ct, int32_t* status) {
