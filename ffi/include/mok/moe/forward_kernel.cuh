@@ -5,13 +5,11 @@
 //
 // Roles. One CTA per SM (384 threads), every CTA a general worker of one EP rank (CTA b serves rank
 // b % num_ranks); nothing is tied to an SM, so the same code serves any EP size and any SM count:
-//   warpgroup 0 ("producer"): thread 0 claims the rank's next ticket (atomicAdd), decodes it into an item,
+//   warp 0, one lane ("producer"): claims the rank's next ticket (atomicAdd), decodes it into an item,
 //       waits (bounded) for the item's dependencies, hands it to the consumers through a 2-slot work ring
 //       in shared memory, and for a GEMM tile issues its TMA loads into the stage ring (Sm90Tile::load_tile).
-//       A gate/up tile gathers its A rows instead, all 128 threads copying them with cp.async into the
-//       swizzled stage (Sm90Tile::load_tile_gather): this rank's own tokens straight from x (dispatch never
-//       copies them), remote tokens from the ring, where dispatch wrote them expert-major.
 //       It then claims the next ticket while the consumers still work: loads of tile n+1 overlap MMAs of n.
+//   warps 1-3: idle (registers given to the consumers).
 //   warpgroups 1-2 ("consumers", 8 warps): execute every item: a GEMM tile (Sm90Tile::mma_tile, 64 rows
 //       each, then an epilogue policy), or a communication/schedule item (the warps move rows with 16-byte
 //       vectors, one row per warp at a time). Then one thread publishes the item's completion.
@@ -70,7 +68,6 @@ constexpr int kSumGroup = 2;         // rows whose loads are in flight together 
 constexpr int kReduceUnroll = 2;     // vectors per lane and row in flight in the origin's final sum
 constexpr int kReduceGroup = 2;      // rows whose loads are in flight together there
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
-constexpr uint32_t kProducerBarrier = 4;  // named barrier of the producer warpgroup's 128 threads
 
 struct RankParams {
   Tile::TmaA a_gu;    // received rows, [S * slot_rows, H]
@@ -111,13 +108,6 @@ struct Item {
   int32_t skip;                            // a dependency failed (poisoned workspace): do nothing
 };
 
-static_assert(kTileM == Tile::kGatherThreads, "one producer thread per row of a gathered tile");
-
-struct ProducerItem {
-  Item item;
-  int32_t stop;
-};
-
 struct SharedStorage {
   Tile::Stages stages;
   alignas(16) uint32_t epi[Tile::kConsumerWarpgroups][Tile::kEpiWords];
@@ -125,9 +115,6 @@ struct SharedStorage {
   alignas(8) uint64_t work_full[kWorkSlots];
   alignas(8) uint64_t work_empty[kWorkSlots];
   int32_t scan_warp[kWorkerWarps];
-  int32_t gather[kTileM];  // the producer warpgroup's row sources of the GU tile it loads
-  ProducerItem pitem[2];   // thread 0 of the producer warpgroup -> the other 127
-  int32_t abort;           // a producer thread's wait failed during a gather
   int32_t flag;
 };
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
@@ -577,8 +564,6 @@ __device__ inline void run_place(const Plan& p, const RankParams& R, const Item&
     if (active) {
       row_table[n] = le < 0 ? -1 : (pos < p.slot_rows ? pos : -2);  // -2: past the slot (overflow)
       row_w[n] = w;
-      if (own && le >= 0 && pos < p.slot_rows)  // the GU tiles read this row from x, not from the ring
-        R.sync[p.o_src + int64_t(c / p.chunks_per_mb) * p.slot_rows + pos] = int32_t(n / k) + 1;
     }
   }
 }
@@ -614,7 +599,6 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / ep;
     const int s = int(q % ep);  // sources interleaved: NVLink and local reads proceed together
-    if (s == v.rank && !p.identity) continue;  // own rows: the GU tiles gather them from x
     const int32_t row = lane < k ? row_table[(int64_t(s) * p.T + t) * k + lane] : -1;
     const uint32_t lanes = __ballot_sync(kFull, row >= 0);
     if (lanes == 0) continue;
@@ -797,43 +781,6 @@ __device__ inline int tile_k(const Plan& p, int kind) {
   return kind == kGu || kind == kSharedGu ? p.H : kind == kDn ? p.I : p.Is;
 }
 
-// Where a GU tile's A rows come from (rows [it.row0, it.row0 + 128) of the ring): this rank's own token t
-// straight from x; a row that dispatch copied, or a row past the expert's rows (computed, never stored),
-// from the ring itself; nothing (zeros) past the ring. Written once per tile into shared memory.
-__device__ inline void gather_rows(const Plan& p, const RankParams& R, const Item& it, int32_t* code, int pt) {
-  const int slot_row0 = (it.mb % p.S) * p.slot_rows;
-  const int32_t* src = R.sync + p.o_src + int64_t(it.mb) * p.slot_rows - slot_row0;
-  const int row = it.row0 + pt;  // kTileM == the producer warpgroup's 128 threads
-  const int32_t token1 = row < it.row_end ? src[row] : 0;
-  code[pt] = token1 > 0 ? -token1 : (row < p.S * p.slot_rows ? row : INT_MAX);
-  gemm::named_barrier_sync(kProducerBarrier, Tile::kGatherThreads);
-}
-
-// The producer warpgroup's loads of one tile: a GU tile's rows are gathered by all 128 threads; any other
-// tile is one box per k-tile that thread 0 issues (the others only keep their StagePos in step). False when
-// a wait failed; for a box tile only thread 0 knows (the producer loop tells the others at the next item).
-__device__ inline bool load_item_group(const RankParams& R, SharedStorage& s, Tile::StagePos& pos, const Plan& p,
-                                       const Item& it, int pt) {
-  if (it.kind == kGu) {
-    gather_rows(p, R, it, s.gather, pt);
-    const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(R.x);
-    const int32_t* code = s.gather;
-    const int64_t H = p.H;
-    auto row_ptr = [&](int r) -> const cutlass::bfloat16_t* {
-      const int32_t c = code[r];
-      const __nv_bfloat16* q = c < 0 ? x + (-int64_t(c) - 1) * H : c == INT_MAX ? nullptr : R.recv + int64_t(c) * H;
-      return reinterpret_cast<const cutlass::bfloat16_t*>(q);
-    };
-    const bool ok = Tile::load_tile_gather(row_ptr, reinterpret_cast<const cutlass::bfloat16_t*>(x), R.b_gu,
-                                           s.stages, pos, tile_load(p, it), pt, kProducerBarrier, &s.abort, nullptr);
-    gemm::named_barrier_sync(kProducerBarrier, Tile::kGatherThreads);  // s.gather is rewritten next
-    return ok;
-  }
-  if (pt == 0) return load_item(R, s, pos, p, it, nullptr);
-  for (int k = Tile::k_tiles(tile_k(p, it.kind)); k > 0; --k) pos.advance();
-  return true;
-}
-
 __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStorage& s, const Tile::Accumulator& acc,
                                   const Item& it, int wg, int t) {
   switch (it.kind) {
@@ -870,49 +817,28 @@ __device__ __forceinline__ bool tile_item(const Plan& p, const RankParams& R, Sh
 
 // ================================================================================ roles
 
-// The producer warpgroup (128 threads). Thread 0 claims, decodes, waits and hands items over, then tells
-// the others through shared memory (two slots, alternating: a slot is rewritten only after everyone passed
-// the barrier that follows its next use); all of them load a GU tile's rows.
 __device__ inline void producer(const Params& P, const RankParams& R, SharedStorage& s, int ctas, uint64_t epoch) {
   const Plan& p = P.plan;
-  const int pt = threadIdx.x;
   Tile::StagePos pos;
   int w = 0;
   uint32_t phase = 0;
-  bool failed = false;  // thread 0: a box tile's wait failed; stop everyone at the next item
-  for (int n = 0;; ++n) {
-    ProducerItem& slot = s.pitem[n & 1];
-    if (pt == 0) {
-      Item it{};
-      int stop = failed;
-      if (!stop) {
-        const int32_t ticket = atomicAdd(R.sync + kCtlTickets, 1);
-        it = decode(p, R, ticket, epoch);
-        if (it.kind != kEnd) it.skip = wait_deps(p, R, it, ctas, epoch) ? 0 : 1;
-        if (gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, nullptr)) {
-          s.work[w] = it;
-          cutlass::arch::ClusterBarrier::arrive(&s.work_full[w]);
-        } else {
-          stop = 1;
-        }
-      }
-      if (stop) comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
-      slot.item = it;
-      slot.stop = stop;
+  for (;;) {
+    const int32_t ticket = atomicAdd(R.sync + kCtlTickets, 1);
+    Item it = decode(p, R, ticket, epoch);
+    if (it.kind != kEnd) it.skip = wait_deps(p, R, it, ctas, epoch) ? 0 : 1;
+    if (!gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, nullptr)) {
+      comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
+      return;
     }
-    gemm::named_barrier_sync(kProducerBarrier, Tile::kGatherThreads);
-    if (slot.stop) return;
-    const Item it = slot.item;
+    s.work[w] = it;
+    cutlass::arch::ClusterBarrier::arrive(&s.work_full[w]);
     if (++w == kWorkSlots) w = 0, phase ^= 1;
     if (it.kind == kEnd) return;
     if (is_tile(it.kind) && !it.skip) {
       gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
-      if (!load_item_group(R, s, pos, p, it, pt)) {
-        if (it.kind == kGu) {  // every thread saw it
-          if (pt == 0) comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
-          return;
-        }
-        failed = true;
+      if (!load_item(R, s, pos, p, it, nullptr)) {
+        comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
+        return;
       }
     }
   }
@@ -1011,7 +937,6 @@ __device__ inline void run(const Params& P) {
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&R.view.state()->moe_epoch) + 1;
   const int warp = cutlass::canonical_warp_idx_sync();
   if (threadIdx.x == 0) {
-    s.abort = 0;
     Tile::init_stages(s.stages);
     for (int i = 0; i < kWorkSlots; ++i) {
       cutlass::arch::ClusterBarrier::init(&s.work_full[i], 1);
@@ -1026,7 +951,7 @@ __device__ inline void run(const Params& P) {
   __syncthreads();
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    producer(P, R, s, ctas, epoch);
+    if (warp == 0 && cute::elect_one_sync()) producer(P, R, s, ctas, epoch);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     consumer(P, R, s, threadIdx.x - 128, ctas, epoch);

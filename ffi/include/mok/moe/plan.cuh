@@ -63,7 +63,7 @@ struct Plan {
   // ticket bounds of the static prefix
   int32_t t_count, t_scan, t_place, t_disp0, t_sgu, t_sdn, t_dynamic;
   // word offsets in the sync region (int32 words)
-  int64_t o_disp, o_send, o_reduce, o_dn, o_sgu, o_gu, o_cnt, o_base, o_row, o_w, o_src;
+  int64_t o_disp, o_send, o_reduce, o_dn, o_sgu, o_gu, o_cnt, o_base, o_row, o_w;
   int64_t o_row_start, o_tile_gu, o_tile_dn, o_mblock, o_seg_begin, o_seg_kind, o_seg_mb;
   int64_t sync_words;
 };
@@ -124,7 +124,6 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
   p.o_base = take(cells);
   p.o_row = take(slots);
   p.o_w = take(slots);
-  p.o_src = take(int64_t(p.M) * p.slot_rows);
   p.o_row_start = take(tables);
   p.o_tile_gu = take(tables);
   p.o_tile_dn = take(tables);
