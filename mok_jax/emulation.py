@@ -29,14 +29,14 @@ __all__ = ["emulated_moe"]
 def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights, *, ep: int,
                  kernel: KernelConfig | None = None, workspace: Workspace | None = None, device: jax.Device | None = None,
                  identity_experts: bool = False, skip_rank: int = -1, timeout_s: float = 10.0,
-                 num_sms: int = 0, leave_out: int = 0) -> tuple[jax.Array, jax.Array]:
+                 num_sms: int = 0, timing_mode: int = 0) -> tuple[jax.Array, jax.Array]:
     """The layer forward at EP size ``ep``, every rank on one GPU (``device``, default the first GPU).
 
     x: bf16[ep * T, H]; topk_idx: int32[ep * T, k] (global ids, -1 = masked); topk_weight: f32[ep * T, k];
     weights: the global MoEWeights (gate_up [E, H, 2I] with E divisible by ep). Returns (y: bf16[ep * T, H],
     status: int32[ep, 4]) where rank r's tokens are rows [r*T, (r+1)*T). ``workspace``: an emulated one
     (default: cached per device, ep and shape); identity_experts, skip_rank: the kernel's test modes;
-    leave_out: its bench-only timing mode (ops.moe_forward).
+    timing_mode: its bench-only timing mode (ops.moe_forward).
     Jit-compatible when ``workspace`` is given or the shapes are static (the workspace is set up at trace time).
     """
     if not isinstance(ep, int) or not 1 <= ep <= 8:
@@ -66,5 +66,5 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         None if weights.shared_gate_up is None else weights.shared_gate_up.astype(jnp.bfloat16),
         None if weights.shared_down is None else weights.shared_down.astype(jnp.bfloat16),
         kernel=kernel, identity_experts=identity_experts, skip_rank=skip_rank, num_sms=num_sms,
-        leave_out=leave_out)
+        timing_mode=timing_mode)
     return y.reshape(ep * tokens, H), status

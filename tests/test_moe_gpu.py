@@ -282,17 +282,18 @@ def test_emulated_data_path_bitwise(ep, dispatch, combine):
     assert diff.size == 0, f"EP {ep}: {diff.size} rows differ from the oracle, first {diff[:8].tolist()}"
 
 
-def test_leave_out_reaches_the_kernel():
-    """The bench-only timing variants (mok_jax.bench.breakdown) really leave their stage's rows out: with
-    identity experts, dispatch left out changes y, and leave_out=0 is the plain call bitwise."""
+def test_timing_mode_reaches_the_kernel():
+    """The bench-only timing variants (mok_jax.bench.breakdown) reach the kernel: with identity experts,
+    dispatch rows left out change y; timing_mode=0 and the "twice" variants give the plain call's bits."""
     shape = _shape(16, 512, 256, 4)
     x, idx, w, W = _problem("leaveout", shape, 300, "uniform", ranks=2)
     cfg = KernelConfig(granularity=512, comm_sms_fwd=3)
     want = _identity_oracle(x, idx, w, 2, 16)
-    y0, _ = emulated_moe(x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, leave_out=0)
-    assert (np.asarray(y0).view(np.uint16) == want.view(np.uint16)).all()
+    for mode in (0, 8, 16, 24):
+        y0, _ = emulated_moe(x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, timing_mode=mode)
+        assert (np.asarray(y0).view(np.uint16) == want.view(np.uint16)).all(), f"timing_mode {mode}"
     # other rows (-x), so that a ring left over from the call before cannot pass for this one's
-    y1, _ = emulated_moe(-x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, leave_out=1)
+    y1, _ = emulated_moe(-x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, timing_mode=1)
     want1 = _identity_oracle(-x, idx, w, 2, 16)
     assert (np.asarray(y1).view(np.uint16) != want1.view(np.uint16)).any(1).mean() > 0.5
 

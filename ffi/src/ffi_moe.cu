@@ -7,7 +7,7 @@
 //     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes]
 //   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device).
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
-//   combine_pull, num_sms, identity_experts, skip_rank, leave_out (a bench-only timing mode: LeaveOut bits)
+//   combine_pull, num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits)
 //
 // The handler finds the rank(s) of (ws_id, the stream's device), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the
@@ -34,7 +34,7 @@ struct MoeForwardAttrs {
   int32_t num_sms;
   int32_t identity_experts;
   int32_t skip_rank;
-  int32_t leave_out;
+  int32_t timing_mode;
 };
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(MoeForwardAttrs, StructMember<int64_t>("ws_id"),
@@ -42,7 +42,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(MoeForwardAttrs, StructMember<int64_t>("ws
                                       StructMember<int32_t>("ring_slots"), StructMember<int32_t>("dispatch_push"),
                                       StructMember<int32_t>("combine_pull"), StructMember<int32_t>("num_sms"),
                                       StructMember<int32_t>("identity_experts"), StructMember<int32_t>("skip_rank"),
-                                      StructMember<int32_t>("leave_out"));
+                                      StructMember<int32_t>("timing_mode"));
 
 namespace {
 
@@ -65,7 +65,7 @@ bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
 
 mok::moe::ForwardKnobs knobs_of(const MoeForwardAttrs& a) {
   return mok::moe::ForwardKnobs{a.granularity, a.comm_items, a.ring_slots, a.dispatch_push, a.combine_pull,
-                                a.num_sms, a.identity_experts, a.skip_rank, a.leave_out};
+                                a.num_sms, a.identity_experts, a.skip_rank, a.timing_mode};
 }
 
 ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardAttrs attrs,
@@ -186,18 +186,32 @@ MOK_FFI_HANDLER(MokMoeForward, forward_impl,
                     .Ret<ffi::Buffer<ffi::S32>>()    // status
                     .Ret<ffi::Buffer<ffi::U8>>());   // scratch
 
+namespace {
+
+// The shape and knobs that the two sizing entry points below describe (no test modes beyond identity).
+void sizing_problem(int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k,
+                    int32_t local_experts, int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots,
+                    int32_t identity_experts, mok::moe::ForwardShape* shape, mok::moe::ForwardKnobs* knobs) {
+  *shape = mok::moe::ForwardShape{tokens, hidden, inter, identity_experts ? 0 : shared_inter, top_k,
+                                  local_experts, ep};
+  *knobs = mok::moe::ForwardKnobs{};
+  knobs->granularity = granularity;
+  knobs->comm_items = comm_items;
+  knobs->ring_slots = ring_slots;
+  knobs->identity_experts = identity_experts;
+  knobs->skip_rank = -1;
+}
+
+}  // namespace
+
 // Bytes of one rank's scratch output (a multiple of 256), or -1 for an unsupported call.
 extern "C" __attribute__((visibility("default"))) int64_t mok_moe_scratch_bytes(
     int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
     int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, int32_t identity_experts) {
-  const mok::moe::ForwardShape shape{tokens, hidden, inter, identity_experts ? 0 : shared_inter, top_k,
-                                     local_experts, ep};
-  mok::moe::ForwardKnobs knobs{};
-  knobs.granularity = granularity;
-  knobs.comm_items = comm_items;
-  knobs.ring_slots = ring_slots;
-  knobs.identity_experts = identity_experts;
-  knobs.skip_rank = -1;
+  mok::moe::ForwardShape shape;
+  mok::moe::ForwardKnobs knobs;
+  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
+                 identity_experts, &shape, &knobs);
   if (mok::moe::forward_unsupported(shape, knobs)) return -1;
   return int64_t(mok::moe::forward_scratch_layout(shape, knobs).total);
 }
@@ -206,12 +220,10 @@ extern "C" __attribute__((visibility("default"))) int64_t mok_moe_scratch_bytes(
 extern "C" __attribute__((visibility("default"))) int32_t mok_moe_unsupported(
     int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
     int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, char* out, int32_t out_len) {
-  const mok::moe::ForwardShape shape{tokens, hidden, inter, shared_inter, top_k, local_experts, ep};
-  mok::moe::ForwardKnobs knobs{};
-  knobs.granularity = granularity;
-  knobs.comm_items = comm_items;
-  knobs.ring_slots = ring_slots;
-  knobs.skip_rank = -1;
+  mok::moe::ForwardShape shape;
+  mok::moe::ForwardKnobs knobs;
+  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
+                 0, &shape, &knobs);
   const char* why = mok::moe::forward_unsupported(shape, knobs);
   if (out != nullptr && out_len > 0) std::snprintf(out, size_t(out_len), "%s", why ? why : "");
   return why ? 1 : 0;

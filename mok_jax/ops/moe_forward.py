@@ -18,7 +18,7 @@ from mok_jax._native import require_native
 from mok_jax import tuning
 from mok_jax.config import KernelConfig
 
-__all__ = ["LEAVE_OUT", "moe_forward", "scratch_bytes"]
+__all__ = ["TIMING_MODES", "moe_forward", "scratch_bytes"]
 
 _MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks in ffi/include/mok/moe/forward.cuh
 
@@ -50,14 +50,15 @@ def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, to
     return n
 
 
-# Timing variants (mok/moe/forward.cuh, LeaveOut): the stage's row moves are left out of the call.
-LEAVE_OUT = {"dispatch": 1, "send": 2, "reduce": 4}
+# Timing variants (mok/moe/forward.cuh, TimingMode): a stage's row moves left out of the call, or done twice.
+TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
+                "reduce rows twice": 16}
 
 
 def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, gate_up: jax.Array,
                 down: jax.Array, shared_gate_up: jax.Array | None, shared_down: jax.Array | None, *,
                 kernel: KernelConfig | None = None, identity_experts: bool = False, skip_rank: int = -1,
-                num_sms: int = 0, leave_out: int = 0) -> tuple[jax.Array, jax.Array]:
+                num_sms: int = 0, timing_mode: int = 0) -> tuple[jax.Array, jax.Array]:
     """The MoE forward of R ranks: x: bf16[R, T, H]; topk_idx: int32[R, T, k] (global expert ids, -1 =
     masked slot); topk_weight: f32[R, T, k]; gate_up: bf16[R, L, H, 2I]; down: bf16[R, L, I, H] (rank r's
     experts); shared_gate_up: bf16[H, 2Is] and shared_down: bf16[Is, H], or None.
@@ -65,9 +66,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     Returns y: bf16[R, T, H] and status: int32[R, 4] ({error code, op, rank that saw it, peer or token};
     zeros when the call went well). identity_experts (a test mode) replaces every expert by the identity
     and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
-    emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); leave_out (a bench-only timing
-    mode whose outputs are wrong) is a sum of LEAVE_OUT's bits: those stages move no rows, every flag still
-    runs, so that differences of timings say what a stage costs the call. kernel None: the tuned table
+    emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
+    a sum of TIMING_MODES's bits: those stages move no rows (wrong outputs) or move them twice, every flag
+    still runs, so that differences of timings say what a stage costs the call. kernel None: the tuned table
     of the workspace's device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
     """
     from mok_jax.workspace import Workspace
@@ -124,8 +125,8 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     if shared_gate_up.shape != (H, 2 * Is) or shared_down.shape != (Is, H):
         raise ValueError(f"mok_jax.ops.moe_forward: shared weights must be [{H}, 2Is] and [Is, {H}], got "
                          f"{shared_gate_up.shape} and {shared_down.shape}")
-    if not isinstance(leave_out, (int, np.integer)) or not 0 <= leave_out <= sum(LEAVE_OUT.values()):
-        raise ValueError(f"mok_jax.ops.moe_forward: leave_out must be a sum of {LEAVE_OUT}, got {leave_out!r}")
+    if not isinstance(timing_mode, (int, np.integer)) or not 0 <= timing_mode <= sum(TIMING_MODES.values()):
+        raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
     require_native("mok_jax.ops.moe_forward")
     key = tuning.ProblemKey(hidden=H, intermediate=inter, top_k=k, experts_per_rank=L, ep=cfg.ep, tokens=T)
     kernel = tuning.resolve(kernel, key, ws.device_kind)
@@ -140,7 +141,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                  comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),
                  dispatch_push=np.int32(kernel.dispatch == "push"), combine_pull=np.int32(kernel.combine == "pull"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
-                 skip_rank=np.int32(skip_rank), leave_out=np.int32(leave_out))
+                 skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))
     y, status, _ = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True)(
         x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, **attrs)
     return y, status

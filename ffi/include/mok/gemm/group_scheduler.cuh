@@ -77,25 +77,39 @@ __device__ void build_group_table(GroupTable<kMaxGroups>& table, const int32_t* 
   }
 }
 
-// Map flat tile index t (< tile_start[num_groups]) to its group, rows and column block.
-template <int kMaxGroups, int kBlockM, int kGroupM>
-__device__ __forceinline__ TileCoord decode_tile(const GroupTable<kMaxGroups>& table, int num_groups, int tile,
-                                                 int n_blocks) {
-  int lo = 0, hi = num_groups;  // last g in [0, num_groups) with tile_start[g] <= tile
+// The last g in [0, n) with start(g) <= t, for a non-decreasing start() with start(0) <= t: the group a
+// flat tile index belongs to (the grouped FFN's tile_start, the megakernel's m-block prefix).
+template <class Start>
+__device__ __forceinline__ int last_group_at(Start start, int n, int t) {
+  int lo = 0, hi = n;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (table.tile_start[mid] <= tile) lo = mid; else hi = mid;
+    if (start(mid) <= t) lo = mid; else hi = mid;
   }
-  const int g = lo;
-  const int local = tile - table.tile_start[g];
-  const int row0 = table.row_start[g], row_end = table.row_start[g + 1];
-  const int m_blocks = (row_end - row0 + kBlockM - 1) / kBlockM;
+  return lo;
+}
+
+// Tile `local` of a group of `rows` rows with n_blocks column blocks: bands of kGroupM m-blocks, m fastest
+// within a band (the raster of every grouped GEMM of the library).
+template <int kBlockM, int kGroupM>
+__device__ __forceinline__ void band_tile(int local, int rows, int n_blocks, int* m_block, int* n_block) {
+  const int m_blocks = (rows + kBlockM - 1) / kBlockM;
   const int band = local / (kGroupM * n_blocks);
   const int band_m0 = band * kGroupM;
   const int band_rows = min(kGroupM, m_blocks - band_m0);
   const int in_band = local - band * kGroupM * n_blocks;
-  const int m_block = band_m0 + in_band % band_rows;
-  const int n_block = in_band / band_rows;
+  *m_block = band_m0 + in_band % band_rows;
+  *n_block = in_band / band_rows;
+}
+
+// Map flat tile index t (< tile_start[num_groups]) to its group, rows and column block.
+template <int kMaxGroups, int kBlockM, int kGroupM>
+__device__ __forceinline__ TileCoord decode_tile(const GroupTable<kMaxGroups>& table, int num_groups, int tile,
+                                                 int n_blocks) {
+  const int g = last_group_at([&](int i) { return table.tile_start[i]; }, num_groups, tile);
+  const int row0 = table.row_start[g], row_end = table.row_start[g + 1];
+  int m_block, n_block;
+  band_tile<kBlockM, kGroupM>(tile - table.tile_start[g], row_end - row0, n_blocks, &m_block, &n_block);
   return TileCoord{g, row0 + m_block * kBlockM, row_end, n_block};
 }
 

@@ -49,15 +49,19 @@ struct ForwardKnobs {     // speed only: the outputs are bitwise the same for ev
   int32_t num_sms;        // persistent CTAs (0: every SM)
   int32_t identity_experts;  // test mode: every expert is the identity, the shared expert is skipped
   int32_t skip_rank;         // test mode: this emulated rank makes no call (-1: none)
-  int32_t leave_out;         // timing mode (bench only, wrong outputs): kLeaveOut* stages do no row moves
+  int32_t timing_mode;       // bench only: TimingMode bits (leaving rows out makes the outputs wrong)
 };
 
-// Timing variants that leave one stage's row moves out (every flag and counter still runs), so that a bench
-// can take differences: what a stage costs the whole call, beyond what the overlap hides.
-enum LeaveOut : int32_t {
-  kLeaveOutDispatchRows = 1,  // DISPATCH copies no rows into the ring
-  kLeaveOutSendRows = 2,      // SEND writes no partials (ep > 1)
-  kLeaveOutReduceRows = 4,    // REDUCE writes no y rows
+// Timing variants that leave one stage's row moves out or do them twice (every flag and counter still runs),
+// so that a bench can take differences: what a stage costs the whole call beyond what the overlap hides.
+// Leaving rows out also changes what the GEMMs read (stale ring rows, maybe zeros, which run faster), so
+// the "twice" variants, whose outputs stay right, are the sound measure.
+enum TimingMode : int32_t {
+  kTimingNoDispatchRows = 1,     // DISPATCH copies no rows into the ring
+  kTimingNoSendRows = 2,         // SEND writes no partials (ep > 1)
+  kTimingNoReduceRows = 4,       // REDUCE writes no y rows
+  kTimingTwiceDispatchRows = 8,  // DISPATCH copies every row twice (the same bytes to the same place)
+  kTimingTwiceReduceRows = 16,   // REDUCE computes and writes every y row twice
 };
 
 struct ForwardRank {

@@ -41,6 +41,7 @@
 #include "mok/comm/ptx.cuh"
 #include "mok/comm/rows.cuh"
 #include "mok/comm/sync.cuh"
+#include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 #include "mok/moe/forward.cuh"
@@ -191,15 +192,8 @@ __device__ __forceinline__ int32_t local_expert(const Plan& p, int rank, int32_t
   return (le >= 0 && le < p.L) ? le : -1;
 }
 
-// Tile `local` of a group of rows [r0, r1) with nb column blocks, rasterised in bands of kGroupM m-blocks.
-__device__ __forceinline__ void band_tile(int local, int r0, int r1, int nb, int* m_block, int* n_block) {
-  const int m_blocks = (r1 - r0 + kTileM - 1) / kTileM;
-  const int band = local / (kGroupM * nb);
-  const int band_m0 = band * kGroupM;
-  const int band_rows = min(kGroupM, m_blocks - band_m0);
-  const int in_band = local - band * kGroupM * nb;
-  *m_block = band_m0 + in_band % band_rows;
-  *n_block = in_band / band_rows;
+__device__ __forceinline__ void band_tile(int local, int rows, int nb, int* m_block, int* n_block) {
+  gemm::band_tile<kTileM, kGroupM>(local, rows, nb, m_block, n_block);
 }
 
 // ================================================================================ the ticket decoder
@@ -215,7 +209,7 @@ __device__ inline Item shared_tile(const Plan& p, int kind, int local) {
   it.kind = kind;
   const int nb = kind == kSharedGu ? p.nb_shared_gu : p.nb_shared_dn;
   int mblk, nblk;
-  band_tile(local, 0, p.T, nb, &mblk, &nblk);
+  band_tile(local, p.T, nb, &mblk, &nblk);
   it.group = 0, it.row0 = mblk * kTileM, it.row_end = p.T, it.n_block = nblk, it.mblock = mblk;
   return it;
 }
@@ -224,14 +218,9 @@ __device__ inline Item shared_tile(const Plan& p, int kind, int local) {
 __device__ inline Item routed_tile(const Plan& p, const int32_t* sync, int kind, int m, int local) {
   const Tables tb = tables(p, sync, m);
   const int nb = kind == kGu ? p.nb_gu : p.nb_dn;
-  int lo = 0, hi = p.L;  // last expert e with mblock[e] * nb <= local
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (tb.mblock[mid] * nb <= local) lo = mid; else hi = mid;
-  }
-  const int e = lo;
+  const int e = gemm::last_group_at([&](int g) { return tb.mblock[g] * nb; }, p.L, local);
   int mblk, nblk;
-  band_tile(local - tb.mblock[e] * nb, tb.row_start[e], tb.row_start[e + 1], nb, &mblk, &nblk);
+  band_tile(local - tb.mblock[e] * nb, tb.row_start[e + 1] - tb.row_start[e], nb, &mblk, &nblk);
   const int slot_row0 = (m % p.S) * p.slot_rows;
   Item it{};
   it.kind = kind, it.mb = m, it.group = e;
@@ -595,7 +584,7 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
   const int t_lo = stage_share(p, it, ep, &q0, &q1);
   int4* slot = ring_slot(p, R, it.mb);
   const int32_t* row_table = R.sync + p.o_row;
-  if (p.leave_out & kLeaveOutDispatchRows) q1 = q0;  // timing mode
+  if (p.timing_mode & kTimingNoDispatchRows) q1 = q0;  // timing mode
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / ep;
     const int s = int(q % ep);  // sources interleaved: NVLink and local reads proceed together
@@ -605,7 +594,8 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
     const int4* src = s == v.rank ? R.x + t * nvec
                       : P.dispatch_push ? v.local<const int4>(v.layout.stage) + stage_row(v, s, t) * nvec
                                         : v.peer<const int4>(s, v.layout.stage) + stage_row(v, s, t) * nvec;
-    comm::warp_copy_row<kCopyUnroll>(src, nvec, row >= 0 ? slot + size_t(row) * nvec : nullptr, lanes, lane);
+    for (int rep = (p.timing_mode & kTimingTwiceDispatchRows) ? 2 : 1; rep > 0; --rep)
+      comm::warp_copy_row<kCopyUnroll>(src, nvec, row >= 0 ? slot + size_t(row) * nvec : nullptr, lanes, lane);
   }
   gemm::fence_proxy_async_global();  // the GU tiles read these rows with TMA
 }
@@ -619,7 +609,7 @@ __device__ inline void run_send(const Params& P, const RankParams& R, const Item
   int64_t q0, q1;
   const int t_lo = stage_share(p, it, ep - 1, &q0, &q1);
   const int4* slot = ring_slot(p, R, it.mb);
-  if (p.leave_out & kLeaveOutSendRows) q1 = q0;  // timing mode
+  if (p.timing_mode & kTimingNoSendRows) q1 = q0;  // timing mode
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / (ep - 1);
     const int so = int(q % (ep - 1));
@@ -703,7 +693,7 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
   int64_t b, e;
   const int t_lo = stage_share(p, it, 1, &b, &e);
   const int4* rows = ring_slot(p, R, it.mb);
-  if (p.leave_out & kLeaveOutReduceRows) e = b;  // timing mode
+  if (p.timing_mode & kTimingNoReduceRows) e = b;  // timing mode
   for (int64_t t = t_lo + b + warp; t < t_lo + e; t += kWorkerWarps) {
     int4* dst = R.y + t * nvec;
     if (it.skip) {
@@ -744,7 +734,8 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
       prev = o;
     }
     const float* shared_row = p.Is > 0 ? R.shared_out + t * p.H : nullptr;
-    reduce_row(rows, my_row, my_w, own, my_src, num_src, own_pos, shared_row, nvec, dst, lane);
+    for (int rep = (p.timing_mode & kTimingTwiceReduceRows) ? 2 : 1; rep > 0; --rep)
+      reduce_row(rows, my_row, my_w, own, my_src, num_src, own_pos, shared_row, nvec, dst, lane);
   }
 }
 

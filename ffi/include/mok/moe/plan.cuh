@@ -59,7 +59,7 @@ struct Plan {
   int32_t max_segments;
   int32_t g;                        // compute lag behind dispatch (0 or 1)
   int32_t identity;                 // test mode: no GEMMs
-  int32_t leave_out;                // timing mode: LeaveOut bits
+  int32_t timing_mode;                // timing mode: TimingMode bits
   // ticket bounds of the static prefix
   int32_t t_count, t_scan, t_place, t_disp0, t_sgu, t_sdn, t_dynamic;
   // word offsets in the sync region (int32 words)
@@ -85,7 +85,7 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
   p.chunks_per_mb = p.G / comm::kChunkTokens;
   p.D = kn.comm_items;
   p.identity = kn.identity_experts;
-  p.leave_out = kn.leave_out;
+  p.timing_mode = kn.timing_mode;
   p.n_post = s.ep > 1 ? p.D : 0;
   p.n_count = cdiv(int64_t(s.ep) * p.nchunks, kChunksPerCountItem);
   p.n_place = p.n_count;
