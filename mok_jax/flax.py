@@ -3,10 +3,22 @@
 The module holds the router, the routed experts (partitioned over ``ep`` on the expert dimension)
 and the shared expert (replicated), routes in ordinary JAX, and calls ``mok_jax.moe`` through
 ``expert_parallel_moe`` when given a mesh, or on one device otherwise.
+
+Dtypes: parameters are stored in ``param_dtype`` (f32 master weights by default); each call casts the
+expert weights and x to ``dtype`` (the compute dtype, bf16 by default) and routes in f32 (f32 logits
+from f32 x and router weights, f32 topk_weight). The output is in ``dtype``.
+
+Workspace (``implementation="mok"`` only): the megakernel's symmetric workspace is set up outside jit,
+at construction when ``max_tokens`` is given, else by ``setup_workspace(max_tokens)`` or by the first
+call made outside jit. A jitted call of a layer without one (or with one too small for the call) raises
+a ValueError saying so; it never allocates device memory while tracing. ``implementation="xla"`` never
+needs or creates a workspace.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 from typing import Any
 
@@ -50,6 +62,9 @@ class MoELayer(nnx.Module):
     mesh / ep_axis: run expert-parallel over ``ep_axis`` of ``mesh`` (tokens sharded over every mesh
         axis unless ``token_axes`` says otherwise); without a mesh every expert is local.
     implementation: "xla" (pure JAX) or "mok" (the CUDA megakernel).
+    kernel: the megakernel's KernelConfig (None: tuned table or heuristic); ignored by "xla".
+    max_tokens: "mok" only: the most tokens one call takes (x's leading dimensions flattened, over the
+        whole mesh); given, the workspace is set up here, at construction (module docstring).
     dtype: compute dtype of x and the expert weights (bf16 or f32); param_dtype: storage dtype.
     use_selection_bias: add a RouterBias (auxiliary-loss-free balancing) to expert selection.
     """
@@ -63,6 +78,7 @@ class MoELayer(nnx.Module):
         token_axes: tuple[str, ...] | None = None,
         implementation: str = "xla",
         kernel: KernelConfig | None = None,
+        max_tokens: int | None = None,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
         use_selection_bias: bool = False,
@@ -90,6 +106,58 @@ class MoELayer(nnx.Module):
         else:
             self.shared_gate_up = self.shared_down = None
         self.selection_bias = RouterBias(jnp.zeros((E,), jnp.float32)) if use_selection_bias else None
+        if max_tokens is not None:
+            self.setup_workspace(max_tokens)
+
+    def _per_rank(self, num_tokens: int) -> int:
+        """Tokens per rank of a call of ``num_tokens`` tokens (what a workspace is sized by)."""
+        shards = 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.token_axes)
+        return -(-num_tokens // shards)
+
+    def _workspace_holds(self, num_tokens: int) -> bool:
+        ws = self.config.workspace
+        return ws is not None and not ws.closed and ws.config.max_tokens >= self._per_rank(num_tokens)
+
+    def setup_workspace(self, max_tokens: int) -> None:
+        """Set up (outside jit) the megakernel's workspace for calls of up to ``max_tokens`` tokens (x's
+        leading dimensions flattened). A no-op for implementation="xla", and when the workspace it has
+        already holds that many. Raises NativeLibraryUnavailable where the kernels cannot run."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if self.config.implementation != "mok" or self._workspace_holds(max_tokens):
+            return
+        from mok_jax import workspace
+        from mok_jax._native import require_native
+
+        require_native("MoELayer(implementation='mok')")
+        s = self.shape
+        size = dict(max_tokens=self._per_rank(max_tokens), hidden_size=s.hidden_size, top_k=s.top_k, num_experts=s.num_experts)
+        if self.mesh is None:
+            ws = workspace.local_workspace(**size)
+        else:
+            ws = workspace.moe_workspace(self.mesh, self.ep_axis, **size)
+        self.config = dataclasses.replace(self.config, workspace=ws)
+
+    def _require_workspace(self, x: jax.Array, num_tokens: int) -> None:
+        """implementation="mok": make sure the workspace holds ``num_tokens``; set it up if outside jit."""
+        if self.config.implementation != "mok" or self._workspace_holds(num_tokens):
+            return
+        tracing = any(isinstance(a, jax.core.Tracer) for a in (x, self.gate_up[...]))
+        if not tracing:
+            self.setup_workspace(num_tokens)
+            return
+        ws = self.config.workspace
+        if ws is None:
+            why = "has no workspace"
+        elif ws.closed:
+            why = f"has a closed workspace ({ws!r})"
+        else:
+            why = (f"has a workspace for {ws.config.max_tokens} tokens per rank; this call of {num_tokens} "
+                   f"tokens needs {self._per_rank(num_tokens)}")
+        raise ValueError(
+            f"MoELayer(implementation='mok') {why}: the workspace is set up outside jit, never while tracing. "
+            f"Pass max_tokens=<the most tokens a call takes> (here at least {num_tokens}) when constructing the "
+            f"layer, or call layer.setup_workspace({num_tokens}) outside jit before the first jitted call")
 
     def weights(self) -> MoEWeights:
         """The expert weights in the compute dtype."""
@@ -124,6 +192,7 @@ class MoELayer(nnx.Module):
         if x.shape[-1] != self.shape.hidden_size:
             raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
         lead = x.shape[:-1]
+        self._require_workspace(x, math.prod(lead))
         tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         idx, w, probs = self.route(tokens)
         if self.mesh is None:
@@ -138,19 +207,34 @@ class MoELayer(nnx.Module):
 
 
 class LinenMoELayer(linen.Module):
-    """Linen wrapper of ``MoELayer`` (same arguments; parameters live in the 'params' collection)."""
+    """Linen wrapper of ``MoELayer``: the same arguments (every one of ``MoELayer.__init__`` but ``rngs``,
+    forwarded as is) and the same call. Parameters live in the 'params' collection, the RouterBias
+    (``use_selection_bias``) in its own collection, under the submodule 'moe'.
+
+    implementation="mok": the inner MoELayer is built again at every ``init``/``apply`` (Linen keeps no
+    module objects), so pass ``max_tokens``: each build then finds the workspace that the first one set
+    up (cached per mesh and shape); call ``init`` outside jit so that this first one is not under jit.
+    """
 
     shape: ModelShape
     mesh: Mesh | None = None
     ep_axis: str = "ep"
+    token_axes: tuple[str, ...] | None = None
     implementation: str = "xla"
+    kernel: KernelConfig | None = None
+    max_tokens: int | None = None
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
+    use_selection_bias: bool = False
 
     @linen.compact
-    def __call__(self, x):
-        layer = bridge.to_linen(
-            MoELayer, self.shape, mesh=self.mesh, ep_axis=self.ep_axis, implementation=self.implementation,
-            dtype=self.dtype, param_dtype=self.param_dtype, name="moe",
-        )
-        return layer(x)
+    def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
+        kwargs = {name: getattr(self, name) for name in _linen_forwarded()}
+        layer = bridge.to_linen(MoELayer, self.shape, **kwargs, name="moe")
+        return layer(x, return_aux_loss=return_aux_loss)
+
+
+def _linen_forwarded() -> tuple[str, ...]:
+    """The keyword arguments of MoELayer.__init__ that LinenMoELayer forwards: all but ``rngs``."""
+    params = inspect.signature(MoELayer.__init__).parameters
+    return tuple(n for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n != "rngs")

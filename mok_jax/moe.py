@@ -5,8 +5,27 @@
 ``implementation="xla"`` runs the pure-JAX reference (``mok_jax.reference``); its backward is the
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
 (``mok_jax.ops.moe_forward``); its backward kernel is not built yet, so differentiating it raises a
-clear error (it never falls back to another implementation). An expert id of -1 marks a masked slot:
-it is skipped and its weight ignored.
+clear error (it never falls back to another implementation).
+
+Dtypes (checked at trace time, errors name the argument, the expected and the given dtype):
+
+* ``x``: bf16 or f32; it is the compute dtype (matmul inputs, the SwiGLU activation) and the output's.
+  ``implementation="mok"`` takes bf16 only.
+* expert weights (``MoEWeights``): x's dtype, or f32 when x is bf16: f32 master weights are cast to bf16
+  inside ``moe`` (their gradients come back in f32). A weight narrower than x (bf16 with f32 x) is an error.
+* ``topk_weight``: f32 (bf16 is accepted and widened exactly); the weighted sum over the top-k slots runs
+  in f32 whatever x's dtype, so an f32 router output keeps its precision in the bf16 path.
+* ``topk_idx``: int32 global expert ids.
+
+Routing values. An expert id of -1 marks a masked slot: it is skipped and its weight ignored (even a NaN
+weight), on both implementations. Any other id outside [0, E) is invalid:
+
+* concrete (not traced) ids are checked before tracing: ValueError;
+* under ``jit`` both implementations give NaN rows for the affected tokens (every other row is computed
+  as usual, never silently dropped), and report the first bad id through ``jax.experimental.checkify``
+  (a ``checkify.debug_check``: free unless the caller checkifies, e.g.
+  ``err, y = checkify.checkify(jax.jit(f), errors=checkify.user_checks)(...); err.throw()``). The
+  megakernel also records it for ``Workspace.check()`` (``InvalidRoutingError``).
 """
 
 from __future__ import annotations
@@ -17,6 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from mok_jax import reference
 from mok_jax._native import require_native
@@ -48,10 +68,31 @@ def _ep_size(config: MoEConfig) -> int:
         ) from e
 
 
+def _invalid_ids(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+    """bool[T, k]: ids that are neither an expert in [0, num_experts) nor -1 (a masked slot)."""
+    return (topk_idx < -1) | (topk_idx >= num_experts)
+
+
 def _forward_xla(x, topk_idx, topk_weight, weights, config: MoEConfig):
     if config.ep_axis is None:
-        return reference.moe(x, topk_idx, topk_weight, weights)
-    return reference.ep_moe(x, topk_idx, topk_weight, weights, axis_name=config.ep_axis)
+        y = reference.moe(x, topk_idx, topk_weight, weights)
+    else:
+        y = reference.ep_moe(x, topk_idx, topk_weight, weights, axis_name=config.ep_axis)
+    # The reference sends an invalid id's slot nowhere (ids are global; dispatch skips them); the layer
+    # makes that visible as the megakernel does: NaN rows for the tokens concerned, and only for them.
+    bad_token = jnp.any(_invalid_ids(topk_idx, weights.num_local_experts * _ep_size(config)), axis=1)
+    return jnp.where(bad_token[:, None], jnp.nan, y)
+
+
+def _report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
+    """A checkify-able report of the first invalid id (row-major), a no-op unless the caller checkifies.
+    The row is an index into this call's tokens: inside shard_map the rank's own (checkify names the shard)."""
+    bad = _invalid_ids(topk_idx, num_experts)
+    first = jnp.argmax(bad.reshape(-1))
+    k = topk_idx.shape[1]
+    checkify.debug_check(
+        ~jnp.any(bad), "mok_jax.moe: topk_idx[{}, {}] = {} is neither an expert id in [0, " + str(num_experts)
+        + ") nor -1 (masked); that token's output row is NaN", first // k, first % k, topk_idx.reshape(-1)[first])
 
 
 def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig):
@@ -120,9 +161,10 @@ def moe(
 ) -> jax.Array:
     """The MoE layer on one rank's tokens.
 
-    x: bf16|f32[T, H]; topk_idx: int32[T, k] (global expert ids); topk_weight: f32[T, k];
-    weights: MoEWeights (routed weights are this rank's local experts when ``config.ep_axis`` is set).
-    Returns [T, H] in x.dtype. Differentiable w.r.t. x, topk_weight and every weight.
+    x: bf16|f32[T, H]; topk_idx: int32[T, k] (global expert ids; -1 = masked slot); topk_weight: f32[T, k]
+    (bf16 accepted); weights: MoEWeights in x's dtype, or f32 with bf16 x (routed weights are this rank's
+    local experts when ``config.ep_axis`` is set). Returns [T, H] in x.dtype; NaN rows for tokens with an
+    invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
@@ -130,11 +172,16 @@ def moe(
     topk_idx = jnp.asarray(topk_idx)
     ep = _ep_size(config)
     check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=ep)
-    check_routing_values(topk_idx, weights.num_local_experts * ep)
+    num_experts = weights.num_local_experts * ep
+    check_routing_values(topk_idx, num_experts)
     if config.implementation == "mok":
         require_native("implementation='mok'")
-        if x.dtype != jnp.bfloat16:  # check_moe_args holds every weight to x's dtype
-            raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast x and the weights, or use "
+        if x.dtype != jnp.bfloat16:
+            raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast x, or use "
                             f"implementation='xla')")
-    # Weights are cast (not checked) so that an f32 router weight works in the bf16 path.
+    if isinstance(topk_idx, jax.core.Tracer):  # concrete ids were checked above
+        _report_invalid_ids(topk_idx, num_experts)
+    # Casts outside the custom_vjp, so that autodiff hands f32 master weights f32 gradients and a bf16
+    # topk_weight a bf16 one; no-ops when the dtypes already match.
+    weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)
     return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, config)

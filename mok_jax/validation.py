@@ -1,4 +1,13 @@
-"""Trace-time checks of the layer's arguments. Every error names the argument and what is supported."""
+"""Trace-time checks of the layer's arguments. Every error names the argument, what was expected and
+what it got.
+
+The dtype rule of ``mok_jax.moe`` (its docstring says why):
+
+* x: bfloat16 or float32; it sets the compute and output dtype.
+* every expert weight: x's dtype, or float32 when x is bfloat16 (float32 master weights, cast to
+  bfloat16 inside ``moe``); never narrower than x.
+* topk_weight: float32 (bfloat16 is accepted and widened exactly: the weighted sum runs in float32).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +24,14 @@ _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 def _is_float(dtype) -> bool:
     return any(dtype == d for d in _FLOAT_DTYPES)
+
+
+def _check_weight_dtype(name: str, w, x_dtype) -> None:
+    if w.dtype == x_dtype or (x_dtype == jnp.bfloat16 and w.dtype == jnp.float32):
+        return
+    allowed = "bfloat16 (x's dtype) or float32 (master weights, cast to bfloat16)" if x_dtype == jnp.bfloat16 \
+        else f"{jnp.dtype(x_dtype).name} (x's dtype)"
+    raise TypeError(f"{name} must be {allowed}, got {w.dtype}")
 
 
 def check_moe_args(x, topk_idx, topk_weight, weights, *, num_ep_ranks: int = 1) -> None:
@@ -34,18 +51,20 @@ def check_moe_args(x, topk_idx, topk_weight, weights, *, num_ep_ranks: int = 1) 
     if topk_weight.shape != topk_idx.shape:
         raise ValueError(f"topk_weight must have the shape of topk_idx {topk_idx.shape}, got {topk_weight.shape}")
     if not _is_float(topk_weight.dtype):
-        raise TypeError(f"topk_weight must be float32 or bfloat16, got {topk_weight.dtype}")
+        raise TypeError(f"topk_weight must be float32 (bfloat16 is widened to float32), got {topk_weight.dtype}")
 
     gu, dn = weights.gate_up, weights.down
-    if gu.ndim != 3 or gu.shape[1] != hidden or gu.shape[2] % 2:
-        raise ValueError(f"weights.gate_up must be [experts, hidden={hidden}, 2*intermediate], got {gu.shape}")
+    if gu.ndim != 3 or gu.shape[2] % 2:
+        raise ValueError(f"weights.gate_up must be [experts, hidden, 2*intermediate], got {gu.shape}")
+    if gu.shape[1] != hidden:
+        raise ValueError(f"x must be [tokens, hidden={gu.shape[1]}] (the hidden size of weights.gate_up "
+                         f"{gu.shape}), got x of shape {x.shape}: hidden size {hidden}")
     num_local, inter = gu.shape[0], gu.shape[2] // 2
     if dn.shape != (num_local, inter, hidden):
         raise ValueError(f"weights.down must be [experts={num_local}, intermediate={inter}, hidden={hidden}], "
                          f"got {dn.shape}")
     for name, w in (("weights.gate_up", gu), ("weights.down", dn)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+        _check_weight_dtype(name, w, x.dtype)
     if (weights.shared_gate_up is None) != (weights.shared_down is None):
         raise ValueError("weights.shared_gate_up and weights.shared_down must both be given or both be None")
     if weights.shared_gate_up is not None:
@@ -55,8 +74,7 @@ def check_moe_args(x, topk_idx, topk_weight, weights, *, num_ep_ranks: int = 1) 
         if sdn.shape != (sgu.shape[1] // 2, hidden):
             raise ValueError(f"weights.shared_down must be [{sgu.shape[1] // 2}, {hidden}], got {sdn.shape}")
         for name, w in (("weights.shared_gate_up", sgu), ("weights.shared_down", sdn)):
-            if w.dtype != x.dtype:
-                raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+            _check_weight_dtype(name, w, x.dtype)
     num_experts = num_local * num_ep_ranks
     if top_k > num_experts:
         raise ValueError(f"top_k ({top_k}, from topk_idx) must not exceed the number of experts ({num_experts})")
@@ -65,7 +83,8 @@ def check_moe_args(x, topk_idx, topk_weight, weights, *, num_ep_ranks: int = 1) 
 def check_routing_values(topk_idx, num_experts: int) -> None:
     """When ``topk_idx`` holds concrete values (not traced), check that each row names distinct
     experts in [0, num_experts), or -1 (a masked slot, skipped; it may repeat). Traced values cannot be
-    checked at trace time (the megakernel reports bad ids itself)."""
+    checked at trace time: ``mok_jax.moe`` gives their tokens NaN rows and reports them through
+    ``jax.experimental.checkify`` (and the megakernel through ``Workspace.check``)."""
     if isinstance(topk_idx, jax.core.Tracer):
         return
     idx = np.asarray(topk_idx)

@@ -51,6 +51,21 @@ class DispatchLayout(NamedTuple):
     status: jax.Array
 
 
+# vmap of dispatch / combine: "sequential", one complete call (one protocol round) per vmapped element, in
+# order. The ops have side effects on the workspace and talk to the other ranks, so a vmapped call must
+# still be a sequence of whole calls that every rank makes alike: under shard_map every rank runs the same
+# program (the same number of rounds in the same order, as for any other SPMD sequence of calls), and a
+# producer of epoch e first waits for its consumers' acks of epoch e - 1 (ffi/include/mok/comm/workspace.cuh),
+# so back-to-back rounds of one op never mix; a dispatch's layout is an output, so interleaving with combine
+# does not matter either. "expand_dims"/"broadcast_all" are not an option: the handlers take unbatched
+# ranks (x [T, H], ...) and would reject a batch dimension; a batched protocol does not exist.
+# The megakernel (ops/moe_forward.py) declares the same for the same reasons (its flags are epoch stamps,
+# one epoch per call); its per-call scratch output is unused, so jit drops it from the loop's outputs
+# rather than stacking it once per element. (Folding a vmapped batch into the token dimension of one
+# call would be faster, but can pass the workspace's max_tokens; not done.)
+_VMAP_METHOD = "sequential"
+
+
 def _mode(name: str | None, default: str, what: str) -> int:
     name = default if name is None else name
     if name not in MODES:
@@ -139,7 +154,7 @@ def dispatch(ws: Workspace, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.
         jax.ShapeDtypeStruct((4,), jnp.int32),
     )
     recv_x, group_sizes, row_table, row_weight, row_source, status = jax.ffi.ffi_call(
-        "mok_comm_dispatch", out, has_side_effect=True)(
+        "mok_comm_dispatch", out, has_side_effect=True, vmap_method=_VMAP_METHOD)(
             x, topk_idx, topk_weight, **_attrs(ws, m, sms, zero_padding, token_major))
     return recv_x, DispatchLayout(group_sizes, row_table, row_weight, row_source, topk_idx, status)
 
@@ -157,6 +172,6 @@ def combine(ws: Workspace, expert_out: jax.Array, layout: DispatchLayout, *, mod
     require_native("mok_jax.ops.combine")
     tokens = layout.topk_idx.shape[0]
     out = (jax.ShapeDtypeStruct((tokens, ws.config.hidden_size), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32))
-    y, status = jax.ffi.ffi_call("mok_comm_combine", out, has_side_effect=True)(
+    y, status = jax.ffi.ffi_call("mok_comm_combine", out, has_side_effect=True, vmap_method=_VMAP_METHOD)(
         expert_out, layout.row_table, layout.row_weight, layout.topk_idx, **_attrs(ws, m, sms, False))
     return y, status

@@ -79,7 +79,12 @@ def grouped_ffn(
         jax.ShapeDtypeStruct((m, inter), jnp.bfloat16),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    y, h, status = jax.ffi.ffi_call("mok_grouped_ffn", out)(
+    # vmap: "sequential" (a loop of unbatched calls). The op is pure, so one call per vmapped element is
+    # exactly the unbatched semantics; "expand_dims"/"broadcast_all" would hand the handler a rank-3 x,
+    # which it rejects (it takes x [M, H], group sizes of one problem). Folding a batch into one call
+    # (the rows and groups of every element concatenated) is possible only with extra empty groups for each
+    # element's padding rows past sum(group_sizes); not worth it until someone vmaps this for speed.
+    y, h, status = jax.ffi.ffi_call("mok_grouped_ffn", out, vmap_method="sequential")(
         x, group_sizes, gate_up, down, num_sms=np.int32(0 if num_sms is None else num_sms)
     )
     return GroupedFfnOutput(y, h, status)

@@ -142,6 +142,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                  dispatch_push=np.int32(kernel.dispatch == "push"), combine_pull=np.int32(kernel.combine == "pull"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
                  skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))
-    y, status, _ = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True)(
+    y, status, _ = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: see ops/comm.py
+                                    vmap_method="sequential")(
         x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, **attrs)
     return y, status

@@ -24,4 +24,6 @@ def expert_counts(topk_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax
         raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
     require_native("mok_jax.ops.expert_counts")
     out = (jax.ShapeDtypeStruct((num_experts,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    return jax.ffi.ffi_call("mok_expert_counts", out)(topk_idx)
+    # vmap: "sequential" (a loop of unbatched calls): the op is pure and its handler takes topk_idx of rank 2
+    # only, so "expand_dims"/"broadcast_all" (a batch dimension handed to the handler) would be rejected.
+    return jax.ffi.ffi_call("mok_expert_counts", out, vmap_method="sequential")(topk_idx)
