@@ -26,6 +26,39 @@ defaults); a call's own ``mode=`` / ``num_sms=`` wins. The megakernel takes its 
 Calls on one workspace must happen in the same order on every rank (SPMD programs do this); a rank
 that skips a call makes its peers time out after ``timeout_s``: the op's status output says so, the
 workspace becomes poisoned, :meth:`Workspace.check` raises, and the next call's handler fails.
+
+Ids. Each custom call carries its workspace's id (``Workspace.id``) as an int64 attribute, and its handler
+finds the device regions by that id in the native registry (``ffi/include/mok/comm/registry.h``). An id is
+a random tag of this process (drawn from ``os.urandom`` at import, redrawn in a forked child) in the high
+bits and a counter in the low bits: a positive int64, never reused in the process, different in every other
+process and run (a workspace that spans processes takes process 0's id, so that its processes agree). A
+persistent compilation cache is keyed by the program text, ids included, so a new process misses it and
+compiles its own program rather than replaying another process's; a compiled program that reaches another
+process all the same (a serialized executable, ``jax.export``, a cache shared by hand) names an id that
+process does not hold, and its handler fails with an error saying so rather than binding to an unrelated
+workspace: create the workspace in that process and trace the call there.
+
+Memory. The regions are plain ``cudaMalloc`` allocations outside XLA's pool (they are exported to peer
+processes through CUDA IPC and must outlive any XLA buffer), so they come out of what XLA leaves free. With
+JAX's default preallocation (75% of each GPU at startup) that is a quarter of the GPU, more than a
+workspace needs on a data-centre GPU (2 * ep * max_tokens * hidden_size * 2 bytes per rank: 0.9 GiB at
+ep=8, 4096 tokens, hidden 7168). Where it does not fit, :meth:`Workspace.create` raises
+:class:`WorkspaceMemoryError` naming the bytes it needed, the device's free memory and the remedy: set
+``XLA_CLIENT_MEM_FRACTION`` (older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``) lower or
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX starts, or ask for a smaller workspace.
+
+Lifetime. A workspace holds its memory until :meth:`Workspace.close` (or the end of its ``with`` block);
+nothing frees it behind the caller's back, because compiled programs name it by id only (no reference
+keeps the Python object alive while they run) and closing is collective across processes. ``close``
+waits for the work already dispatched to its devices, frees the regions and removes the id from the
+native registry: a program still compiled against it then fails with an error saying the workspace was
+closed (retrace, e.g. after ``jax.clear_caches()``). The workspaces the layer sets up for itself
+(:func:`moe_workspace`, :func:`local_workspace`, :func:`emulated_workspace`) are cached per (devices,
+shape); :func:`cached_workspaces` lists them and :func:`close_cached_workspaces` closes them all when the
+layer is no longer needed (the next call creates new ones). At process exit nothing is freed from Python:
+no exit hook calls CUDA after JAX may have torn its backends down or runs a cross-process barrier that
+could hang; the CUDA driver reclaims the memory and IPC mappings with the process, and the native registry
+is never destroyed, so an XLA thread still running a handler then finds valid state.
 """
 
 from __future__ import annotations
@@ -33,7 +66,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
+import os
 import threading
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +77,8 @@ import numpy as np
 from mok_jax import _native
 from mok_jax.config import KernelConfig, _require
 
-__all__ = ["CommConfig", "CommError", "CommTimeoutError", "InvalidRoutingError", "Workspace", "emulated_workspace",
-           "local_workspace", "moe_workspace"]
+__all__ = ["CommConfig", "CommError", "CommTimeoutError", "InvalidRoutingError", "Workspace", "WorkspaceMemoryError",
+           "cached_workspaces", "close_cached_workspaces", "emulated_workspace", "local_workspace", "moe_workspace"]
 
 MODES: dict[str, int] = {"pull": 0, "push": 1}
 
@@ -61,6 +96,10 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError):
     """A rank waited longer than ``timeout_s`` for a peer (a peer skipped a call, or hung)."""
+
+
+class WorkspaceMemoryError(CommError, MemoryError):
+    """The GPU had too little free memory for a workspace (the message names the bytes and the remedy)."""
 
 
 class InvalidRoutingError(CommError, ValueError):
@@ -168,6 +207,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_comm_error_word.restype = u64
         lib.mok_comm_describe_error.argtypes = [u64, p, i32]
         lib.mok_comm_describe_error.restype = i32
+        lib.mok_comm_lookup_error.argtypes = [i64, i32, p, i32]
+        lib.mok_comm_lookup_error.restype = i32
         lib.mok_comm_read_state.argtypes = [i64, i32, p]
         lib.mok_comm_read_state.restype = i32
         lib.mok_comm_alloc_emulated.argtypes = [i64, i32, i32, i32, i32, i32, i32, ctypes.c_double, p, i32]
@@ -209,6 +250,15 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _host_lib() -> ctypes.CDLL:
+    """The native library for the calls that touch no GPU (messages, the registry's bookkeeping)."""
+    lib = _native.library()
+    if lib is None:
+        _native.require_native("mok_jax.workspace")  # raises, naming why the library is missing
+    _declare(lib)
+    return lib
+
+
 def describe_error(word: int) -> str:
     """The message of a packed error word (the op, the rank that detected it, the awaited peer)."""
     lib = _lib()
@@ -217,7 +267,97 @@ def describe_error(word: int) -> str:
     return buf.value.decode()
 
 
-_ids = itertools.count(1)
+def lookup_error(ws_id: int, device_ordinal: int) -> str:
+    """What a handler would say about ``ws_id`` on CUDA device ``device_ordinal``: "" when this process holds a
+    connected workspace there, else the handler's error (an unknown or closed id). No CUDA call."""
+    lib = _host_lib()
+    buf = ctypes.create_string_buffer(2048)
+    lib.mok_comm_lookup_error(int(ws_id), int(device_ordinal), buf, len(buf))
+    return buf.value.decode()
+
+
+# Return codes of mok_comm_alloc / mok_comm_alloc_emulated (ffi/src/workspace.cu: kAlloc*).
+_ALLOC_OUT_OF_MEMORY = 2
+
+# The environment variables that decide how much GPU memory XLA takes at startup, in the order the
+# remedy names them (jaxlib's xla_client reads them; XLA_PYTHON_CLIENT_MEM_FRACTION is the older name).
+_XLA_MEMORY_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                   "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def _out_of_memory_message(where: str, needed_bytes: int, detail: str, env: Mapping[str, str] | None = None) -> str:
+    """The message of a :class:`WorkspaceMemoryError`: what was needed, what CUDA said, why, and what to set."""
+    env = os.environ if env is None else env
+    settings = ", ".join(f"{k}={env[k]}" if env.get(k) else f"{k} unset" for k in _XLA_MEMORY_ENV)
+    return (f"{where}: the workspace needs {needed_bytes} bytes ({needed_bytes / 2**20:.1f} MiB) of GPU memory, "
+            f"which CUDA could not give: {detail}. The workspace is allocated with cudaMalloc, outside XLA's memory "
+            f"pool, from the memory XLA leaves free, and by default JAX preallocates 75% of each GPU when it "
+            f"starts. Leave room for it: before JAX starts (the first jax call in the process), set "
+            f"XLA_CLIENT_MEM_FRACTION (older name XLA_PYTHON_CLIENT_MEM_FRACTION) lower, e.g. 0.6, or "
+            f"XLA_PYTHON_CLIENT_PREALLOCATE=false; or ask for a smaller workspace (max_tokens, hidden_size). "
+            f"This process: {settings}")
+
+
+# --- workspace ids (see the module docstring) -----------------------------------------------------------
+_ID_COUNTER_BITS = 24  # 16.7M workspaces per process
+_ID_TAG_BITS = 63 - _ID_COUNTER_BITS  # the sign bit stays 0: ids are positive int64
+
+
+def _draw_tag() -> int:
+    """A random tag in [1, 2^39): two processes share one with probability 2^-39."""
+    return 1 + int.from_bytes(os.urandom(8), "little") % ((1 << _ID_TAG_BITS) - 1)
+
+
+_id_lock = threading.Lock()
+_id_tag = _draw_tag()
+_id_counter = itertools.count(1)
+
+
+def _reseed_ids_after_fork() -> None:
+    global _id_tag, _id_counter, _id_lock
+    _id_lock = threading.Lock()
+    _id_tag, _id_counter = _draw_tag(), itertools.count(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reseed_ids_after_fork)
+
+
+def _new_id() -> int:
+    """A fresh workspace id: this process's tag in the high bits, the next count in the low bits."""
+    with _id_lock:
+        n, tag = next(_id_counter), _id_tag
+    if n >= 1 << _ID_COUNTER_BITS:
+        raise CommError(f"this process has created {(1 << _ID_COUNTER_BITS) - 1} workspaces, the most its ids "
+                        f"can tell apart; close and reuse workspaces instead of creating one per call")
+    return (tag << _ID_COUNTER_BITS) | n
+
+
+def _agreed_id(ws_id: int) -> int:
+    """Process 0's ``ws_id``, on every process (collective: a workspace that spans processes must carry one
+    id everywhere, its barriers are named by it). Sent as 8 bytes: without jax_enable_x64 an int64 would be
+    truncated."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(int(ws_id).to_bytes(8, "little"), np.uint8).copy()
+    theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8)
+    return int.from_bytes(theirs.tobytes(), "little")
+
+
+def _spans_processes(devices) -> bool:
+    """Whether some of ``devices`` belong to another process (then set-up and teardown are collective)."""
+    me = jax.process_index()
+    return any(d.process_index != me for d in devices)
+
+
+def _drain(devices) -> None:
+    """Wait until the work already dispatched to ``devices`` has run: each device runs its programs in
+    dispatch order, so once a trivial program on it is done, every earlier call's handler has looked its
+    workspace up and launched. Best effort (teardown): a device in an error state does not stop a close."""
+    try:
+        jax.block_until_ready([jax.device_put(np.zeros((), np.int32), d) + 1 for d in devices])
+    except Exception:  # noqa: BLE001 - the error belongs to the failed program, which reported it already
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,8 +403,9 @@ class Workspace:
     def create(cls, mesh: jax.sharding.Mesh, axis_name: str = "ep", *, max_tokens: int, hidden_size: int,
                top_k: int, num_experts: int, dtype=jnp.bfloat16, timeout_s: float = 10.0,
                kernel: KernelConfig | None = None, **removed) -> "Workspace":
-        """Allocate and connect the workspace on every local device of the mesh (collective across
-        processes: every process must call it, in the same order as its other workspaces).
+        """Allocate and connect the workspace on every local device of the mesh. When the mesh spans
+        processes it is collective: every process must call it, in the same order as its other workspaces
+        (they agree on process 0's id). Raises :class:`WorkspaceMemoryError` when a GPU lacks the memory.
 
         kernel: the comm ops' default tuning (None: ``KernelConfig()``); see :class:`CommConfig`."""
         kernel = _kernel_arg("Workspace.create", kernel, removed)
@@ -277,40 +418,58 @@ class Workspace:
         for d in groups.flat:
             if d.platform != "gpu":
                 raise ValueError(f"Workspace needs GPU devices; the mesh holds {d.platform} device {d}")
-        ws_id = next(_ids)
         me = jax.process_index()
-        multi = jax.process_count() > 1
+        multi = _spans_processes(groups.flat)
+        ws_id = _agreed_id(_new_id()) if multi else _new_id()
         hbytes = int(lib.mok_comm_ipc_handle_bytes())
         handles = np.zeros((*groups.shape, hbytes), np.uint8)
         present = np.zeros(groups.shape, np.int32)
         local: list[_LocalRank] = []
         err = ctypes.create_string_buffer(1024)
         try:
-            for g, row in enumerate(groups):
-                for r, d in enumerate(row):
-                    if d.process_index != me:
-                        continue
-                    lr = _LocalRank(d, g, r)
-                    out = np.zeros(hbytes, np.uint8)
-                    rc = lib.mok_comm_alloc(ws_id, g, lr.ordinal, r, config.ep, config.max_tokens,
-                                            config.hidden_size, config.top_k, config.num_experts,
-                                            config.timeout_s, int(multi), out.ctypes.data, err, len(err))
-                    if rc != 0:
-                        raise CommError(f"Workspace.create: rank {r} of group {g} on {d}: {err.value.decode()}")
-                    local.append(lr)
-                    handles[g, r] = out
-                    present[g, r] = 1
+            failure: CommError | None = None
+            try:
+                for g, row in enumerate(groups):
+                    for r, d in enumerate(row):
+                        if d.process_index != me:
+                            continue
+                        lr = _LocalRank(d, g, r)
+                        out = np.zeros(hbytes, np.uint8)
+                        rc = lib.mok_comm_alloc(ws_id, g, lr.ordinal, r, config.ep, config.max_tokens,
+                                                config.hidden_size, config.top_k, config.num_experts,
+                                                config.timeout_s, int(multi), out.ctypes.data, err, len(err))
+                        where = f"Workspace.create: rank {r} of group {g} on {d}"
+                        if rc == _ALLOC_OUT_OF_MEMORY:
+                            raise WorkspaceMemoryError(_out_of_memory_message(where, config.workspace_bytes(),
+                                                                              err.value.decode()))
+                        if rc != 0:
+                            raise CommError(f"{where}: {err.value.decode()}")
+                        local.append(lr)
+                        handles[g, r] = out
+                        present[g, r] = 1
+            except CommError as e:
+                failure = e
             if multi:
                 from jax.experimental import multihost_utils
 
-                all_handles, all_present = multihost_utils.process_allgather((handles, present))
-                all_present = np.asarray(all_present)
-                all_handles = np.asarray(all_handles)
-                owner = np.argmax(all_present, axis=0)  # [G, ep]: the process that holds each rank
-                if not np.all(all_present.sum(axis=0) == 1):
-                    raise CommError("Workspace.create: every EP rank must be held by exactly one process")
-                g_idx, r_idx = np.indices(groups.shape)
-                handles = np.ascontiguousarray(all_handles[owner, g_idx, r_idx])
+                # Every process joins the exchange, also one whose allocation failed: its peers then raise
+                # instead of waiting for it forever.
+                all_handles, all_present, all_failed = multihost_utils.process_allgather(
+                    (handles, present, np.int32(failure is not None)))
+                failed = [int(i) for i in np.flatnonzero(np.asarray(all_failed))]
+                if failure is None and failed:
+                    failure = CommError(f"Workspace.create: process(es) {failed} could not allocate their EP ranks "
+                                        f"(their own error says why); no rank was connected")
+                if failure is None:
+                    all_present = np.asarray(all_present)
+                    all_handles = np.asarray(all_handles)
+                    owner = np.argmax(all_present, axis=0)  # [G, ep]: the process that holds each rank
+                    if not np.all(all_present.sum(axis=0) == 1):
+                        raise CommError("Workspace.create: every EP rank must be held by exactly one process")
+                    g_idx, r_idx = np.indices(groups.shape)
+                    handles = np.ascontiguousarray(all_handles[owner, g_idx, r_idx])
+            if failure is not None:
+                raise failure
             for lr in local:
                 table = np.ascontiguousarray(handles[lr.group])
                 rc = lib.mok_comm_connect(ws_id, lr.ordinal, table.ctypes.data, err, len(err))
@@ -332,7 +491,7 @@ class Workspace:
                         num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
                         **removed) -> "Workspace":
         """All ``ep`` ranks of one EP group on one GPU, each with its own region, connected to each other:
-        the one-GPU emulation of DESIGN.md ("Testing any EP size on one GPU"). Only the megakernel runs on
+        the one-GPU emulation (docs/design.md, "EP on one GPU (emulation)"). Only the megakernel runs on
         it (``mok_jax.emulation``); the standalone comm ops need one rank per device, so ``kernel`` (kept
         in :class:`CommConfig` like :meth:`create`'s) sets nothing that runs here."""
         kernel = _kernel_arg("Workspace.create_emulated", kernel, removed)
@@ -341,26 +500,43 @@ class Workspace:
         if device.platform != "gpu":
             raise ValueError(f"Workspace.create_emulated needs a GPU device, got {device}")
         lib = _lib()
-        ws_id = next(_ids)
+        ws_id = _new_id()
         err = ctypes.create_string_buffer(1024)
         ordinal = int(device.local_hardware_id)
-        if lib.mok_comm_alloc_emulated(ws_id, ordinal, ep, max_tokens, hidden_size, top_k, num_experts,
-                                       config.timeout_s, err, len(err)) != 0:
+        rc = lib.mok_comm_alloc_emulated(ws_id, ordinal, ep, max_tokens, hidden_size, top_k, num_experts,
+                                         config.timeout_s, err, len(err))
+        if rc != 0:
             lib.mok_comm_release_peers(ws_id)
             lib.mok_comm_free(ws_id)
-            raise CommError(f"Workspace.create_emulated on {device}: {err.value.decode()}")
+            where = f"Workspace.create_emulated on {device}"
+            if rc == _ALLOC_OUT_OF_MEMORY:  # all ep regions live on this one device
+                raise WorkspaceMemoryError(_out_of_memory_message(where, ep * config.workspace_bytes(),
+                                                                  err.value.decode()))
+            raise CommError(f"{where}: {err.value.decode()}")
         return cls(ws_id=ws_id, config=config, mesh=None, axis_name=None,
                    local=[_LocalRank(device, 0, r) for r in range(ep)], emulated=True)
 
     def close(self) -> None:
-        """Free every device allocation (waits for the local devices first). Idempotent. Collective
-        across processes, like :meth:`create`."""
+        """Free every device allocation and remove the id from the native registry; a program still
+        compiled against this workspace then fails with an error saying it was closed. Waits first for the
+        work already dispatched to the local devices. Idempotent; drops the workspace from the layer's
+        cache. Collective across processes when the mesh spans processes, like :meth:`create`.
+
+        The handlers may be recorded into XLA command buffers (CUDA graphs), whose replays skip the
+        handler's host-side lookup: so close() first clears JAX's caches of compiled programs
+        (``jax.clear_caches()``), and a jitted function that used the workspace retraces and meets the
+        "closed" error instead of replaying kernels into freed memory. A compiled executable that the
+        caller holds itself (``jax.jit(f).lower(...).compile()``) is not in those caches: do not run it
+        after closing its workspace."""
         if self._closed:
             return
         self._closed = True
+        _forget(self)
         lib = _lib()
+        _drain({lr.device for lr in self._local})
+        jax.clear_caches()
         lib.mok_comm_release_peers(self.id)
-        if jax.process_count() > 1:
+        if self.spans_processes:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"mok_comm_workspace_{self.id}_released")
@@ -377,13 +553,19 @@ class Workspace:
         return self._closed
 
     @property
+    def spans_processes(self) -> bool:
+        """Whether the workspace's mesh holds devices of other processes (its create and close are collective)."""
+        return self.mesh is not None and _spans_processes(np.asarray(self.mesh.devices).flat)
+
+    @property
     def device_kind(self) -> str | None:
         """The device kind of this process's ranks (what tuned tables are keyed by), None if it holds none."""
         return self._local[0].device.device_kind if self._local else None
 
     def require_open(self, what: str) -> None:
         if self._closed:
-            raise CommError(f"{what}: workspace {self.id} is closed")
+            raise CommError(f"{what}: workspace {self.id} is closed; create a new one (moe_workspace, "
+                            f"Workspace.create) and pass that")
 
     # --- health -----------------------------------------------------------------------------------
     def error_words(self) -> dict[int, int]:
@@ -441,18 +623,50 @@ class Workspace:
 # --- workspaces the layer sets up for itself, once per (devices, shape) --------------------------------
 
 _cache: dict[tuple, Workspace] = {}
-_cache_lock = threading.Lock()
+_superseded: list[Workspace] = []  # replaced in _cache by a larger one, still open: compiled programs may name them
+_cache_lock = threading.RLock()  # Workspace.close (which takes it) may run while a caller holds it
 
 
 def _cached(key: tuple, max_tokens: int, make) -> Workspace:
     """The cached workspace of ``key`` that holds at least ``max_tokens`` tokens per rank, else a new one
-    (an older, smaller one stays alive: compiled programs may still name it)."""
+    (an older, smaller one stays open, listed in :func:`cached_workspaces`: compiled programs may still name
+    it)."""
     with _cache_lock:
         ws = _cache.get(key)
         if ws is None or ws.closed or ws.config.max_tokens < max_tokens:
-            ws = make()
-            _cache[key] = ws
+            new = make()
+            if ws is not None and not ws.closed:
+                _superseded.append(ws)
+            _cache[key] = ws = new
         return ws
+
+
+def _forget(ws: Workspace) -> None:
+    """Drop ``ws`` from the layer's cache (it is being closed)."""
+    with _cache_lock:
+        for key in [k for k, v in _cache.items() if v is ws]:
+            del _cache[key]
+        _superseded[:] = [w for w in _superseded if w is not ws]
+
+
+def cached_workspaces() -> list[Workspace]:
+    """The open workspaces the layer set up for itself (:func:`moe_workspace`, :func:`local_workspace`,
+    :func:`emulated_workspace`), those still cached and those a larger one replaced, sorted by id."""
+    with _cache_lock:
+        return sorted({id(w): w for w in [*_cache.values(), *_superseded] if not w.closed}.values(),
+                      key=lambda w: w.id)
+
+
+def close_cached_workspaces() -> int:
+    """Close every workspace of :func:`cached_workspaces` (when the layer is no longer needed) and return
+    how many. The next layer call sets up new ones; a program compiled against a closed one fails with an
+    error saying so: call ``jax.clear_caches()`` too if the same jitted functions will run again.
+    Collective across processes when a workspace spans processes: every process calls it (they close in id
+    order, the same on every process for the workspaces they share: those carry process 0's ids)."""
+    victims = cached_workspaces()
+    for ws in victims:
+        ws.close()
+    return len(victims)
 
 
 def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, hidden_size: int, top_k: int,

@@ -10,8 +10,22 @@
 //   3. mok_comm_connect   fills the peer table: a rank of this process is reached through peer access
 //                         (cudaDeviceEnablePeerAccess), a rank of another process through
 //                         cudaIpcOpenMemHandle; the table is copied to the device.
-//   4. mok_comm_release_peers, then (after a barrier between processes) mok_comm_free.
+//   4. mok_comm_release_peers, then (after a barrier between processes) mok_comm_free, which also marks the
+//      id closed for the rest of the process: a later lookup or alloc of it is refused, naming why.
 // NVLink multicast is never used.
+//
+// Workspace ids (registry.h): Python draws them unique across processes and runs, so a compiled program
+// that reaches another process (a serialized executable, jax.export, a compilation cache copied by hand)
+// names an id this registry does not hold, and its handler fails with a message that says so instead of
+// binding to an unrelated workspace.
+//
+// Memory: every region is a plain cudaMalloc, outside XLA's pool, so it comes out of what XLA's
+// preallocation (by default 75% of the GPU) leaves free. A cudaErrorMemoryAllocation anywhere in
+// mok_comm_alloc / mok_comm_alloc_emulated returns kAllocOutOfMemory, the message naming the bytes asked
+// for and the device's free memory; Python adds the remedy (mok_jax/workspace.py).
+//
+// The registry is allocated once and never destroyed: XLA threads may still run a handler while the
+// process exits, after static destructors would have run.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -19,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -48,10 +63,14 @@ struct RankEntry {
 };
 
 // Keyed by (workspace id, CUDA device, EP rank + group * ep): one rank per device, except in an emulated
-// workspace, whose ranks all live on one device (DESIGN.md, "Testing any EP size on one GPU").
+// workspace, whose ranks all live on one device (docs/design.md, "EP on one GPU (emulation)").
 using Key = std::tuple<int64_t, int, int64_t>;
-std::mutex g_mu;
-std::map<Key, std::unique_ptr<RankEntry>> g_entries;
+std::mutex& g_mu = *new std::mutex;                                           // never destroyed (see the top)
+std::map<Key, std::unique_ptr<RankEntry>>& g_entries = *new std::map<Key, std::unique_ptr<RankEntry>>;
+std::set<int64_t>& g_closed = *new std::set<int64_t>;                         // ids freed in this process
+
+// Return codes of mok_comm_alloc / mok_comm_alloc_emulated (mok_jax/workspace.py: _ALLOC_*).
+constexpr int32_t kAllocOk = 0, kAllocFailed = 1, kAllocOutOfMemory = 2;
 
 Key key_of(const RankEntry& e) { return Key{e.ws_id, e.device, int64_t(e.rank) + int64_t(e.group) * e.shape.ep}; }
 
@@ -61,6 +80,29 @@ std::vector<RankEntry*> entries_on(int64_t ws_id, int device) {
   for (auto& kv : g_entries)
     if (std::get<0>(kv.first) == ws_id && std::get<1>(kv.first) == device) out.push_back(kv.second.get());
   return out;
+}
+
+// Why (ws_id, device) has no entry (g_mu held): closed here, held by other devices only, or never created in
+// this process.
+std::string missing_message(int64_t ws_id, int device) {
+  const std::string id = "mok workspace " + std::to_string(ws_id);
+  if (g_closed.count(ws_id))
+    return id + " was closed in this process (Workspace.close or close_cached_workspaces), but a compiled "
+                "program still names it: keep a workspace open while programs that use it run, or retrace "
+                "(jax.clear_caches()) so the call is compiled against a workspace that is open";
+  std::set<int> devices;
+  for (const auto& kv : g_entries)
+    if (std::get<0>(kv.first) == ws_id) devices.insert(std::get<1>(kv.first));
+  if (!devices.empty()) {
+    std::string list;
+    for (int d : devices) list += (list.empty() ? "" : ", ") + std::to_string(d);
+    return id + " has no rank on CUDA device " + std::to_string(device) + " (its ranks in this process are on "
+                "CUDA device(s) " + list + "): the call runs on a device outside the workspace's mesh";
+  }
+  return id + " does not exist in this process. A workspace id is valid only in the process that created it: "
+              "this executable may come from a persistent compilation cache, a serialized executable or another "
+              "process. Create the workspace in this process first (mok_jax.workspace.moe_workspace or "
+              "Workspace.create, outside jit), then trace and compile the call with it";
 }
 
 void set_err(char* buf, int32_t len, const std::string& msg) {
@@ -121,9 +163,7 @@ std::string lookup_views(int64_t ws_id, int device, std::vector<CommView>* views
                          uint64_t* host_call_error) {
   std::lock_guard<std::mutex> lock(g_mu);
   const std::vector<RankEntry*> found = entries_on(ws_id, device);
-  if (found.empty())
-    return "no mok workspace with id " + std::to_string(ws_id) + " on CUDA device " + std::to_string(device) +
-           " (closed, or created on other devices)";
+  if (found.empty()) return missing_message(ws_id, device);
   views->clear();
   *host_error = 0;
   if (host_call_error) *host_call_error = 0;
@@ -206,14 +246,30 @@ MOK_EXPORT int32_t mok_comm_ipc_handle_bytes() { return int32_t(sizeof(cudaIpcMe
 
 namespace {
 
+// " (CUDA device d has F of T MiB free)", or "" when the driver cannot say.
+std::string free_memory_note(int device) {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return " (CUDA device " + std::to_string(device) + " has " + std::to_string(free_b >> 20) + " of " +
+         std::to_string(total_b >> 20) + " MiB free)";
+}
+
 // Allocates one rank's region, error words and peer table on `device`, preloads every kernel that spins
-// on a peer, and (want_ipc) exports an IPC handle of the region. Returns "" or why not.
+// on a peer, and (want_ipc) exports an IPC handle of the region. Returns "" or why not; *out_of_memory
+// tells whether a CUDA call failed for want of device memory.
 std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t rank, const CommShape& shape,
-                       double timeout_s, bool want_ipc, uint8_t* ipc_handle_out, bool shared_device) {
+                       double timeout_s, bool want_ipc, uint8_t* ipc_handle_out, bool shared_device,
+                       bool* out_of_memory) {
+  *out_of_memory = false;
   if (std::string why = validate_shape(shape, rank); !why.empty()) return why;
   if (!(timeout_s > 0.0)) return "timeout_s must be > 0";
   {
     std::lock_guard<std::mutex> lock(g_mu);
+    if (g_closed.count(ws_id))
+      return "workspace id " + std::to_string(ws_id) + " was closed in this process; ids are never reused";
     if (!shared_device && !entries_on(ws_id, device).empty())
       return "workspace " + std::to_string(ws_id) + " already has CUDA device " + std::to_string(device) +
              " (one rank per device per workspace)";
@@ -233,30 +289,40 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
     free_entry(*e);
     return msg;
   };
+  // Out of memory: name what was asked for and what the device has left (before freeing what we got).
+  auto fail_cuda = [&](const std::string& what, cudaError_t st) {
+    std::string msg = cuda_msg(what, st);
+    if (st == cudaErrorMemoryAllocation) {
+      *out_of_memory = true;
+      cudaGetLastError();
+      msg += free_memory_note(device);
+    }
+    return fail(msg);
+  };
   cudaError_t st = cudaSetDevice(device);
-  if (st != cudaSuccess) return fail(cuda_msg("cudaSetDevice(" + std::to_string(device) + ")", st));
+  if (st != cudaSuccess) return fail_cuda("cudaSetDevice(" + std::to_string(device) + ")", st);
   if ((st = cudaMalloc(reinterpret_cast<void**>(&e->base), e->layout.total_bytes)) != cudaSuccess)
-    return fail(cuda_msg("cudaMalloc of the " + std::to_string(e->layout.total_bytes) + "-byte workspace", st));
-  if ((st = cudaMemset(e->base, 0, e->layout.total_bytes)) != cudaSuccess) return fail(cuda_msg("cudaMemset", st));
+    return fail_cuda("cudaMalloc of the " + std::to_string(e->layout.total_bytes) + "-byte workspace region", st);
+  if ((st = cudaMemset(e->base, 0, e->layout.total_bytes)) != cudaSuccess) return fail_cuda("cudaMemset", st);
   if ((st = cudaMalloc(reinterpret_cast<void**>(&e->d_peer_bases), sizeof(uint8_t*) * shape.ep)) != cudaSuccess)
-    return fail(cuda_msg("cudaMalloc of the peer table", st));
+    return fail_cuda("cudaMalloc of the peer table", st);
   if ((st = cudaHostAlloc(reinterpret_cast<void**>(&e->host_error), 2 * sizeof(uint64_t),
                           cudaHostAllocMapped | cudaHostAllocPortable)) != cudaSuccess)
-    return fail(cuda_msg("cudaHostAlloc of the error words", st));
+    return fail(cuda_msg("cudaHostAlloc of the error words", st));  // host memory: not XLA's to give back
   reinterpret_cast<volatile uint64_t*>(e->host_error)[0] = 0;
   reinterpret_cast<volatile uint64_t*>(e->host_error)[1] = 0;
   if ((st = cudaHostGetDevicePointer(reinterpret_cast<void**>(&e->host_error_dev), e->host_error, 0)) != cudaSuccess)
-    return fail(cuda_msg("cudaHostGetDevicePointer", st));
-  if ((st = preload_dispatch_kernels()) != cudaSuccess) return fail(cuda_msg("preloading dispatch kernels", st));
-  if ((st = preload_combine_kernels()) != cudaSuccess) return fail(cuda_msg("preloading combine kernels", st));
+    return fail_cuda("cudaHostGetDevicePointer", st);
+  if ((st = preload_dispatch_kernels()) != cudaSuccess) return fail_cuda("preloading dispatch kernels", st);
+  if ((st = preload_combine_kernels()) != cudaSuccess) return fail_cuda("preloading combine kernels", st);
   if ((st = mok::moe::preload_forward_kernel()) != cudaSuccess)
-    return fail(cuda_msg("preloading the MoE forward kernel", st));
+    return fail_cuda("preloading the MoE forward kernel", st);
   if (want_ipc) {
     cudaIpcMemHandle_t h;
-    if ((st = cudaIpcGetMemHandle(&h, e->base)) != cudaSuccess) return fail(cuda_msg("cudaIpcGetMemHandle", st));
+    if ((st = cudaIpcGetMemHandle(&h, e->base)) != cudaSuccess) return fail_cuda("cudaIpcGetMemHandle", st);
     std::memcpy(ipc_handle_out, &h, sizeof(h));
   }
-  if ((st = cudaDeviceSynchronize()) != cudaSuccess) return fail(cuda_msg("cudaDeviceSynchronize", st));
+  if ((st = cudaDeviceSynchronize()) != cudaSuccess) return fail_cuda("cudaDeviceSynchronize", st);
   std::lock_guard<std::mutex> lock(g_mu);
   g_entries[key_of(*e)] = std::move(e);
   return "";
@@ -326,11 +392,12 @@ MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, 
                                   double timeout_s, int32_t want_ipc, uint8_t* ipc_handle_out, char* err,
                                   int32_t err_len) {
   const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
+  bool oom = false;
   const std::string why = alloc_rank(ws_id, group, device, rank, shape, timeout_s, want_ipc != 0, ipc_handle_out,
-                                     /*shared_device=*/false);
-  if (why.empty()) return 0;
+                                     /*shared_device=*/false, &oom);
+  if (why.empty()) return kAllocOk;
   set_err(err, err_len, why);
-  return 1;
+  return oom ? kAllocOutOfMemory : kAllocFailed;
 }
 
 // An emulated workspace: all `ep` ranks of one EP group on one device, connected to each other.
@@ -339,10 +406,12 @@ MOK_EXPORT int32_t mok_comm_alloc_emulated(int64_t ws_id, int32_t device, int32_
                                            char* err, int32_t err_len) {
   const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
   for (int r = 0; r < ep; ++r) {
-    const std::string why = alloc_rank(ws_id, 0, device, r, shape, timeout_s, false, nullptr, /*shared_device=*/true);
+    bool oom = false;
+    const std::string why =
+        alloc_rank(ws_id, 0, device, r, shape, timeout_s, false, nullptr, /*shared_device=*/true, &oom);
     if (!why.empty()) {
       set_err(err, err_len, "emulated rank " + std::to_string(r) + ": " + why);
-      return 1;
+      return oom ? kAllocOutOfMemory : kAllocFailed;
     }
   }
   std::lock_guard<std::mutex> lock(g_mu);
@@ -350,10 +419,10 @@ MOK_EXPORT int32_t mok_comm_alloc_emulated(int64_t ws_id, int32_t device, int32_
     const std::string why = connect_entry(*e, nullptr);
     if (!why.empty()) {
       set_err(err, err_len, "connecting emulated rank " + std::to_string(e->rank) + ": " + why);
-      return 1;
+      return kAllocFailed;
     }
   }
-  return 0;
+  return kAllocOk;
 }
 
 MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t* ipc_handles, char* err,
@@ -390,9 +459,11 @@ MOK_EXPORT int32_t mok_comm_release_peers(int64_t ws_id) {
   return 0;
 }
 
-// Frees every local allocation of the workspace (after every process released its peers).
+// Frees every local allocation of the workspace (after every process released its peers) and marks the id
+// closed: handlers and allocs that name it later are refused with a message saying so.
 MOK_EXPORT int32_t mok_comm_free(int64_t ws_id) {
   std::lock_guard<std::mutex> lock(g_mu);
+  g_closed.insert(ws_id);
   for (auto it = g_entries.begin(); it != g_entries.end();) {
     if (std::get<0>(it->first) == ws_id) {
       free_entry(*it->second);
@@ -431,6 +502,16 @@ MOK_EXPORT int32_t mok_moe_error_words(int64_t ws_id, int32_t device, int32_t ra
 MOK_EXPORT int32_t mok_moe_clear_call_error(int64_t ws_id, int32_t device) {
   clear_call_errors(ws_id, device);
   return 0;
+}
+
+// What a handler would say about (ws_id, device): 0 when it finds a connected workspace there, else 1 and
+// the handler's message in out (no CUDA call: callable without a GPU).
+MOK_EXPORT int32_t mok_comm_lookup_error(int64_t ws_id, int32_t device, char* out, int32_t out_len) {
+  std::vector<CommView> views;
+  uint64_t poison = 0;
+  const std::string why = lookup_views(ws_id, device, &views, &poison, nullptr);
+  set_err(out, out_len, why);
+  return why.empty() ? 0 : 1;
 }
 
 MOK_EXPORT int32_t mok_comm_describe_error(uint64_t packed, char* out, int32_t out_len) {

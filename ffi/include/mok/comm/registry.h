@@ -5,6 +5,14 @@
 // (mok_comm_*): alloc on every local rank, exchange IPC handles between processes, connect. The FFI
 // handlers, which XLA may run concurrently from one thread per device, only look entries up; the
 // registry is guarded by a mutex and an entry's CommView never changes once it is connected.
+//
+// Workspace ids: the int64 that each custom call carries as its ws_id attribute. Python (mok_jax/workspace.py)
+// draws them unique across processes and runs (a random per-process tag in the high bits, a counter in the
+// low bits; always > 0) and never reuses one. A lookup of an id this process does not hold fails with a
+// message that says why: closed here (mok_comm_free remembers every id it freed), held by other devices
+// only, or never created in this process (an executable from a persistent compilation cache, a serialized
+// executable or another process): create the workspace in this process first. The registry is never
+// destroyed, so a handler that runs while the process exits still finds valid state.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +23,9 @@
 
 namespace mok::comm {
 
-// Copies the connected view of (ws_id, device) into *view. Returns "" on success, else why not (also
-// when the device holds several emulated ranks). *host_error receives the current host-mapped error word
-// (0 when healthy).
+// Copies the connected view of (ws_id, device) into *view. Returns "" on success, else why not (an unknown,
+// closed or unconnected id, or a device holding several emulated ranks). *host_error receives the current
+// host-mapped error word (0 when healthy).
 std::string lookup_view(int64_t ws_id, int device, CommView* view, uint64_t* host_error);
 
 // The connected views of every rank of ws_id on device, in EP rank order (one, or all ranks of an emulated

@@ -1,0 +1,600 @@
+"""Workspace ids, memory and teardown (mok_jax/workspace.py, ffi/src/workspace.cu).
+
+CPU: ids are positive int64, unique in a process and across processes (fresh interpreters, and two
+jax.distributed processes that agree on process 0's id for a workspace spanning them); the native registry
+refuses an unknown or closed id with a message naming the cause, and never re-allocates a closed id; the
+create / close bookkeeping (allocation failures, out of memory, the exchange between processes, close
+idempotence, the layer's cache) runs against a fake native library and fake devices.
+GPU (subprocesses, each with its own environment): the layer and a large workspace work under JAX's default
+preallocation; a workspace larger than what XLA left raises WorkspaceMemoryError and the process goes on;
+a program compiled against a closed workspace, against an id this process never created, or exported from
+another process is refused by its handler with that message. The same file is the GPU worker:
+``python tests/test_workspace_lifetime.py CASE [ARGS]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SUBPROCESS_TIMEOUT_S = 240
+INT64_MAX = 2**63 - 1
+# Memory settings a user does not make: the GPU workers run with JAX's defaults unless a case sets one.
+XLA_MEMORY_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                  "XLA_PYTHON_CLIENT_ALLOCATOR")
+# A smoke bound on the layer's output against the fp32 reference (bf16 inputs and outputs: ~1e-2 relative);
+# a missing or misplaced row is O(1).
+LAYER_REL_TOL = 5e-2
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in XLA_MEMORY_ENV and k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=_env(**env), cwd=REPO, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+
+
+def _tag(ws_id: int) -> int:
+    from mok_jax import workspace as w
+
+    return ws_id >> w._ID_COUNTER_BITS
+
+
+# --- ids ---------------------------------------------------------------------------------------------------
+
+
+def test_ids_are_positive_int64_increasing_with_one_tag():
+    from mok_jax import workspace as w
+
+    ids = [w._new_id() for _ in range(1000)]
+    assert all(0 < i <= INT64_MAX for i in ids)
+    assert ids == sorted(set(ids)), "ids must be strictly increasing: never reused"
+    assert {_tag(i) for i in ids} == {w._id_tag} and w._id_tag > 0
+    assert np.asarray(ids, np.int64).tolist() == ids  # what the custom call attribute carries
+
+
+def test_id_range_bounds():
+    from mok_jax import workspace as w
+
+    assert w._ID_TAG_BITS + w._ID_COUNTER_BITS == 63
+    largest = (((1 << w._ID_TAG_BITS) - 1) << w._ID_COUNTER_BITS) | ((1 << w._ID_COUNTER_BITS) - 1)
+    assert largest == INT64_MAX
+    assert all(1 <= w._draw_tag() < 1 << w._ID_TAG_BITS for _ in range(1000))
+
+
+def test_id_counter_exhaustion_raises(monkeypatch):
+    from mok_jax import workspace as w
+
+    monkeypatch.setattr(w, "_id_counter", itertools.count((1 << w._ID_COUNTER_BITS) - 1))
+    assert w._new_id() & ((1 << w._ID_COUNTER_BITS) - 1) == (1 << w._ID_COUNTER_BITS) - 1
+    with pytest.raises(w.CommError, match="workspaces, the most its ids can tell apart"):
+        w._new_id()
+
+
+def test_forked_child_draws_a_new_tag(monkeypatch):
+    from mok_jax import workspace as w
+
+    before = w._new_id()
+    for name in ("_id_tag", "_id_counter", "_id_lock"):  # restored after the test
+        monkeypatch.setattr(w, name, getattr(w, name))
+    w._reseed_ids_after_fork()  # what os.register_at_fork runs in a child
+    after = w._new_id()
+    assert _tag(after) != _tag(before) and after != before
+
+
+def test_ids_differ_across_fresh_processes():
+    from mok_jax import workspace as w
+
+    code = "from mok_jax.workspace import _new_id; print(_new_id(), _new_id(), _new_id())"
+    runs = [_run(["-c", code]) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = ([int(t) for t in r.stdout.split()] for r in runs)
+    mine = [w._new_id() for _ in range(3)]
+    for ids in (a, b):
+        assert all(0 < i <= INT64_MAX for i in ids) and len({_tag(i) for i in ids}) == 1
+    assert len({_tag(a[0]), _tag(b[0]), _tag(mine[0])}) == 3
+    assert not set(a) & set(b) and not set(a) & set(mine) and not set(b) & set(mine)
+    # The counters restart in every process: with a plain counter these ids would have been equal.
+    assert [i & ((1 << w._ID_COUNTER_BITS) - 1) for i in a] == [1, 2, 3]
+
+
+_AGREE_WORKER = """
+import sys, jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
+from mok_jax import workspace as w
+mine = w._new_id()
+print("IDS", mine, w._agreed_id(mine), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_processes_agree_on_process0_id():
+    """A workspace spanning processes takes process 0's id on every process (its barriers are named by it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_WORKER, str(i), str(port)], env=_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outs.append(p.communicate()[0])
+    if any("gloo" in o.lower() and p.returncode != 0 for p, o in zip(procs, outs)):
+        pytest.skip(f"CPU collectives (gloo) unavailable here (not a pass): {outs[0][-1000:]}")
+    ids = []
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+        line = next(line for line in out.splitlines() if line.startswith("IDS"))
+        ids.append([int(t) for t in line.split()[1:]])
+    (own0, agreed0), (own1, agreed1) = ids
+    assert own0 != own1 and agreed0 == agreed1 == own0
+
+
+# --- the native registry: unknown and closed ids (no CUDA call, runs without a GPU) -----------------------
+
+
+def _native_or_skip():
+    from mok_jax import _native
+    from mok_jax import workspace as w
+
+    if _native.library() is None:
+        pytest.skip(f"native library unavailable (not a pass): {_native.native_status()}")
+    return w._host_lib()
+
+
+def test_registry_refuses_an_unknown_id_naming_the_cache_and_the_remedy():
+    from mok_jax import workspace as w
+
+    _native_or_skip()
+    ws_id = w._new_id()
+    why = w.lookup_error(ws_id, 0)
+    assert f"mok workspace {ws_id} does not exist in this process" in why
+    for phrase in ("persistent compilation cache", "another process", "Create the workspace in this process first"):
+        assert phrase in why, why
+
+
+def test_registry_refuses_a_closed_id_and_never_reallocates_it():
+    from mok_jax import workspace as w
+
+    lib = _native_or_skip()
+    ws_id = w._new_id()
+    lib.mok_comm_free(ws_id)
+    why = w.lookup_error(ws_id, 3)
+    assert f"mok workspace {ws_id} was closed in this process" in why and "jax.clear_caches()" in why, why
+    err = ctypes.create_string_buffer(1024)
+    handle = np.zeros(int(lib.mok_comm_ipc_handle_bytes()), np.uint8)
+    rc = lib.mok_comm_alloc(ws_id, 0, 0, 0, 1, 16, 64, 2, 4, 1.0, 0, handle.ctypes.data, err, len(err))
+    assert rc == 1 and "was closed in this process; ids are never reused" in err.value.decode()
+    rc = lib.mok_comm_alloc_emulated(ws_id, 0, 2, 16, 64, 2, 4, 1.0, err, len(err))
+    assert rc == 1 and "ids are never reused" in err.value.decode()
+
+
+_EXIT_WORKER = """
+from mok_jax import workspace as w
+from mok_jax.workspace import CommConfig, Workspace
+lib = w._host_lib()
+cfg = CommConfig(ep=1, max_tokens=8, hidden_size=8, top_k=1, num_experts=1)
+for n in range(3):  # open (never closed) workspaces in the layer's cache at exit
+    w._cached(("exit", n), 8, lambda: Workspace(ws_id=w._new_id(), config=cfg, mesh=None, axis_name=None, local=[]))
+gone = w._new_id()
+lib.mok_comm_free(gone)
+assert "closed" in w.lookup_error(gone, 0)
+print("EXIT_OK", len(w.cached_workspaces()), flush=True)
+"""
+
+
+def test_process_exits_cleanly_with_workspaces_open():
+    _native_or_skip()
+    r = _run(["-c", _EXIT_WORKER])
+    assert r.returncode == 0 and "EXIT_OK 3" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+
+
+# --- create / close bookkeeping against a fake native library ------------------------------------------------
+
+
+class FakeDevice:
+    platform = "gpu"
+    device_kind = "fake GPU"
+
+    def __init__(self, ordinal: int, process_index: int = 0):
+        self.id = ordinal + 100 * process_index
+        self.local_hardware_id = ordinal
+        self.process_index = process_index
+
+    def __repr__(self):
+        return f"FakeDevice({self.local_hardware_id}, process {self.process_index})"
+
+
+class FakeMesh:
+    def __init__(self, devices):
+        self.devices = np.array(devices, dtype=object)
+        self.axis_names = ("ep",)
+
+
+class FakeLib:
+    """Records the native calls; alloc_rc[ordinal] (default 0) is what mok_comm_alloc returns there."""
+
+    HANDLE_BYTES = 64
+
+    def __init__(self, alloc_rc=None, emulated_rc=0):
+        self.calls: list[tuple] = []
+        self.alloc_rc = alloc_rc or {}
+        self.emulated_rc = emulated_rc
+
+    def mok_comm_ipc_handle_bytes(self):
+        return self.HANDLE_BYTES
+
+    def mok_comm_alloc(self, ws_id, g, ordinal, r, ep, T, H, k, E, timeout, want_ipc, out, err, err_len):
+        self.calls.append(("alloc", ws_id, ordinal, r, want_ipc))
+        rc = self.alloc_rc.get(ordinal, 0)
+        if rc:
+            err.value = (b"cudaMalloc of the N-byte workspace region: cudaErrorMemoryAllocation (out of memory) "
+                         b"(CUDA device 1 has 10 of 100 MiB free)" if rc == 2 else b"something else failed")
+        else:
+            ctypes.memset(out, ordinal + 1, self.HANDLE_BYTES)
+        return rc
+
+    def mok_comm_alloc_emulated(self, ws_id, ordinal, ep, T, H, k, E, timeout, err, err_len):
+        self.calls.append(("alloc_emulated", ws_id, ordinal, ep))
+        if self.emulated_rc:
+            err.value = b"emulated rank 2: cudaMalloc ...: cudaErrorMemoryAllocation (out of memory)"
+        return self.emulated_rc
+
+    def mok_comm_connect(self, ws_id, ordinal, table, err, err_len):
+        row = np.ctypeslib.as_array(ctypes.cast(table, ctypes.POINTER(ctypes.c_uint8)), (2 * self.HANDLE_BYTES,))
+        self.calls.append(("connect", ws_id, ordinal, tuple(row[::self.HANDLE_BYTES])))
+        return 0
+
+    def mok_comm_release_peers(self, ws_id):
+        self.calls.append(("release", ws_id))
+        return 0
+
+    def mok_comm_free(self, ws_id):
+        self.calls.append(("free", ws_id))
+        return 0
+
+    def names(self):
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fake native library, a recorded drain, and an empty layer cache, all restored afterwards."""
+    from mok_jax import workspace as w
+
+    lib = FakeLib()
+    drained = []
+    monkeypatch.setattr(w, "_lib", lambda: lib)
+    monkeypatch.setattr(w, "_drain", lambda devices: drained.append(sorted(d.local_hardware_id for d in devices)))
+    monkeypatch.setattr(w, "_cache", {})
+    monkeypatch.setattr(w, "_superseded", [])
+    lib.drained = drained
+    return lib
+
+
+def _create(mesh, **kw):
+    from mok_jax.workspace import Workspace
+
+    return Workspace.create(mesh, "ep", max_tokens=64, hidden_size=64, top_k=2, num_experts=4, **kw)
+
+
+def test_create_and_close_one_process(fake):
+    mesh = FakeMesh([FakeDevice(0), FakeDevice(1)])
+    ws = _create(mesh)
+    assert 0 < ws.id <= INT64_MAX and not ws.spans_processes and not ws.closed
+    assert fake.calls == [("alloc", ws.id, 0, 0, 0), ("alloc", ws.id, 1, 1, 0),
+                          ("connect", ws.id, 0, (1, 2)), ("connect", ws.id, 1, (1, 2))]
+    fake.calls.clear()
+    ws.close()
+    ws.close()  # idempotent
+    assert fake.calls == [("release", ws.id), ("free", ws.id)] and fake.drained == [[0, 1]]
+    assert ws.closed
+    from mok_jax.workspace import CommError
+
+    with pytest.raises(CommError, match=rf"mok_jax.ops.moe_forward: workspace {ws.id} is closed"):
+        ws.require_open("mok_jax.ops.moe_forward")
+    assert _create(mesh).id > ws.id  # a fresh id, never the closed one
+
+
+def test_create_out_of_memory_names_bytes_and_remedy_and_frees(fake, monkeypatch):
+    from mok_jax.workspace import CommError, CommConfig, WorkspaceMemoryError
+
+    fake.alloc_rc = {1: 2}
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    with pytest.raises(WorkspaceMemoryError) as info:
+        _create(FakeMesh([FakeDevice(0), FakeDevice(1)]))
+    assert isinstance(info.value, MemoryError) and isinstance(info.value, CommError)
+    need = CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=2, num_experts=4).workspace_bytes()
+    msg = str(info.value)
+    assert msg.startswith("Workspace.create: rank 1 of group 0 on FakeDevice(1, process 0)")
+    assert f"needs {need} bytes" in msg and "10 of 100 MiB free" in msg
+    assert "XLA_CLIENT_MEM_FRACTION=0.9" in msg and "XLA_PYTHON_CLIENT_PREALLOCATE=false" in msg
+    ws_id = fake.calls[0][1]
+    assert fake.names() == ["alloc", "alloc", "release", "free"] and fake.calls[-1] == ("free", ws_id)
+
+
+def test_create_other_failure_is_a_comm_error(fake):
+    from mok_jax.workspace import CommError, WorkspaceMemoryError
+
+    fake.alloc_rc = {0: 1}
+    with pytest.raises(CommError, match="rank 0 of group 0 .*: something else failed") as info:
+        _create(FakeMesh([FakeDevice(0), FakeDevice(1)]))
+    assert not isinstance(info.value, WorkspaceMemoryError)
+    assert fake.names() == ["alloc", "release", "free"]
+
+
+def _fake_processes(monkeypatch, peer_failed: bool, agreed_id: int):
+    """This process is 0 of 2; the peer (process 1) holds EP rank 1, its handle bytes all 9."""
+    from jax.experimental import multihost_utils
+
+    from mok_jax import workspace as w
+
+    barriers = []
+    monkeypatch.setattr(w, "_agreed_id", lambda ws_id: agreed_id)
+
+    def allgather(tree):
+        handles, present, failed = tree
+        peer_handles = np.zeros_like(handles)
+        peer_handles[0, 1] = 9
+        peer_present = np.zeros_like(present)
+        peer_present[0, 1] = 1
+        return (np.stack([handles, peer_handles]), np.stack([present, peer_present]),
+                np.asarray([failed, np.int32(peer_failed)]))
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
+    return barriers
+
+
+def test_create_spanning_processes_agrees_on_id_and_exchanges_handles(fake, monkeypatch):
+    agreed = (12345 << 24) | 7
+    barriers = _fake_processes(monkeypatch, peer_failed=False, agreed_id=agreed)
+    ws = _create(FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)]))
+    assert ws.id == agreed and ws.spans_processes
+    assert fake.calls == [("alloc", agreed, 0, 0, 1), ("connect", agreed, 0, (1, 9))]
+    assert barriers == [f"mok_comm_workspace_{agreed}_connected"]
+    ws.close()
+    assert barriers[-1] == f"mok_comm_workspace_{agreed}_released" and fake.names()[-2:] == ["release", "free"]
+
+
+def test_create_spanning_processes_raises_when_a_peer_failed(fake, monkeypatch):
+    """A process whose allocation failed still joins the exchange, so its peers raise instead of waiting."""
+    from mok_jax.workspace import CommError
+
+    barriers = _fake_processes(monkeypatch, peer_failed=True, agreed_id=(7 << 24) | 1)
+    with pytest.raises(CommError, match=r"process\(es\) \[1\] could not allocate their EP ranks"):
+        _create(FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)]))
+    assert fake.names() == ["alloc", "release", "free"] and barriers == []
+
+
+def test_create_emulated_out_of_memory_counts_every_rank(fake):
+    from mok_jax.workspace import CommConfig, Workspace, WorkspaceMemoryError
+
+    fake.emulated_rc = 2
+    with pytest.raises(WorkspaceMemoryError) as info:
+        Workspace.create_emulated(FakeDevice(0), 4, max_tokens=64, hidden_size=64, top_k=2, num_experts=8)
+    need = 4 * CommConfig(ep=4, max_tokens=64, hidden_size=64, top_k=2, num_experts=8).workspace_bytes()
+    assert f"needs {need} bytes" in str(info.value) and "create_emulated" in str(info.value)
+    assert fake.names() == ["alloc_emulated", "release", "free"]
+
+
+def test_out_of_memory_message_reports_the_settings():
+    from mok_jax.workspace import _out_of_memory_message
+
+    msg = _out_of_memory_message("here", 3 * 2**20, "CUDA said no", env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+    assert msg.startswith("here: the workspace needs 3145728 bytes (3.0 MiB) of GPU memory")
+    assert "CUDA said no" in msg and "75%" in msg
+    assert ("This process: XLA_PYTHON_CLIENT_PREALLOCATE=true, XLA_CLIENT_MEM_FRACTION unset, "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION unset, XLA_PYTHON_CLIENT_ALLOCATOR unset") in msg
+
+
+def test_layer_cache_supersedes_lists_and_closes(fake, monkeypatch, cpu_devices):
+    """moe_workspace caches per key; a larger request replaces the cached one (which stays open and listed);
+    closing one drops it from the cache; close_cached_workspaces closes the rest."""
+    from mok_jax import workspace as w
+
+    made = []
+
+    def fake_create(mesh, axis_name="ep", **kw):
+        ws = w.Workspace(ws_id=w._new_id(), config=w.CommConfig(ep=mesh.shape[axis_name], **kw), mesh=mesh,
+                         axis_name=axis_name, local=[])
+        made.append(ws)
+        return ws
+
+    monkeypatch.setattr(w.Workspace, "create", staticmethod(fake_create))
+    import jax
+
+    mesh = jax.sharding.Mesh(np.asarray(cpu_devices[:2]), ("ep",))
+    get = lambda t, h=64: w.moe_workspace(mesh, "ep", max_tokens=t, hidden_size=h, top_k=2, num_experts=4)  # noqa: E731
+    a = get(32)
+    assert get(16) is a and get(32) is a
+    b = get(64)
+    assert b is not a and not a.closed and get(48) is b
+    c = get(64, h=128)
+    assert w.cached_workspaces() == [a, b, c]
+    b.close()
+    assert w.cached_workspaces() == [a, c] and get(64) is not b  # a new one replaces the closed b
+    assert w.close_cached_workspaces() == 3 and all(ws.closed for ws in made)
+    assert w.cached_workspaces() == [] and w.close_cached_workspaces() == 0
+    assert [n for n in fake.names()] == ["release", "free"] * 4
+    assert sorted(c[1] for c in fake.calls if c[0] == "free") == sorted(ws.id for ws in made)
+
+
+def test_drain_runs_on_host_devices(cpu_devices):
+    from mok_jax import workspace as w
+
+    w._drain(set(cpu_devices[:3]))  # a trivial program per device, then wait; nothing to raise
+    w._drain(set())
+
+
+# --- GPU: run in subprocesses, each with JAX's default memory settings unless the case sets one ---------------
+
+
+def _gpu_case(case: str, *args: str, **env) -> str:
+    from helpers import gpu_skip_reason
+
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    r = _run([__file__, case, *args], **env)
+    assert r.returncode == 0 and f"CASE_OK {case}" in r.stdout, (r.returncode, r.stdout[-3000:], r.stderr[-5000:])
+    return r.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_default_preallocation_layer_and_workspace_memory():
+    _gpu_case("preallocated")
+
+
+@pytest.mark.gpu
+def test_gpu_closed_and_unknown_ids_refused_by_the_handler():
+    _gpu_case("refused")
+
+
+@pytest.mark.gpu
+def test_gpu_program_exported_from_another_process_is_refused(tmp_path):
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers (not a pass)")
+    blob = tmp_path / "moe.jax_export"
+    out = _gpu_case("export", str(blob))
+    exported_id = int(next(line for line in out.splitlines() if line.startswith("WS_ID")).split()[1])
+    out = _gpu_case("replay", str(blob), str(exported_id))
+    assert "REFUSED" in out
+
+
+def _layer_problem():
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import random_problem
+
+    from mok_jax.config import ModelShape
+
+    shape = ModelShape(name="t", num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
+                       num_shared_experts=0, shared_intermediate_size=0)
+    return random_problem(shape, 64, dtype=jnp.bfloat16, seed=3)
+
+
+def _check_layer(y, problem):
+    import jax.numpy as jnp
+
+    from mok_jax import reference
+
+    x, idx, w, W = problem
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    ref = reference.moe(x.astype(jnp.float32), idx, w, type(W)(*(f32(a) for a in W)))
+    err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    assert err < LAYER_REL_TOL, err
+
+
+def _layer_fn():
+    import jax
+
+    import mok_jax as mj
+
+    return jax.jit(lambda x, i, w, W: mj.moe(x, i, w, W, config=mj.MoEConfig(implementation="mok")))
+
+
+def _worker(case: str, args: list[str]) -> None:
+    import jax
+
+    import mok_jax as mj
+    from mok_jax import workspace as w
+
+    problem = _layer_problem()
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("ep",))
+    if case == "preallocated":
+        assert not any(os.environ.get(k) for k in XLA_MEMORY_ENV), "must run with JAX's default preallocation"
+        layer = _layer_fn()
+        _check_layer(layer(*problem), problem)
+        big = w.Workspace.create(mesh, "ep", max_tokens=4096, hidden_size=7168, top_k=8, num_experts=256)
+        print("big workspace", big.config.workspace_bytes(), "bytes", flush=True)
+        big.close()
+        # 2 * 2^21 tokens * 7168 * 2 bytes = 60 GB: more than the 25% of the GPU XLA leaves (35 GB on an H200).
+        try:
+            w.Workspace.create(mesh, "ep", max_tokens=2**21, hidden_size=7168, top_k=8, num_experts=256)
+            raise AssertionError("a 60 GB workspace must not fit beside JAX's preallocation")
+        except w.WorkspaceMemoryError as e:
+            msg = str(e)
+            print("refused:", msg, flush=True)
+            assert "bytes" in msg and "MiB free" in msg and "XLA_CLIENT_MEM_FRACTION" in msg, msg
+        _check_layer(layer(*problem), problem)  # the process goes on
+        w.close_cached_workspaces()
+    elif case == "refused":
+        layer = _layer_fn()
+        _check_layer(layer(*problem), problem)
+        (ws,) = w.cached_workspaces()
+        ordinal = ws._local[0].ordinal
+        assert w.lookup_error(ws.id, ordinal) == ""
+        assert w.close_cached_workspaces() == 1
+        assert "was closed in this process" in w.lookup_error(ws.id, ordinal)
+        try:
+            jax.block_until_ready(layer(*problem))  # the jit cache still holds the program naming ws
+            raise AssertionError("a program compiled against a closed workspace must fail")
+        except Exception as e:  # noqa: BLE001 - XLA's runtime error type
+            assert f"mok workspace {ws.id} was closed in this process" in str(e), e
+        jax.clear_caches()
+        _check_layer(layer(*problem), problem)  # retraced: a new workspace
+        (ws2,) = w.cached_workspaces()
+        assert ws2.id != ws.id
+        stranger = w.Workspace(ws_id=w._new_id(), config=ws2.config, mesh=ws2.mesh, axis_name=ws2.axis_name,
+                               local=ws2._local)  # never allocated: an id this process does not hold
+        f = jax.jit(lambda x, i, wt, W: mj.moe(x, i, wt, W, config=mj.MoEConfig(implementation="mok",
+                                                                               workspace=stranger)))
+        try:
+            jax.block_until_ready(f(*problem))
+            raise AssertionError("an id this process never created must be refused")
+        except Exception as e:  # noqa: BLE001
+            assert "does not exist in this process" in str(e) and "compilation cache" in str(e), e
+        w.close_cached_workspaces()
+    elif case in ("export", "replay"):
+        from jax import export
+
+        if case == "export":
+            layer = _layer_fn()
+            exp = export.export(layer, disabled_checks=[export.DisabledSafetyCheck.custom_call("mok_moe_forward")])(
+                *problem)
+            pathlib.Path(args[0]).write_bytes(exp.serialize())
+            (ws,) = w.cached_workspaces()
+            print("WS_ID", ws.id, flush=True)
+            w.close_cached_workspaces()
+        else:
+            exported_id = int(args[1])
+            _check_layer(_layer_fn()(*problem), problem)  # this process's own workspace, same shape
+            (ws,) = w.cached_workspaces()
+            assert ws.id != exported_id
+            exp = export.deserialize(bytearray(pathlib.Path(args[0]).read_bytes()))
+            try:
+                jax.block_until_ready(exp.call(*problem))
+                raise AssertionError("a program exported from another process must be refused")
+            except Exception as e:  # noqa: BLE001
+                assert f"mok workspace {exported_id} does not exist in this process" in str(e), e
+                print("REFUSED", e, flush=True)
+            w.close_cached_workspaces()
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    print(f"CASE_OK {case}", flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2:])
