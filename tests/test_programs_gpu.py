@@ -1,0 +1,188 @@
+"""GPU tests of the forward megakernel inside real JAX programs (issue 11, the parts that need no gradient).
+
+Every case compares ``implementation="mok"`` under a transformation with the same calls made plainly, bit
+for bit (the math is the same, so the bits must be): ``jax.checkpoint`` with the default and a names-based
+policy, ``lax.scan`` over a stack of 4 layers, two layers of different shapes in one program, donated
+arguments, ``jax.jit`` callers on meshes of Auto and of Explicit axes, and an XLA command buffer (CUDA graph)
+that records the custom call once and replays it. The gradient parts follow the backward megakernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import gpu_skip_reason, seeded_key
+
+import mok_jax as mj
+from mok_jax.bench.routing import make_routing
+from mok_jax.config import KernelConfig, ModelShape, MoEConfig
+from mok_jax.weights import MoEWeights
+
+pytestmark = pytest.mark.gpu
+
+_SEED = int.from_bytes(os.urandom(4), "little")
+print(f"test_programs_gpu: seed {_SEED}")
+MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
+
+
+@pytest.fixture(autouse=True)
+def _need_gpu_and_library():
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def _problem(tag: str, E=16, H=512, I=256, k=4, Is=256, T=600, layers=None):
+    keys = jax.random.split(seeded_key(_SEED, tag), 5)
+    lead = () if layers is None else (layers,)
+    normal = lambda key, s, fan_in: (jax.random.normal(key, lead + s) * fan_in**-0.5).astype(jnp.bfloat16)
+    W = MoEWeights(normal(keys[0], (E, H, 2 * I), H), normal(keys[1], (E, I, H), I),
+                   normal(keys[2], (H, 2 * Is), H), normal(keys[3], (Is, H), Is))
+    x = jax.random.normal(keys[4], (T, H), jnp.float32).astype(jnp.bfloat16)
+    idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=_SEED % 1000)
+    return x, jnp.asarray(idx, jnp.int32), jnp.asarray(w, jnp.float32), W
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint16)
+
+
+def _layer(x, idx, w, W):
+    return mj.moe(x, idx, w, W, config=MOK)
+
+
+def test_checkpoint_policies_give_the_same_bits():
+    x, idx, w, W = _problem("remat")
+    plain = jax.jit(_layer)(x, idx, w, W)
+    names = jax.checkpoint_policies.save_only_these_names("moe_out")
+    for f in (jax.checkpoint(_layer), jax.checkpoint(_layer, policy=names)):
+        np.testing.assert_array_equal(_bits(jax.jit(f)(x, idx, w, W)), _bits(plain))
+
+
+def test_scan_over_four_layers_equals_the_loop():
+    x, idx, w, Ws = _problem("scan", layers=4)
+
+    def body(h, W):
+        return (_layer(h, idx, w, W).astype(jnp.float32) * 0.5).astype(jnp.bfloat16), None
+
+    scanned = jax.jit(lambda x, Ws: jax.lax.scan(body, x, Ws)[0])(x, Ws)
+    h = x
+    for layer in range(4):
+        h = jax.jit(body)(h, jax.tree.map(lambda a: a[layer], Ws))[0]
+    assert np.isfinite(np.asarray(h, np.float32)).all()
+    np.testing.assert_array_equal(_bits(scanned), _bits(h))
+
+
+def test_two_shapes_in_one_program():
+    a = _problem("shape_a", E=16, H=512, I=256, k=4, T=600)
+    b = _problem("shape_b", E=8, H=768, I=384, k=2, Is=128, T=300)
+    both = jax.jit(lambda a, b: (_layer(*a), _layer(*b)))(a, b)
+    np.testing.assert_array_equal(_bits(both[0]), _bits(jax.jit(_layer)(*a)))
+    np.testing.assert_array_equal(_bits(both[1]), _bits(jax.jit(_layer)(*b)))
+
+
+def test_donated_arguments():
+    x, idx, w, W = _problem("donate")
+    want = jax.jit(_layer)(x, idx, w, W)
+    donated = jax.jit(_layer, donate_argnums=(0, 1, 2))(jnp.copy(x), jnp.copy(idx), jnp.copy(w), W)
+    np.testing.assert_array_equal(_bits(donated), _bits(want))
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_jit_callers_on_auto_and_explicit_meshes(axis_type):
+    x, idx, w, W = _problem(f"mesh_{axis_type}")
+    want = jax.jit(_layer)(x, idx, w, W)
+    gpus = [d for d in jax.devices() if d.platform == "gpu"][:1]
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(getattr(jax.sharding.AxisType, axis_type),), devices=gpus)
+    cfg = MoEConfig(implementation="mok", ep_axis="ep", kernel=MOK.kernel)
+    f = jax.jit(lambda x, i, w, W: mj.expert_parallel_moe(x, i, w, W, mesh=mesh, config=cfg))
+    np.testing.assert_array_equal(_bits(f(x, idx, w, W)), _bits(want))
+
+
+_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import ctypes, json, sys, zlib
+    import jax, jax.numpy as jnp, numpy as np
+    import mok_jax as mj
+    from mok_jax import _native
+    from mok_jax.bench.routing import make_routing
+    from mok_jax.config import KernelConfig, MoEConfig
+    from mok_jax.weights import MoEWeights
+    E, H, I, k, T = 16, 512, 256, 4, 600
+    ks = jax.random.split(jax.random.key(int(sys.argv[1])), 5)
+    n = lambda key, s, f: (jax.random.normal(key, s) * f**-0.5).astype(jnp.bfloat16)
+    W = MoEWeights(n(ks[0], (E, H, 2 * I), H), n(ks[1], (E, I, H), I), n(ks[2], (H, 2 * I), H), n(ks[3], (I, H), I))
+    x = jax.random.normal(ks[4], (T, H)).astype(jnp.bfloat16)
+    idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=3)
+    cfg = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
+    step = jax.jit(lambda x: mj.moe(x, jnp.asarray(idx), jnp.asarray(w), W, config=cfg) * 2)
+    lib = _native.library()
+    lib.mok_moe_forward_handler_calls.restype = ctypes.c_int64
+    jax.block_until_ready(step(x))
+    before = lib.mok_moe_forward_handler_calls()
+    ys = [np.asarray(step(x)).view(np.uint16) for _ in range(6)]
+    print(json.dumps({"handler_runs": lib.mok_moe_forward_handler_calls() - before,
+                      "replays_equal": all((y == ys[0]).all() for y in ys),
+                      "crc": zlib.crc32(ys[0].tobytes())}))
+""")
+
+
+def _run_command_buffer_script(xla_flags: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS=xla_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    out = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(_SEED % 100000)], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_command_buffer_replays_the_custom_call():
+    """With custom calls in XLA command buffers the step is recorded once and replayed: the handler runs
+    fewer times than the step, and every replay gives the bits of the step run without command buffers."""
+    plain = _run_command_buffer_script("--xla_gpu_enable_command_buffer=")
+    graph = _run_command_buffer_script("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                                       "--xla_gpu_graph_min_graph_size=1")
+    assert plain["handler_runs"] == 6, plain
+    assert plain["replays_equal"] and graph["replays_equal"], (plain, graph)
+    assert graph["handler_runs"] < 6, f"the custom call was not replayed from a command buffer: {graph}"
+    assert graph["crc"] == plain["crc"], (plain, graph)
+
+
+def test_nnx_scan_over_four_layers_equals_the_loop():
+    """nnx.scan over 4 stacked MoELayer modules (their own router, weights and one shared workspace) against
+    the layers applied one by one. The routers run inside different XLA programs, so the comparison is per
+    row at the bf16 layer's error, not bitwise."""
+    from flax import nnx
+
+    from mok_jax.flax import MoELayer
+
+    shape = ModelShape(name="scan4", num_experts=16, top_k=4, hidden_size=512, intermediate_size=256,
+                       num_shared_experts=1, shared_intermediate_size=256)
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return MoELayer(shape, implementation="mok", kernel=MOK.kernel, rngs=rngs)
+
+    stack = make(nnx.Rngs(_SEED % 1000))
+    x = jax.random.normal(seeded_key(_SEED, "nnx_scan"), (600, shape.hidden_size)).astype(jnp.bfloat16)
+
+    @nnx.jit
+    def scanned(stack, x):
+        return nnx.scan(lambda h, layer: (layer(h), None), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, stack)[0]
+
+    y = np.asarray(scanned(stack, x), np.float32)
+    graphdef, state = nnx.split(stack)
+    h = x
+    for i in range(4):
+        h = nnx.jit(lambda layer, h: layer(h))(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)), h)
+    h = np.asarray(h, np.float32)
+    assert np.isfinite(y).all()
+    rel = np.linalg.norm(y - h, axis=1) / np.maximum(np.linalg.norm(h, axis=1), 1e-6)
+    assert rel.max() < 3e-2, f"rows {np.argsort(rel)[-5:].tolist()} differ by {np.sort(rel)[-5:].tolist()}"
