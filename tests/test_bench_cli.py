@@ -1,6 +1,7 @@
 """mok-bench's command line, JSON report, table, plot and profile, on CPU (tiny runs: 1 call per sample)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -59,6 +60,44 @@ def test_mok_asked_for_by_name_but_unavailable(capsys, cpu_devices):
     assert "'mok' is not available here" in capsys.readouterr().err
 
 
+def _cpu_only(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m <argv>`` in a fresh process that sees only CPU devices (as on a machine without a GPU)."""
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_impl_mok_without_a_gpu_exits_nonzero_with_one_line():
+    done = _cpu_only("mok_jax.bench", "--impl", "mok")
+    assert done.returncode == 2 and done.stdout == ""  # nothing ran, so no CPU notice and no table
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mok-bench: error: implementation 'mok' is not available here: ")
+    assert "needs a CUDA GPU" in lines[0]
+
+
+def test_default_run_without_a_gpu_exits_zero_says_cpu_once_and_shows_no_gpu_roofline():
+    """The plain command on a CPU-only machine: the reference paths on the ci shape (CPU_DEFAULTS), exit 0, the
+    CPU notice once (not above and below the table, not again on stderr), no %peak / NVLink columns."""
+    done = _cpu_only("mok_jax.bench")
+    assert done.returncode == 0, done.stderr[-3000:]
+    both = done.stdout + done.stderr
+    assert both.count("CPU NUMBERS") == 1 and done.stdout.startswith(cli.CPU_NOTICE + "\n")
+    header = done.stdout.splitlines()[1].split()
+    assert header[:5] == ["model", "mode", "T/GPU", "pass", "impl"] and "TFLOP/s" in header
+    for gpu_figure in ("%peak", "% of peak", "comm ms", "%comm", "NVLink", "805"):
+        assert gpu_figure not in both, gpu_figure
+    rows = [ln.split() for ln in done.stdout.splitlines()[3:6]]
+    assert [r[4] for r in rows] == ["xla", "reference", "xla-capacity"] and {r[0] for r in rows} == {"ci"}
+
+
+@pytest.mark.parametrize("module", ["mok_jax.bench.grouped_ffn", "mok_jax.bench.comm"])
+def test_kernel_benchmarks_without_a_gpu_say_so_and_exit_nonzero(module):
+    done = _cpu_only(module)
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"python -m {module}: needs a CUDA GPU; this machine has only cpu devices, so nothing was "
+                     "timed"]
+
+
 def test_list_models(capsys):
     assert cli.main(["--list-models"]) == 0
     out = capsys.readouterr().out
@@ -85,9 +124,10 @@ def test_default_run_json_schema(default_run, cpu_devices):
     assert rep["device"]["platform"] == "cpu" and rep["device"]["used"] == 8
     assert {"python", "jax", "jaxlib", "numpy", "mok_jax", "flax"} <= set(rep["versions"])
     assert isinstance(rep["git"]["commit"], str) and rep["git"]["commit"]
-    assert rep["roofline"] == {"peak_tflops": 805.0, "nvlink_gbps": 394.0}
+    assert rep["roofline"] == {"peak_tflops": None, "nvlink_gbps": None}  # the H200's do not apply on CPU
     cfg = rep["config"]
     assert cfg["models"] == ["ci"] and cfg["tokens"] == [32] and cfg["ep_mode"] == "full" and cfg["baseline"] == "xla"
+    assert cfg["peak_tflops"] is None and cfg["nvlink_gbps"] is None
     assert rep["command"][0] == "mok-bench"
     results = rep["results"]
     assert [(r["pass"], r["impl"]) for r in results] == [  # pass-major, the baseline first
@@ -97,8 +137,9 @@ def test_default_run_json_schema(default_run, cpu_devices):
         assert r["status"] == "ok", r["error"]
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["samples"] == 2
         assert r["tflops"] == pytest.approx(r["flops_per_gpu"] / r["median_ms"] / 1e9)
-        assert r["compute_fraction"] == pytest.approx(r["tflops"] / 805.0)
-        assert r["comm_fraction"] == pytest.approx(r["comm_floor_ms"] / r["median_ms"])
+        for figure in ("compute_floor_ms", "compute_fraction", "comm_floor_ms", "comm_fraction",
+                       "comm_floor_unique_ms", "comm_fraction_unique"):
+            assert r[figure] is None, figure  # no roofline on CPU
         # ci: H 64, I 32, Is 48, k 4, T 32: fwd = 2*32*4*3*64*32 + 2*32*3*64*48 = 1572864 + 589824
         assert r["flops_per_gpu"] == (1572864 + 589824) * (1 if r["pass"] == "fwd" else 3)
         assert r["dispatch_bytes_per_gpu"] == 32 * 4 * 64 * 2
@@ -118,20 +159,24 @@ def test_default_run_plot_profile_and_table(default_run, capsys):
     capsys.readouterr()
     assert cli.main(["--from-json", str(paths["json"])]) == 0
     out = capsys.readouterr().out
-    assert out.count("CPU NUMBERS") == 2  # above and below the table
+    assert out.count("CPU NUMBERS") == 1 and out.startswith(rep["notice"])  # once, above the table
+    assert "%peak" not in out and "comm ms" not in out
     assert cli.main(["--from-json", str(paths["json"]), "--markdown"]) == 0
     out = capsys.readouterr().out
-    assert "| ci | full | 32 | fwd+bwd | `xla-capacity` |" in out and "CPU NUMBERS" in out
+    assert "| ci | full | 32 | fwd+bwd | `xla-capacity` |" in out and out.count("CPU NUMBERS") == 1
+    assert "% of" not in out and "comm floor" not in out
 
 
-def test_ragged_fails_gracefully_on_cpu(tmp_path, cpu_devices):
-    # XLA:CPU has no ragged-all-to-all: the run is recorded as an error, the baseline still runs
+def test_a_failed_implementation_exits_nonzero(tmp_path, cpu_devices, capsys):
+    # XLA:CPU has no ragged-all-to-all: the run is recorded as an error, the baseline still runs, the exit is 1
     out = tmp_path / "r.json"
     assert cli.main(["ci", "--impl", "ragged", "--baseline", "xla", "--tokens", "8", "--devices", "2", "--json",
-                     str(out), "-q", *FAST]) == 0
+                     str(out), "-q", *FAST]) == 1
     results = json.loads(out.read_text())["results"]
     assert [(r["impl"], r["status"]) for r in results] == [("xla", "ok"), ("ragged", "error")]
     assert "ragged" in results[1]["error"].lower() and results[1]["median_ms"] is None
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("mok-bench: failed: 1 of 2 runs (ragged); first: ci T=8 fwd ragged: ")
 
 
 def test_time_budget_skips(tmp_path, cpu_devices):
@@ -219,7 +264,7 @@ def test_experts_per_gpu_run_json(tmp_path, cpu_devices):
     # ci (E 16, k 4, H 64, I 32, Is 48) on 2 devices with E/4 = 4 experts each: 8 in all, not full mode's 16
     out = tmp_path / "r.json"
     assert cli.main(["ci", "--impl", "xla", "--experts-per-gpu", "E/4", "--devices", "2", "--tokens", "16",
-                     "--json", str(out), "-q", *FAST]) == 0
+                     "--peak-tflops", "805", "--nvlink-gbps", "394", "--json", str(out), "-q", *FAST]) == 0
     rep = json.loads(out.read_text())
     assert rep["config"]["experts_per_gpu"] == "E/4"
     (r,) = rep["results"]
@@ -229,7 +274,9 @@ def test_experts_per_gpu_run_json(tmp_path, cpu_devices):
     # 2*128*3*64*32 = 1572864 routed, plus the same shared
     assert r["flops_per_gpu"] == 786432 + 294912
     assert r["executed_flops_per_gpu"] == 1572864 + 294912
-    assert r["compute_floor_ms"] == pytest.approx((786432 + 294912) / 805e12 * 1e3)
+    assert r["compute_floor_ms"] == pytest.approx((786432 + 294912) / 805e12 * 1e3)  # rooflines given: used on CPU
+    assert r["compute_fraction"] == pytest.approx(r["tflops"] / 805.0)
+    assert r["comm_fraction"] == pytest.approx(r["comm_floor_ms"] / r["median_ms"]) and r["comm_floor_ms"] > 0
     assert r["kernel"] is None and r["workspace_bytes_per_rank"] is None  # not a mok row
 
 

@@ -6,10 +6,11 @@ the time per call (``reps`` calls unrolled in one jitted program, timed with ``t
 ``reps``) and the unique remote bytes per second per GPU: token rows that must cross NVLink,
 counted once per destination rank (dispatch: rows a rank receives from other ranks; combine: the
 partial rows it receives back; the same count for uniform routing). Reported against the measured
-394 GB/s peer-copy bandwidth (HARDWARE.md), next to XLA's ``all_to_all`` of the same bytes in the
+394 GB/s peer-copy bandwidth of the 2-GPU H200 machine, next to XLA's ``all_to_all`` of the same bytes in the
 same process. ``--experts-per-gpu`` fixes the local experts and lets E grow with the EP size (the
 ep64-slice setting: kimi-k2's 384/64 = 6 per GPU). On NVSwitch machines (4 or 8 GPUs) the 394 GB/s is
 the 2-GPU NV18 figure, not a measurement of that machine: ``--peer-gbps`` replaces it.
+Without a CUDA GPU (or the native library) it says so in one line and exits 1.
 
 Also holds the seeded routing cases and self-identifying token rows that the comm tests share.
 """
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 __all__ = ["ROUTING_KINDS", "experts_for", "main", "parse_ranks", "routing_case", "self_identifying_tokens",
            "unique_remote_rows"]
 
-PEER_COPY_GBPS = 394.0  # HARDWARE.md: copy-engine peer copy GPU0 -> GPU1, one direction
+PEER_COPY_GBPS = 394.0  # measured on the 2-GPU H200 machine: copy-engine peer copy GPU0 -> GPU1, one direction
 ROUTING_KINDS = ("uniform", "zipf", "one-expert", "sparse-experts", "with-invalid")
 
 
@@ -314,6 +315,18 @@ def table(records: list[Record], peer_gbps: float = PEER_COPY_GBPS) -> str:
     return "\n".join(lines)
 
 
+def _why_not_here() -> str | None:
+    """Why the kernels cannot be timed here (no CUDA GPU, or no native library), in one line; None when they can."""
+    from mok_jax import _native
+
+    platforms = sorted({d.platform for d in jax.devices()})
+    if "gpu" not in platforms:
+        return f"needs a CUDA GPU; this machine has only {', '.join(platforms)} devices, so nothing was timed"
+    if _native.library() is None:
+        return _native.native_status()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
@@ -339,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.experts_per_gpu < 0:
         ap.error("--experts-per-gpu must be >= 0")
+    if why := _why_not_here():
+        print(f"python -m mok_jax.bench.comm: {why}", file=sys.stderr, flush=True)
+        return 1
     t0 = time.monotonic()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

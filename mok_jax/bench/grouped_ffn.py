@@ -2,17 +2,18 @@
 
     python -m mok_jax.bench.grouped_ffn [--out results.json] [--models kimi-k2 ...] [--settings ep64 ep2]
 
-Settings (HARDWARE.md), 2048 tokens per GPU, M = 2048 * top_k rows, uniform routing:
+Settings (the benchmark problems of the H200 machines), 2048 tokens per GPU, M = 2048 * top_k rows, uniform routing:
   ep64: the GPU holds E/64 experts (about 2,700 rows each): compute-bound. Compared, in the same process,
         with a dense bf16 GEMM pair of the same FLOPs through XLA (cuBLAS; SwiGLU unfused) and with the
         XLA batched einsum at exact capacity (groups padded to the largest one).
   ep2:  the GPU holds E/2 experts (about 85 rows each): bound by reading the weights. Reported as the
-        weight bytes over the time, against the 4.26 TB/s device-to-device copy of HARDWARE.md and the
+        weight bytes over the time, against the 4.26 TB/s device-to-device copy measured on one H200 and the
         4.8 TB/s nominal HBM rate. (The in-run XLA elementwise `v + 1` over 4 GiB, read + write, is also
         recorded as `copy_bandwidth_bytes_per_s`, but it reached only 3.2 TB/s on 2026-11-30, below the
         kernel's own weight-read rate, so it is not used as the ceiling.)
 The kernel runs with every SM and with 108 SMs (the rest left to communication in the megakernel).
 Times: median of device-synchronised samples (mok_jax.bench.timing.time_fn). A short table is printed last.
+Without a CUDA GPU (or the native library) it says so in one line and exits 1.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ TOKENS_PER_GPU = 2048
 EP_DEGREE = {"ep64": 64, "ep2": 2}
 REDUCED_SMS = 108
 HBM_NOMINAL_BYTES_PER_S = 4.8e12
-HARDWARE_MD_COPY_BYTES_PER_S = 4.26e12  # HARDWARE.md: device-to-device copy on one H200 (read + written)
+HARDWARE_MD_COPY_BYTES_PER_S = 4.26e12  # device-to-device copy measured on one H200 (read + written)
 COPY_BYTES = 4 << 30  # device copy used as the measured bandwidth ceiling: well past the 60 MB L2
 
 
@@ -163,6 +164,18 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _why_not_here() -> str | None:
+    """Why the kernels cannot be timed here (no CUDA GPU, or no native library), in one line; None when they can."""
+    from mok_jax import _native
+
+    platforms = sorted({d.platform for d in jax.devices()})
+    if "gpu" not in platforms:
+        return f"needs a CUDA GPU; this machine has only {', '.join(platforms)} devices, so nothing was timed"
+    if _native.library() is None:
+        return _native.native_status()
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here (and a .md table beside it)")
@@ -170,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="+", default=["ep64", "ep2"], choices=sorted(EP_DEGREE))
     ap.add_argument("--samples", type=int, default=10)
     args = ap.parse_args(argv)
+    if why := _why_not_here():
+        print(f"python -m mok_jax.bench.grouped_ffn: {why}", file=sys.stderr, flush=True)
+        return 1
     result = run(args.models, args.settings, samples=args.samples)
     text = table(result)
     if args.out:

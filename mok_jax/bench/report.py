@@ -5,7 +5,8 @@ JSON (``SCHEMA``): {
   "cpu_numbers": true when measured on CPU, "notice": a sentence saying so (or null),
   "device": {"platform", "kind", "count", "used", "platform_version"},
   "versions": {"python", "jax", "jaxlib", "flax", "numpy", "mok_jax"},
-  "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "nvlink_gbps"},
+  "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "nvlink_gbps"} (null on CPU unless given: the H200's
+  figures do not apply there; the floors and fractions of the results are null with them),
   "results": [one record per (model, tokens, pass, implementation, and for mok kernel setting), with exactly
               the keys RESULT_KEYS; status "ok" | "error" | "skipped" | "unsupported" (the implementation cannot
               run this pass, e.g. mok's backward), and error: why (or, with status "ok", a profile that failed);
@@ -30,7 +31,7 @@ import sys
 from typing import Any, Iterable
 
 __all__ = [
-    "RESULT_KEYS", "SCHEMA", "environment", "format_markdown", "format_memory", "format_table", "git_info",
+    "RESULT_KEYS", "SCHEMA", "environment", "fmt", "format_markdown", "format_memory", "format_table", "git_info",
     "kernel_label", "load_results", "plot_sweep", "write_json",
 ]
 
@@ -133,7 +134,7 @@ def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _fmt(v, spec: str, none: str = "-") -> str:
+def fmt(v, spec: str, none: str = "-") -> str:
     """format(v, spec), but with 3 significant digits where ``spec`` would show fewer (CPU-sized figures)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return none
@@ -169,64 +170,79 @@ def _varying_knobs(results: list[dict]) -> list[str]:
     return [n for n in ("comm_sms_fwd", "ring_slots", "dispatch", "combine") if len({k[n] for k in kernels}) > 1]
 
 
-def format_table(results: Iterable[dict], *, cpu: bool = False) -> str:
-    """Aligned text table, one row per result (a "kernel" column when mok rows are present)."""
+def _rooflines(results: list[dict]) -> tuple[bool, bool]:
+    """(any record has a compute floor, any has a communication floor): a CPU run has neither, and its table
+    shows no roofline columns."""
+    return (any(r.get("compute_floor_ms") is not None for r in results),
+            any(r.get("comm_floor_ms") is not None for r in results))
+
+
+def format_table(results: Iterable[dict]) -> str:
+    """Aligned text table, one row per result (a "kernel" column when mok rows are present; the roofline columns
+    only when the records have rooflines, i.e. not for a CPU run)."""
     results = list(results)
     with_kernel = any(r.get("kernel") for r in results)
+    with_peak, with_comm = _rooflines(results)
     varying = _varying_knobs(results)
-    head = ("model", "mode", "T/GPU", "pass", "impl", "median ms", "min..max ms", "TFLOP/s", "%peak",
-            "comm ms", "%comm", "vs base", "note")
+    percent = lambda v: fmt(v and v * 100, ".1f")
+    columns = [  # (heading, cell of one record, numeric); a cell None means "-" for a run that is not ok
+        ("model", lambda r: r["model"], False), ("mode", lambda r: r["ep_mode"], False),
+        ("T/GPU", lambda r: str(r["tokens_per_gpu"]), True), ("pass", lambda r: r["pass"], False),
+        ("impl", lambda r: r["impl"], False)]
     if with_kernel:
-        head = head[:5] + ("kernel",) + head[5:]
-    rows = []
-    for r in results:
-        ok = r["status"] == "ok"
-        row = (
-            r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], r["impl"],
-            _fmt(r["median_ms"], ".3f") if ok else "-",
-            f"{r['min_ms']:.3f}..{r['max_ms']:.3f}" if ok else "-",
-            _fmt(r["tflops"], ".1f") if ok else "-",
-            _fmt(r["compute_fraction"] and r["compute_fraction"] * 100, ".1f") if ok else "-",
-            _fmt(r["comm_floor_ms"], ".3f"),
-            _fmt(r["comm_fraction"] and r["comm_fraction"] * 100, ".1f") if ok else "-",
-            (_fmt(r["speedup_vs_baseline"], ".2f") + "x") if ok and r["speedup_vs_baseline"] else "-",
-            _note(r),
-        )
-        rows.append(row[:5] + (kernel_label(r, varying),) + row[5:] if with_kernel else row)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    numeric = {head.index(h) for h in ("T/GPU", "median ms", "min..max ms", "TFLOP/s", "%peak", "comm ms", "%comm",
-                                       "vs base")}
-    line = lambda cells: "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [line(head), line(["-" * w for w in widths])] + [line(row) for row in rows]
-    foot = ("%peak: TFLOP/s over the compute roofline; comm ms: dispatch+combine floor at the NVLink bandwidth "
-            "(busiest GPU); %comm: that floor over the median; vs base: baseline median / this median.")
-    out.append(foot)
-    if cpu:
-        banner = "CPU NUMBERS: no GPU here; these are CPU times of the pure-JAX paths, not GPU performance."
-        out = [banner] + out + [banner]
+        columns.append(("kernel", lambda r: kernel_label(r, varying), False))
+    columns += [("median ms", lambda r: fmt(r["median_ms"], ".3f"), True),
+                ("min..max ms", lambda r: f"{r['min_ms']:.3f}..{r['max_ms']:.3f}", True),
+                ("TFLOP/s", lambda r: fmt(r["tflops"], ".1f"), True)]
+    if with_peak:
+        columns.append(("%peak", lambda r: percent(r["compute_fraction"]), True))
+    if with_comm:
+        columns += [("comm ms", lambda r: fmt(r["comm_floor_ms"], ".3f"), True),
+                    ("%comm", lambda r: percent(r["comm_fraction"]), True)]
+    columns += [("vs base", lambda r: fmt(r["speedup_vs_baseline"], ".2f") + "x" if r["speedup_vs_baseline"] else "-",
+                 True), ("note", _note, False)]
+    always = {"model", "mode", "T/GPU", "pass", "impl", "kernel", "comm ms", "note"}  # known before a run
+    rows = [[cell(r) if r["status"] == "ok" or head in always else "-" for head, cell, _ in columns]
+            for r in results]
+    widths = [max(len(head), *(len(row[i]) for row in rows)) if rows else len(head)
+              for i, (head, _, _) in enumerate(columns)]
+    line = lambda cells: "  ".join(c.rjust(w) if numeric else c.ljust(w)
+                                   for c, w, (_, _, numeric) in zip(cells, widths, columns)).rstrip()
+    out = [line([head for head, _, _ in columns]), line(["-" * w for w in widths])] + [line(row) for row in rows]
+    foot = []
+    if with_peak:
+        foot.append("%peak: TFLOP/s over the compute roofline")
+    if with_comm:
+        foot.append("comm ms: dispatch+combine floor at the NVLink bandwidth (busiest GPU); %comm: that floor over "
+                    "the median")
+    foot.append("vs base: baseline median / this median.")
+    out.append("; ".join(foot))
     return "\n".join(out)
 
 
-def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None, cpu: bool = False) -> str:
-    """A short markdown table (for the README): one row per result (mok rows name their kernel)."""
+def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None) -> str:
+    """A short markdown table (for the README): one row per result (mok rows name their kernel; the roofline
+    columns only when the records have rooflines, i.e. not for a CPU run)."""
     results = list(results)
     varying = _varying_knobs(results)
-    peak = f"% of {peak_tflops:g}" if peak_tflops else "% of peak"
-    head = ("model", "mode", "T/GPU", "pass", "impl", "median ms", "TFLOP/s", peak, "comm floor ms", "vs baseline",
-            "note")
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["--:"] * 5 + ["---"]) + "|"]
+    with_peak, with_comm = _rooflines(results)
+    head = ["model", "mode", "T/GPU", "pass", "impl", "median ms", "TFLOP/s"]
+    head += [f"% of {peak_tflops:g}" if peak_tflops else "% of peak"] if with_peak else []
+    head += ["comm floor ms"] if with_comm else []
+    head += ["vs baseline", "note"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["--:"] * (len(head) - 6) + ["---"]) + "|"]
     for r in results:
         ok = r["status"] == "ok"
         impl = f"`{r['impl']}`" + (f" ({kernel_label(r, varying)})" if r.get("kernel") else "")
-        cells = (r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], impl,
-                 _fmt(r["median_ms"], ".3f") if ok else "-", _fmt(r["tflops"], ".1f") if ok else "-",
-                 _fmt(r["compute_fraction"] * 100, ".1f") if ok else "-", _fmt(r["comm_floor_ms"], ".3f"),
-                 (_fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}") if ok and r["speedup_vs_baseline"]
-                 else "-", _note(r).replace("|", "/"))
+        cells = [r["model"], r["ep_mode"], str(r["tokens_per_gpu"]), r["pass"], impl,
+                 fmt(r["median_ms"], ".3f") if ok else "-", fmt(r["tflops"], ".1f") if ok else "-"]
+        if with_peak:
+            cells.append(fmt(r["compute_fraction"] and r["compute_fraction"] * 100, ".1f") if ok else "-")
+        if with_comm:
+            cells.append(fmt(r["comm_floor_ms"], ".3f"))
+        cells += [(fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}") if ok and r["speedup_vs_baseline"]
+                  else "-", _note(r).replace("|", "/")]
         out.append("| " + " | ".join(cells) + " |")
-    if cpu:
-        out.append("\n**CPU NUMBERS**: measured without a GPU; CPU times of the pure-JAX paths, not GPU performance.")
     return "\n".join(out)
 
 
