@@ -100,7 +100,7 @@ MAX_RING_SLOTS = 8  # kMaxRingSlots in ffi/include/mok/moe/forward.cuh
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """Tuning of the megakernel (DESIGN.md, "Overlap" and "Memory"). Ignored by implementation='xla'.
+    """Tuning of the megakernel (docs/kernel.md). Ignored by implementation='xla'.
     Every value gives bitwise the same outputs; only the speed and the memory change.
 
     granularity: tokens per microbatch (a multiple of 64 in 512..32768; clipped to the tokens of a call).

@@ -1,6 +1,6 @@
 """Any EP size on one GPU: the megakernel's expert-parallel protocol with every rank on the same device.
 
-DESIGN.md, "Testing any EP size on one GPU": the kernels take their EP rank and peer table as parameters,
+docs/design.md, "EP on one GPU (emulation)": the kernels take their EP rank and peer table as parameters,
 so ``ep`` ranks run against ``ep`` workspaces on one device, in one launch whose CTAs split into the
 ranks. Everything of the real protocol runs (routing exchange, schedule, pull/push dispatch through the
 peers' staging buffers, the ring, push/pull combine, the epoch-stamped flags, timeouts); only NVLink is

@@ -26,7 +26,7 @@ OUT=${OUT:-out/gpu_bench}
 PY=${PYTHON:-python3}
 TOTAL=${MOK_BENCH_BUDGET_S:-320}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0  # HARDWARE.md: NVLink multicast stays off
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
 export MOK_GIT_COMMIT=${MOK_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 START=$SECONDS

@@ -13,7 +13,7 @@ from mok_jax.weights import MoEWeights
 # fp32 math reordered (per-rank partial sums, different matmul blocking): a few ulps of the output.
 TOL_F32_REORDER = 2e-5
 # bf16 outputs: one rounding of the output is 2^-8 relative; the expert-parallel path also rounds
-# each owner's partial to bf16 before the final sum (DESIGN.md's wire format), so allow 4 ulps.
+# each owner's partial to bf16 before the final sum (the wire format, docs/kernel.md), so allow 4 ulps.
 TOL_BF16_REORDER = 4 * 2.0**-8
 
 

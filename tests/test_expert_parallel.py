@@ -58,7 +58,7 @@ def test_gradients_equal_single_device(cpu_devices):
 
 
 def test_router_weight_gradient_is_expert_output_dot_dy():
-    # DESIGN.md: d topk_weight[t, j] = <dy_t, expert_{topk_idx[t, j]}(x_t)>
+    # docs/design.md: d topk_weight[t, j] = <dy_t, expert_{topk_idx[t, j]}(x_t)>
     shape = mj.load_model("ci")
     x, idx, w, W = random_problem(shape, 8, seed=15)
     dy = jax.random.normal(jax.random.key(16), x.shape)

@@ -1,6 +1,6 @@
 """Expert FFNs and the single-device MoE, as dense masked einsums.
 
-Precision follows DESIGN.md: matmuls take the input dtype and accumulate in fp32; the SwiGLU
+Precision follows docs/design.md ("Precision"): matmuls take the input dtype and accumulate in fp32; the SwiGLU
 activation h is rounded to the input dtype (the kernel stores it so); the weighted sum over the
 top-k slots runs in fp32 in slot order j = 0..k-1, then the shared expert is added, then the
 result is rounded to the input dtype.

@@ -3,7 +3,7 @@
 //   counts[e]   = #{(t, j) : topk_idx[t, j] == e}          for e in [0, num_experts)
 //   num_invalid = #{(t, j) : topk_idx[t, j] outside [0, num_experts)}
 //
-// This is the first step of the device-side schedule (DESIGN.md, "Schedule"). Integer atomics only,
+// This is the first step of the device-side schedule (docs/kernel.md, "Work items and their order"). Integer atomics only,
 // so the result is exact and independent of execution order. Each block builds a histogram in shared
 // memory (num_experts int32) and folds it into global memory once.
 #pragma once

@@ -34,7 +34,7 @@
 // use any number of microbatches, and calls of the comm ops and of the megakernel never share a flag.
 //
 // Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes, linear in ep (H 7168,
-// 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the device-side ring of DESIGN.md bounds
+// 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the megakernel's device-side ring (docs/kernel.md) bounds
 // this later). Nothing else depends on ep beyond the [ep]-indexed regions above: every loop over peers
 // runs to shape.ep and the peer table holds ep pointers. Everything is zeroed once at setup and never
 // memset again: signals are monotonic counters compared against epoch * kSignalUnits.

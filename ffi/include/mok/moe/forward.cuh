@@ -8,7 +8,7 @@
 // exchange, the device-side schedule, dispatch, the shared expert, the routed gate/up GEMM with SwiGLU,
 // the down GEMM, combine and the final sum (mok/moe/forward_kernel.cuh says how). A call normally carries
 // one rank (the caller's, inside shard_map); an emulated call carries all `ep` ranks of one EP group on
-// one device (DESIGN.md, "Testing any EP size on one GPU"), each against its own workspace.
+// one device (docs/design.md, "EP on one GPU (emulation)"), each against its own workspace.
 //
 // Memory per rank: the workspace (symmetric: flags, routing, staging; mok/comm/workspace.cuh) and one
 // scratch buffer that the caller allocates per call (forward_scratch_layout): the ring of `ring_slots`
