@@ -520,21 +520,13 @@ class Workspace:
         """Free every device allocation and remove the id from the native registry; a program still
         compiled against this workspace then fails with an error saying it was closed. Waits first for the
         work already dispatched to the local devices. Idempotent; drops the workspace from the layer's
-        cache. Collective across processes when the mesh spans processes, like :meth:`create`.
-
-        The handlers may be recorded into XLA command buffers (CUDA graphs), whose replays skip the
-        handler's host-side lookup: so close() first clears JAX's caches of compiled programs
-        (``jax.clear_caches()``), and a jitted function that used the workspace retraces and meets the
-        "closed" error instead of replaying kernels into freed memory. A compiled executable that the
-        caller holds itself (``jax.jit(f).lower(...).compile()``) is not in those caches: do not run it
-        after closing its workspace."""
+        cache. Collective across processes when the mesh spans processes, like :meth:`create`."""
         if self._closed:
             return
         self._closed = True
         _forget(self)
         lib = _lib()
         _drain({lr.device for lr in self._local})
-        jax.clear_caches()
         lib.mok_comm_release_peers(self.id)
         if self.spans_processes:
             from jax.experimental import multihost_utils

@@ -372,17 +372,19 @@ def test_flax_modules_forward():
 
     shape = _shape(8, 512, 256, 2)
     x = jax.random.normal(_key("flax"), (2, 64, 512), jnp.float32)
-    layer = MoELayer(shape, implementation="mok", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    # the workspace is set up at construction, outside jit (max_tokens: the most tokens a call takes)
+    layer = MoELayer(shape, implementation="mok", dtype=jnp.bfloat16, max_tokens=128, rngs=nnx.Rngs(0))
     y = nnx.jit(lambda m, x: m(x))(layer, x)
     tokens = x.reshape(-1, 512).astype(jnp.bfloat16)
     idx, w, _ = layer.route(tokens)
     _check_math("flax_nnx", y.reshape(-1, 512), tokens, idx, w, layer.weights())
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("ep",))
-    layer_m = MoELayer(shape, mesh=mesh, implementation="mok", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer_m = MoELayer(shape, mesh=mesh, implementation="mok", dtype=jnp.bfloat16, max_tokens=128,
+                       rngs=nnx.Rngs(0))
     y_m = nnx.jit(lambda m, x: m(x))(layer_m, x)
     np.testing.assert_array_equal(_bits(y_m), _bits(y))
-    lin = LinenMoELayer(shape, implementation="mok")
-    params = lin.init(jax.random.key(0), x)
+    lin = LinenMoELayer(shape, implementation="mok", max_tokens=128)
+    params = lin.init(jax.random.key(0), x)  # outside jit: sets the workspace up
     y_l = np.asarray(jax.jit(lin.apply)(params, x), np.float32).reshape(-1, 512)
     y_x = np.asarray(jax.jit(LinenMoELayer(shape, implementation="xla").apply)(params, x), np.float32).reshape(-1, 512)
     # both are bf16 layers within a few bf16 roundings of the fp32 one: 4 roundings per row bounds them

@@ -3,17 +3,13 @@
 Every case compares ``implementation="mok"`` under a transformation with the same calls made plainly, bit
 for bit (the math is the same, so the bits must be): ``jax.checkpoint`` with the default and a names-based
 policy, ``lax.scan`` over a stack of 4 layers, two layers of different shapes in one program, donated
-arguments, ``jax.jit`` callers on meshes of Auto and of Explicit axes, and an XLA command buffer (CUDA graph)
-that records the custom call once and replays it. The gradient parts follow the backward megakernel.
+arguments, and ``jax.jit`` callers on meshes of Auto and of Explicit axes. The gradient parts follow the
+backward megakernel. (XLA command buffers: the handlers do not declare the trait; see ffi/src/ffi_common.h.)
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -107,53 +103,6 @@ def test_jit_callers_on_auto_and_explicit_meshes(axis_type):
     np.testing.assert_array_equal(_bits(f(x, idx, w, W)), _bits(want))
 
 
-_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
-    import ctypes, json, sys, zlib
-    import jax, jax.numpy as jnp, numpy as np
-    import mok_jax as mj
-    from mok_jax import _native
-    from mok_jax.bench.routing import make_routing
-    from mok_jax.config import KernelConfig, MoEConfig
-    from mok_jax.weights import MoEWeights
-    E, H, I, k, T = 16, 512, 256, 4, 600
-    ks = jax.random.split(jax.random.key(int(sys.argv[1])), 5)
-    n = lambda key, s, f: (jax.random.normal(key, s) * f**-0.5).astype(jnp.bfloat16)
-    W = MoEWeights(n(ks[0], (E, H, 2 * I), H), n(ks[1], (E, I, H), I), n(ks[2], (H, 2 * I), H), n(ks[3], (I, H), I))
-    x = jax.random.normal(ks[4], (T, H)).astype(jnp.bfloat16)
-    idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=3)
-    cfg = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
-    step = jax.jit(lambda x: mj.moe(x, jnp.asarray(idx), jnp.asarray(w), W, config=cfg) * 2)
-    lib = _native.library()
-    lib.mok_moe_forward_handler_calls.restype = ctypes.c_int64
-    jax.block_until_ready(step(x))
-    before = lib.mok_moe_forward_handler_calls()
-    ys = [np.asarray(step(x)).view(np.uint16) for _ in range(6)]
-    print(json.dumps({"handler_runs": lib.mok_moe_forward_handler_calls() - before,
-                      "replays_equal": all((y == ys[0]).all() for y in ys),
-                      "crc": zlib.crc32(ys[0].tobytes())}))
-""")
-
-
-def _run_command_buffer_script(xla_flags: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=xla_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    out = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(_SEED % 100000)], env=env,
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_command_buffer_replays_the_custom_call():
-    """With custom calls in XLA command buffers the step is recorded once and replayed: the handler runs
-    fewer times than the step, and every replay gives the bits of the step run without command buffers."""
-    plain = _run_command_buffer_script("--xla_gpu_enable_command_buffer=")
-    graph = _run_command_buffer_script("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                                       "--xla_gpu_graph_min_graph_size=1")
-    assert plain["handler_runs"] == 6, plain
-    assert plain["replays_equal"] and graph["replays_equal"], (plain, graph)
-    assert graph["handler_runs"] < 6, f"the custom call was not replayed from a command buffer: {graph}"
-    assert graph["crc"] == plain["crc"], (plain, graph)
-
-
 def test_nnx_scan_over_four_layers_equals_the_loop():
     """nnx.scan over 4 stacked MoELayer modules (their own router, weights and one shared workspace) against
     the layers applied one by one. The routers run inside different XLA programs, so the comparison is per
@@ -168,7 +117,7 @@ def test_nnx_scan_over_four_layers_equals_the_loop():
     @nnx.split_rngs(splits=4)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return MoELayer(shape, implementation="mok", kernel=MOK.kernel, rngs=rngs)
+        return MoELayer(shape, implementation="mok", kernel=MOK.kernel, max_tokens=600, rngs=rngs)
 
     stack = make(nnx.Rngs(_SEED % 1000))
     x = jax.random.normal(seeded_key(_SEED, "nnx_scan"), (600, shape.hidden_size)).astype(jnp.bfloat16)

@@ -130,7 +130,9 @@ def test_processes_agree_on_process0_id():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_WORKER, str(i), str(port)], env=_env(), cwd=REPO,
+    # CPU processes: on a one-GPU machine two GPU processes would share the device (NCCL refuses that)
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_WORKER, str(i), str(port)], env=_env(JAX_PLATFORMS="cpu"),
+                              cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = []
     for p in procs:
@@ -572,8 +574,9 @@ def _worker(case: str, args: list[str]) -> None:
 
         if case == "export":
             layer = _layer_fn()
-            exp = export.export(layer, disabled_checks=[export.DisabledSafetyCheck.custom_call("mok_moe_forward")])(
-                *problem)
+            flat = jax.jit(lambda x, i, wt, *W: layer(x, i, wt, type(problem[3])(*W)))  # arrays only: serializable
+            exp = export.export(flat, disabled_checks=[export.DisabledSafetyCheck.custom_call("mok_moe_forward")])(
+                *problem[:3], *problem[3])
             pathlib.Path(args[0]).write_bytes(exp.serialize())
             (ws,) = w.cached_workspaces()
             print("WS_ID", ws.id, flush=True)
@@ -585,7 +588,7 @@ def _worker(case: str, args: list[str]) -> None:
             assert ws.id != exported_id
             exp = export.deserialize(bytearray(pathlib.Path(args[0]).read_bytes()))
             try:
-                jax.block_until_ready(exp.call(*problem))
+                jax.block_until_ready(exp.call(*problem[:3], *problem[3]))
                 raise AssertionError("a program exported from another process must be refused")
             except Exception as e:  # noqa: BLE001
                 assert f"mok workspace {exported_id} does not exist in this process" in str(e), e

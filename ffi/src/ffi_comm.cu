@@ -163,7 +163,7 @@ ffi::Error combine_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAtt
 
 }  // namespace
 
-MOK_FFI_GRAPH_HANDLER(MokCommDispatch, dispatch_impl,
+MOK_FFI_HANDLER(MokCommDispatch, dispatch_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Ctx<ffi::DeviceOrdinal>()
@@ -178,7 +178,7 @@ MOK_FFI_GRAPH_HANDLER(MokCommDispatch, dispatch_impl,
                     .Ret<ffi::Buffer<ffi::S32>>()
                     .Ret<ffi::Buffer<ffi::S32>>());
 
-MOK_FFI_GRAPH_HANDLER(MokCommCombine, combine_impl,
+MOK_FFI_HANDLER(MokCommCombine, combine_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Ctx<ffi::DeviceOrdinal>()

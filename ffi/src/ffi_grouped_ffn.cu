@@ -68,7 +68,7 @@ ffi::Error grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::
 
 }  // namespace
 
-MOK_FFI_GRAPH_HANDLER(MokGroupedFfn, grouped_ffn_impl,
+MOK_FFI_HANDLER(MokGroupedFfn, grouped_ffn_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Arg<ffi::Buffer<ffi::BF16>>()   // x

@@ -14,7 +14,6 @@
 // workspace, fills the launch arguments and launches. No host synchronisation, no device-to-host copy.
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -50,8 +49,6 @@ namespace {
 using mok::ffi_util::cuda_error;
 using mok::ffi_util::invalid;
 
-std::atomic<int64_t> g_forward_calls{0};  // handler runs (a command buffer replays without running it)
-
 std::string dims_str(ffi::Span<const int64_t> d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -78,7 +75,6 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
                         ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> status,
                         ffi::ResultBuffer<ffi::U8> scratch) {
   constexpr const char* kOp = "mok_moe_forward";
-  g_forward_calls.fetch_add(1, std::memory_order_relaxed);
   int device = -1;
   if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
     cudaGetLastError();
@@ -174,7 +170,7 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
 
 }  // namespace
 
-MOK_FFI_GRAPH_HANDLER(MokMoeForward, forward_impl,
+MOK_FFI_HANDLER(MokMoeForward, forward_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Ctx<ffi::DeviceOrdinal>()
@@ -231,9 +227,4 @@ extern "C" __attribute__((visibility("default"))) int32_t mok_moe_unsupported(
   const char* why = mok::moe::forward_unsupported(shape, knobs);
   if (out != nullptr && out_len > 0) std::snprintf(out, size_t(out_len), "%s", why ? why : "");
   return why ? 1 : 0;
-}
-
-// How many times the forward handler ran in this process (tests: XLA replaying a command buffer does not run it).
-extern "C" __attribute__((visibility("default"))) int64_t mok_moe_forward_handler_calls() {
-  return g_forward_calls.load(std::memory_order_relaxed);
 }

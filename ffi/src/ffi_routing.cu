@@ -27,7 +27,7 @@ ffi::Error expert_counts_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_id
 
 }  // namespace
 
-MOK_FFI_GRAPH_HANDLER(MokExpertCounts, expert_counts_impl,
+MOK_FFI_HANDLER(MokExpertCounts, expert_counts_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Arg<ffi::Buffer<ffi::S32>>()
