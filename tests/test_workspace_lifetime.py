@@ -601,3 +601,33 @@ def _worker(case: str, args: list[str]) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2:])
+
+
+def _packed(code: int, op: int, rank: int = 0, peer: int = 1, epoch: int = 7) -> int:
+    """An error word as the kernels pack it (mok/comm/workspace.cuh, pack_error)."""
+    return code | (op << 8) | (rank << 16) | (peer << 32) | (epoch << 48)
+
+
+def test_error_text_tells_call_errors_from_poison():
+    """A megakernel call error (bad routing) leaves the workspace usable and says so; a timeout poisons it."""
+    import ctypes
+
+    from mok_jax import _native
+    from mok_jax import workspace as w
+
+    lib = _native.library()
+    if lib is None:
+        pytest.skip("the native library is not built here (not a pass)")
+    w._declare(lib)  # the text comes from host code: no GPU needed
+
+    def describe_error(word: int) -> str:
+        buf = ctypes.create_string_buffer(1024)
+        lib.mok_comm_describe_error(ctypes.c_uint64(word), buf, len(buf))
+        return buf.value.decode()
+
+    bad_id = describe_error(_packed(5, 3))  # kErrBadExpert, kOpMoeForward
+    assert "outside [-1, num_experts)" in bad_id and "stays usable" in bad_id and "poisoned" not in bad_id, bad_id
+    overflow = describe_error(_packed(4, 3))  # kErrOverflow of the megakernel: a call error too
+    assert "ring slot" in overflow and "stays usable" in overflow, overflow
+    timeout = describe_error(_packed(2, 1))  # kErrTimeoutData of dispatch
+    assert "timed out" in timeout and "poisoned" in timeout and "EP rank 1" in timeout, timeout

@@ -223,10 +223,13 @@ std::string describe_error(uint64_t packed) {
       break;
     default: what = "error code " + std::to_string(e.code); break;
   }
-  return std::string("mok ") + op_name(e.op) + " on EP rank " + std::to_string(e.rank) + ": " + what +
-         " (epoch " + std::to_string(e.epoch_lo) + " mod 65536). A rank that did not make the same call, a "
-         "too-short timeout_s, or a crashed peer causes this; the workspace is poisoned: close it and create "
-         "a new one";
+  const std::string where = std::string("mok ") + op_name(e.op) + " on EP rank " + std::to_string(e.rank) +
+                            ": " + what + " (epoch " + std::to_string(e.epoch_lo) + " mod 65536)";
+  // The megakernel's call errors (bad routing) are reported once and leave the workspace usable.
+  const bool call_error = e.op == kOpMoeForward && (e.code == kErrBadExpert || e.code == kErrOverflow);
+  if (call_error) return where + ". The workspace stays usable; fix the routing of the call";
+  return where + ". A rank that did not make the same call, a too-short timeout_s, or a crashed peer causes "
+                 "this; the workspace is poisoned: close it and create a new one";
 }
 
 }  // namespace mok::comm
