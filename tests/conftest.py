@@ -27,6 +27,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def gpu_kernels():
+    """Skip (with the reason, not a pass) unless a CUDA GPU and the native library are both here: the gate of
+    the tests that run mok's kernels (``pytest.mark.usefixtures("gpu_kernels")``)."""
+    from helpers import gpu_skip_reason
+
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
 def cpu_devices():
     devs = jax.devices("cpu")
     if len(devs) < 8:

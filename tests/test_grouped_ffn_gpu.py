@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpu_skip_reason, record_metrics, seeded_key
+from helpers import record_metrics, seeded_key
 
 from mok_jax import _native, reference
 from mok_jax.config import load_model
@@ -30,7 +30,7 @@ from mok_jax.ops.grouped_ffn import (
     grouped_ffn,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
 # The kernel rounds only h and y to bf16; naive bf16 (bf16 matmul outputs, bf16 SwiGLU) also rounds
 # gate, up and the activation, so the kernel should sit at or below 1x of its error: 2x is the bound.
@@ -41,13 +41,6 @@ ERR_FLOOR = 1e-4
 
 _SEED = int.from_bytes(os.urandom(4), "little")
 print(f"test_grouped_ffn_gpu: seed {_SEED}")
-
-
-@pytest.fixture(autouse=True)
-def _need_gpu_and_library():
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
 
 
 def _record(case: str, **metrics):

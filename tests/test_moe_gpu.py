@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import gpu_skip_reason, record_metrics, seeded_key
+from helpers import record_metrics, seeded_key
 
 import mok_jax as mj
 from mok_jax import reference
@@ -34,7 +34,7 @@ from mok_jax.reference.comm import dispatch_combine_identity_numpy
 from mok_jax.weights import MoEWeights
 from mok_jax.workspace import CommTimeoutError, InvalidRoutingError, Workspace, local_workspace
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
 # The kernel rounds h, each expert's output row, each owner's partial and y to bf16 and accumulates in
 # fp32; the naive bf16 layer rounds every matmul output, the SwiGLU and every partial sum too, so the
@@ -46,13 +46,6 @@ ERR_FLOOR = 2.0**-8
 
 _SEED = int.from_bytes(os.urandom(4), "little")
 print(f"test_moe_gpu: seed {_SEED}")
-
-
-@pytest.fixture(autouse=True)
-def _need_gpu_and_library():
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
 
 
 def _record(case: str, **metrics):

@@ -15,25 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpu_skip_reason, seeded_key
+from helpers import seeded_key
 
 import mok_jax as mj
 from mok_jax.bench.routing import make_routing
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
 from mok_jax.weights import MoEWeights
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
 _SEED = int.from_bytes(os.urandom(4), "little")
 print(f"test_programs_gpu: seed {_SEED}")
 MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
-
-
-@pytest.fixture(autouse=True)
-def _need_gpu_and_library():
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
 
 
 def _problem(tag: str, E=16, H=512, I=256, k=4, Is=256, T=600, layers=None):

@@ -30,6 +30,8 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mok_jax.bench.timing import kernels_unavailable
+
 __all__ = ["ROUTING_KINDS", "experts_for", "main", "parse_ranks", "routing_case", "self_identifying_tokens",
            "unique_remote_rows"]
 
@@ -315,18 +317,6 @@ def table(records: list[Record], peer_gbps: float = PEER_COPY_GBPS) -> str:
     return "\n".join(lines)
 
 
-def _why_not_here() -> str | None:
-    """Why the kernels cannot be timed here (no CUDA GPU, or no native library), in one line; None when they can."""
-    from mok_jax import _native
-
-    platforms = sorted({d.platform for d in jax.devices()})
-    if "gpu" not in platforms:
-        return f"needs a CUDA GPU; this machine has only {', '.join(platforms)} devices, so nothing was timed"
-    if _native.library() is None:
-        return _native.native_status()
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
@@ -352,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.experts_per_gpu < 0:
         ap.error("--experts-per-gpu must be >= 0")
-    if why := _why_not_here():
+    if why := kernels_unavailable():
         print(f"python -m mok_jax.bench.comm: {why}", file=sys.stderr, flush=True)
         return 1
     t0 = time.monotonic()

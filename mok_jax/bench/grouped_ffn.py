@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax.bench.timing import time_fn
+from mok_jax.bench.timing import kernels_unavailable, time_fn
 from mok_jax.config import load_model
 from mok_jax.ops.grouped_ffn import grouped_ffn
 
@@ -164,18 +164,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _why_not_here() -> str | None:
-    """Why the kernels cannot be timed here (no CUDA GPU, or no native library), in one line; None when they can."""
-    from mok_jax import _native
-
-    platforms = sorted({d.platform for d in jax.devices()})
-    if "gpu" not in platforms:
-        return f"needs a CUDA GPU; this machine has only {', '.join(platforms)} devices, so nothing was timed"
-    if _native.library() is None:
-        return _native.native_status()
-    return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here (and a .md table beside it)")
@@ -183,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="+", default=["ep64", "ep2"], choices=sorted(EP_DEGREE))
     ap.add_argument("--samples", type=int, default=10)
     args = ap.parse_args(argv)
-    if why := _why_not_here():
+    if why := kernels_unavailable():
         print(f"python -m mok_jax.bench.grouped_ffn: {why}", file=sys.stderr, flush=True)
         return 1
     result = run(args.models, args.settings, samples=args.samples)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["Timing", "time_fn"]
+__all__ = ["Timing", "kernels_unavailable", "time_fn"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,3 +59,16 @@ def time_fn(
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3 / calls)
     return Timing(statistics.median(times), min(times), max(times), samples, calls)
+
+
+def kernels_unavailable() -> str | None:
+    """Why the CUDA kernels cannot be timed here (no CUDA GPU, or no native library), in one line; None when
+    they can. The kernel benchmarks print it and exit instead of timing nothing."""
+    from mok_jax import _native
+
+    platforms = sorted({d.platform for d in jax.devices()})
+    if "gpu" not in platforms:
+        return f"needs a CUDA GPU; this machine has only {', '.join(platforms)} devices, so nothing was timed"
+    if _native.library() is None:
+        return _native.native_status()
+    return None
