@@ -7,8 +7,8 @@
 namespace mok {
 namespace {
 
-using GateUpGemm = gemm::Sm90GroupedGemm</*kSwiGLU=*/true>;
-using DownGemm = gemm::Sm90GroupedGemm</*kSwiGLU=*/false>;
+using GateUpGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kSwiGLU>;
+using DownGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kBf16>;
 using Bf16 = cutlass::bfloat16_t;
 static_assert(gemm::kStatusNegativeGroup == kGroupedFfnStatusNegativeGroup, "status bits");
 static_assert(gemm::kStatusRowOverflow == kGroupedFfnStatusRowOverflow, "status bits");

@@ -3,7 +3,10 @@
 //   out[r, n] = epilogue( sum_k A[r, k] * B[g][k, n] )        for rows r of group g (expert-major rows)
 //   kSwiGLU:  the CTA tile's 256 MMA columns are 128 gate columns [n0, n0+128) and the 128 matching up
 //             columns [n0 + I, n0 + I + 128) of gate_up[g] (H x 2I); out = silu(gate) * up  (h, M x I)
-//   else:     the 256 MMA columns are [n0, n0 + 256) of down[g] (I x H); out = acc         (y, M x H)
+//   kBf16:    the 256 MMA columns are [n0, n0 + 256) of B[g]; out = acc  (y = h @ down, M x H; and in the
+//             backward gu = x @ gate_up, M x 2I, and, with K-major B, dx = dgu @ gate_up^T, M x H)
+//   kSwiGLUBackward (K-major B = down[g]^T, so acc = dh' = dy @ down^T over 256 columns of I): the SwiGLU
+//             backward of mok/gemm/swiglu_backward.cuh (dgu, w * h, and the router-weight partials)
 // fp32 accumulation in registers, bf16 out with round-to-nearest-even.
 //
 // Built from the tile pieces of sm90_tile.cuh and the static group scheduler of group_scheduler.cuh.
@@ -28,14 +31,18 @@
 #include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
+#include "mok/gemm/swiglu_backward.cuh"
 
 namespace mok::gemm {
 
-template <bool kSwiGLU_>
+enum class Epilogue { kSwiGLU, kBf16, kSwiGLUBackward };
+
+template <Epilogue kEpi, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
 struct Sm90GroupedGemm {
-  using Tile = Sm90Tile;
-  using Element = Tile::Element;
-  static constexpr bool kSwiGLU = kSwiGLU_;
+  using Tile = Sm90TileT<cute::GMMA::Major::K, kMajorB>;
+  using Element = typename Tile::Element;
+  static constexpr bool kSwiGLU = kEpi == Epilogue::kSwiGLU;
+  static constexpr bool kBackward = kEpi == Epilogue::kSwiGLUBackward;
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kHalfN = Tile::kHalfN;
   static constexpr int kOutCols = kSwiGLU ? Tile::kHalfN : Tile::kBlockN;  // output columns per tile
@@ -50,8 +57,8 @@ struct Sm90GroupedGemm {
   static_assert(kProducerRegs * 128 + kConsumerRegs * Tile::kConsumerThreads <= (65536 / kThreads / 8 * 8) * kThreads,
                 "setmaxnreg budget of the CTA");
 
-  using TmaA = Tile::TmaA;
-  using TmaB = Tile::TmaB;
+  using TmaA = typename Tile::TmaA;
+  using TmaB = typename Tile::TmaB;
   static auto make_tma_a(const Element* ptr, int rows, int k) { return Tile::make_tma_a(ptr, rows, k); }
   static auto make_tma_b(const Element* ptr, int n_b, int k, int groups) {
     return Tile::make_tma_b(ptr, n_b, k, groups);
@@ -71,26 +78,27 @@ struct Sm90GroupedGemm {
     int64_t out_ld;
     int32_t* status;             // status word (bounded-wait failures are or-ed in)
     int32_t write_status;        // CTA 0 stores the group-size status (the first GEMM of the pair)
+    SwigluBackwardOut bwd;       // kSwiGLUBackward only: its inputs and outputs besides acc
   };
 
   struct SharedStorage {
-    Tile::Stages stages;
+    typename Tile::Stages stages;
     alignas(16) uint32_t epi[Tile::kConsumerWarpgroups][Tile::kEpiWords];
     GroupTable<kMaxGroups> table;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
 
-  __device__ static Tile::TileLoad tile_load(const Params& p, const TileCoord& tc) {
+  __device__ static typename Tile::TileLoad tile_load(const Params& p, const TileCoord& tc) {
     const int col0 = tc.n_block * kOutCols;
-    return Tile::TileLoad{p.num_rows, p.k, tc.row_begin, p.n_b, p.num_groups, tc.group, col0,
+    return typename Tile::TileLoad{p.num_rows, p.k, tc.row_begin, p.n_b, p.num_groups, tc.group, col0,
                           col0 + p.b_second_offset};
   }
 
   // ---- producer: one thread ------------------------------------------------------------------------
   __device__ static void producer(const Params& p, SharedStorage& s, int n_blocks) {
     const int num_tiles = s.table.tile_start[p.num_groups];
-    Tile::StagePos pos;
+    typename Tile::StagePos pos;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileCoord tc = decode_tile<kMaxGroups, kBlockM, kGroupM>(s.table, p.num_groups, tile, n_blocks);
       if (!Tile::load_tile(p.tma_a, p.tma_b, s.stages, pos, tile_load(p, tc), p.status)) return;
@@ -110,15 +118,20 @@ struct Sm90GroupedGemm {
 
   // ---- consumers: two warpgroups, 64 rows each --------------------------------------------------------
   __device__ static void consumer(const Params& p, SharedStorage& s, int ct, int n_blocks) {
-    Tile::Accumulator acc;
+    typename Tile::Accumulator acc;
     const int num_tiles = s.table.tile_start[p.num_groups];
     const int wg = ct / 128, t = ct % 128;
-    Tile::StagePos pos;
+    typename Tile::StagePos pos;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileCoord tc = decode_tile<kMaxGroups, kBlockM, kGroupM>(s.table, p.num_groups, tile, n_blocks);
       if (!Tile::mma_tile(s.stages, pos, acc, p.k, ct, p.status)) return;
-      const Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
-      Tile::store_bf16<kSwiGLU>(acc, s.epi[wg], st, wg, t);
+      if constexpr (kBackward) {
+        swiglu_backward_store(acc, p.bwd, tc.row_begin + Tile::kRowsPerConsumer * wg, tc.row_end,
+                              tc.n_block * kOutCols, tc.n_block, t);
+      } else {
+        const typename Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
+        Tile::template store_bf16<kSwiGLU>(acc, s.epi[wg], st, wg, t);
+      }
     }
   }
 
@@ -144,7 +157,7 @@ struct Sm90GroupedGemm {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == 0) {
         if (cute::elect_one_sync()) producer(p, s, n_blocks);
-      } else {
+      } else if constexpr (!kBackward) {  // the backward's outputs past the groups are scratch
         zero_padding_rows(p, s, threadIdx.x - 32, 96);
       }
     } else {

@@ -1,18 +1,26 @@
 // mok gemm: one 128 x 256 output tile of a bf16 GEMM on Hopper (sm_90a), TMA + wgmma through CuTe.
 //
-//   acc[r, n] = sum_k A[row0 + r, k] * B[group][k, cols(n)]          fp32 accumulation in registers
+//   acc[r, n] = sum_{k in [k0, k0 + k_len)} A[row0 + r, k] * B[group][k, cols(n)]     fp32 accumulation
 //   cols(n) = col0 + n for n < 128 and col1 + n - 128 for n >= 128 (two 128-column halves of B, so a
 //   SwiGLU tile can pair gate columns [c, c+128) with their up columns [c+I, c+I+128))
 //
-// The pieces every GEMM role of the library is built from (the standalone grouped FFN and the MoE
-// megakernel): the shared-memory stage ring, the producer's loads of one tile (one thread, TMA), the
-// consumers' MMAs of one tile (two warpgroups, 64 rows each: wgmma 64x256x16, A K-major and B MN-major,
-// both from 128B-swizzled shared memory, one batch of 4 in flight), and the epilogue policies:
+// The pieces every GEMM role of the library is built from (the standalone grouped FFN, the MoE
+// megakernel and the expert backward): the shared-memory stage ring, the producer's loads of one tile
+// (one thread, TMA), the consumers' MMAs of one tile (two warpgroups, 64 rows each: wgmma 64x256x16 from
+// 128B-swizzled shared memory, one batch of 4 in flight), and the epilogue policies:
 //   store_swiglu_bf16  out[r, c] = bf16(silu(acc[r, c]) * acc[r, c + 128])     128 columns
 //   store_bf16         out[r, c] = bf16(acc[r, c])                             256 columns
 //   store_f32          out[r, c] = acc[r, c]                                   256 columns
 // Each epilogue writes rows [row, row_end) and columns [.., n_out) only, so rows of the next group that a
 // tile reads past its own group's end and TMA's zero fill past the matrix are computed but never stored.
+//
+// Operand majors (template arguments; wgmma reads 16-bit operands of either major from shared memory):
+//   A K-major  (rows x k, k contiguous): x, dispatched rows, h, dy, dgu            (forward, dgrad)
+//   A MN-major (k x rows in memory, rows contiguous): h^T, x^T of expert-major rows (weight gradients)
+//   B MN-major (k x n in memory, n contiguous): gate_up, down; dy, dgu rows        (forward, weight grads)
+//   B K-major  (n x k in memory, k contiguous): down^T, gate_up^T                   (dgrad)
+// The k range [k0, k0 + k_len) lets a weight-gradient tile reduce over one expert's rows only; an empty
+// range (k_len = 0) gives acc = 0.
 //
 // Stage ring: kStages x (16 KB A + 32 KB B) = 192 KB; full[s] gets 1 producer arrive + the TMA bytes,
 // empty[s] one arrive per consumer warp (8). Producer and consumers each keep a StagePos and walk the
@@ -20,6 +28,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -31,11 +41,32 @@
 
 namespace mok::gemm {
 
-// A class template only so that the TMA types below can be deduced from the member functions' bodies
-// inside the class (a plain class would see them undefined); use the Sm90Tile alias.
-template <int kUnused = 0>
+namespace detail {
+// Shared-memory layouts of one operand tile (rows x cols, cols = the k extent) and of a ring of them.
+template <class E, bool kKMajor, int kRows, int kCols>
+using StageTile = std::conditional_t<
+    kKMajor,
+    decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{})),
+    decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{},
+                                 cute::Step<cute::_2, cute::_1>{}))>;
+template <class E, bool kKMajor, int kRows, int kCols, int kStages>
+using StageRing = std::conditional_t<
+    kKMajor,
+    decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{},
+                                 cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::Int<kStages>>{})),
+    decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{},
+                                 cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::Int<kStages>>{},
+                                 cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
+}  // namespace detail
+
+// A class template (also) so that the TMA types below can be deduced from the member functions' bodies
+// inside the class (a plain class would see them undefined); Sm90Tile is the forward's K-major A,
+// MN-major B tile.
+template <cute::GMMA::Major kMajorA = cute::GMMA::Major::K, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
 struct Sm90TileT {
   using Element = cutlass::bfloat16_t;
+  static constexpr bool kAKMajor = kMajorA == cute::GMMA::Major::K;
+  static constexpr bool kBKMajor = kMajorB == cute::GMMA::Major::K;
 
   // 128 x 256 x 64 is the tile cuBLAS/CUTLASS pick for large bf16 GEMMs on H100: 64x256 wgmma per
   // consumer warpgroup has the lowest shared-memory traffic per FLOP, and 4 stages of 48 KB cover the
@@ -52,42 +83,51 @@ struct Sm90TileT {
   static constexpr int kEpiPitch = kEpiCols + 8;  // bf16; +16 B per row makes the bf16x2 writes conflict-free
   static constexpr int kEpiWords = kRowsPerConsumer * kEpiPitch / 2;  // per consumer warpgroup
 
-  using SmemLayoutA = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
-  // MN-major B: swizzle atoms (64 n x 8 k) tiled along k first, so each 64-column strip of a stage is one
-  // contiguous 8 KB box for TMA and the strips sit at a uniform stride for the wgmma descriptor.
-  using SmemLayoutB = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{},
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // K-major operands: 8-row x 64-k swizzle atoms tiled along rows. MN-major operands: swizzle atoms
+  // (64 rows x 8 k) tiled along k first, so each 64-row strip of a stage is one contiguous 8 KB box for
+  // TMA and the strips sit at a uniform stride for the wgmma descriptor.
+  using SmemLayoutA = detail::StageRing<Element, kAKMajor, kBlockM, kBlockK, kStages>;
+  using SmemLayoutB = detail::StageRing<Element, kBKMajor, kBlockN, kBlockK, kStages>;
   // One 128-column half of one B stage: the same strides as the matching part of SmemLayoutB.
-  using SmemLayoutBHalf = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_MN_SW128_Atom<Element>{}, cute::Shape<cute::Int<kHalfN>, cute::Int<kBlockK>>{},
-      cute::Step<cute::_2, cute::_1>{}));
+  using SmemLayoutBHalf = detail::StageTile<Element, kBKMajor, kHalfN, kBlockK>;
+  using SmemLayoutAStage = detail::StageTile<Element, kAKMajor, kBlockM, kBlockK>;
   static constexpr int kStageElemsA = kBlockM * kBlockK;
   static constexpr int kStageElemsB = kBlockN * kBlockK;
   static constexpr int kHalfElemsB = kHalfN * kBlockK;
   static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(Element);
 
   using TiledMma = decltype(cute::make_tiled_mma(
-      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{},
+      cute::SM90_64x256x16_F32BF16BF16_SS<kMajorA, kMajorB>{},
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using Accumulator = decltype(cute::partition_fragment_C(
       std::declval<TiledMma>(), cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
 
-  // A: rows x k, k contiguous (x, dispatched rows, or h for a down projection).
+  // A as a rows x k matrix: K-major (row r at r * k, x or h rows) or MN-major (k index kk at kk * rows:
+  // the expert-major rows of x or h read as their transpose).
   static auto make_tma_a(const Element* ptr, int rows, int k) {
     using namespace cute;
-    Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(rows, k), make_stride(int64_t(k), Int<1>{}));
-    return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutA{}(_, _, 0), Shape<Int<kBlockM>, Int<kBlockK>>{}, Int<1>{});
+    if constexpr (kAKMajor) {
+      Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(rows, k), make_stride(int64_t(k), Int<1>{}));
+      return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutAStage{}, Shape<Int<kBlockM>, Int<kBlockK>>{}, Int<1>{});
+    } else {
+      Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(rows, k), make_stride(Int<1>{}, int64_t(rows)));
+      return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutAStage{}, Shape<Int<kBlockM>, Int<kBlockK>>{}, Int<1>{});
+    }
   }
-  // B: one k x n_b row-major matrix per group (n contiguous), viewed as (n_b, k, groups).
+  // B: one k x n_b matrix per group, viewed as (n_b, k, groups): MN-major is row-major k x n_b (n
+  // contiguous: weights of the forward, rows of dy); K-major is row-major n_b x k (k contiguous: a
+  // weight read as its transpose).
   static auto make_tma_b(const Element* ptr, int n_b, int k, int groups) {
     using namespace cute;
-    Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(n_b, k, groups),
-                           make_stride(Int<1>{}, int64_t(n_b), int64_t(n_b) * k));
-    return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutBHalf{}, Shape<Int<kHalfN>, Int<kBlockK>>{}, Int<1>{});
+    if constexpr (kBKMajor) {
+      Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(n_b, k, groups),
+                             make_stride(int64_t(k), Int<1>{}, int64_t(n_b) * k));
+      return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutBHalf{}, Shape<Int<kHalfN>, Int<kBlockK>>{}, Int<1>{});
+    } else {
+      Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(n_b, k, groups),
+                             make_stride(Int<1>{}, int64_t(n_b), int64_t(n_b) * k));
+      return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutBHalf{}, Shape<Int<kHalfN>, Int<kBlockK>>{}, Int<1>{});
+    }
   }
   using TmaA = decltype(make_tma_a(nullptr, 0, 0));
   using TmaB = decltype(make_tma_b(nullptr, 0, 0, 0));
@@ -99,6 +139,9 @@ struct Sm90TileT {
     int32_t a_row0;               // first row of the tile in A
     int32_t n_b, groups, group;   // shape of B, and this tile's matrix
     int32_t col0, col1;           // first column of each 128-column half of B
+    int32_t k0 = 0;               // the k range this tile reduces over: [k0, k0 + k_len)
+    int32_t k_len = -1;           // -1: all of k
+    __device__ int32_t k_count() const { return k_len < 0 ? k : k_len; }
   };
 
   struct Stages {
@@ -134,17 +177,17 @@ struct Sm90TileT {
     Tensor mA = tma_a.get_tma_tensor(make_shape(t.a_rows, t.k));
     Tensor mB = tma_b.get_tma_tensor(make_shape(t.n_b, t.k, t.groups));
     Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
-    Tensor gA = local_tile(domain_offset(make_coord(t.a_row0, 0), mA), Shape<Int<kBlockM>, Int<kBlockK>>{},
+    Tensor gA = local_tile(domain_offset(make_coord(t.a_row0, t.k0), mA), Shape<Int<kBlockM>, Int<kBlockK>>{},
                            make_coord(0, _));  // (BM, BK, k)
     auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
     Tensor mBg = mB(_, _, t.group);
-    Tensor gB0 = local_tile(domain_offset(make_coord(t.col0, 0), mBg), Shape<Int<kHalfN>, Int<kBlockK>>{},
+    Tensor gB0 = local_tile(domain_offset(make_coord(t.col0, t.k0), mBg), Shape<Int<kHalfN>, Int<kBlockK>>{},
                             make_coord(0, _));  // (BN/2, BK, k)
     const bool load_second = t.col1 < t.n_b;
-    Tensor gB1 = local_tile(domain_offset(make_coord(load_second ? t.col1 : 0, 0), mBg),
+    Tensor gB1 = local_tile(domain_offset(make_coord(load_second ? t.col1 : 0, t.k0), mBg),
                             Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
     const uint32_t stage_bytes = load_second ? kStageBytes : kStageBytes - kHalfElemsB * sizeof(Element);
-    const int n_k = k_tiles(t.k);
+    const int n_k = k_tiles(t.k_count());
     for (int k = 0; k < n_k; ++k) {
       if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, status)) return false;
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], stage_bytes);
@@ -165,7 +208,8 @@ struct Sm90TileT {
   }
 
   // ---- consumers (two warpgroups): the MMAs of one tile into acc --------------------------------------
-  // ct: thread index among the 256 consumer threads.
+  // ct: thread index among the 256 consumer threads; k: the tile's k_count(), at least 1 (a caller with
+  // an empty k range clears acc itself: a branch here makes ptxas spill the accumulator).
   __device__ static bool mma_tile(Stages& s, StagePos& pos, Accumulator& acc, int k, int ct, int32_t* status) {
     using namespace cute;
     TiledMma mma;

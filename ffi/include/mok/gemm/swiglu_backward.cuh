@@ -1,0 +1,82 @@
+// mok gemm: the SwiGLU backward, as the epilogue of the down-projection dgrad GEMM.
+//
+// The tile's accumulator holds dh'[r, c] = sum_h dy[r, h] * down[e][c, h] for 256 columns c of I (the
+// gradient of the expert's output before the router weight). With g, u = the gate/up pre-activations of
+// the same row (recomputed, bf16), w = the slot's router weight and s = sigmoid(g):
+//   h        = silu(g) * u                            (fp32, from the bf16 g and u)
+//   dw_part  = sum_c dh'[r, c] * h[r, c]              the router-weight gradient's share of this tile
+//   dh       = w * dh'
+//   dg       = dh * u * s * (1 + g * (1 - s)),   du = dh * silu(g)      -> dgu[r] = bf16([dg | du])
+//   hw       = bf16(w * h)                            (the down projection's weight-gradient operand)
+// The router-weight gradient needs no division by w, so a zero weight still gets its gradient.
+//
+// dw_part is summed over a thread's columns in ascending order, then over the 4 lanes that share a row by
+// an xor butterfly (a + b == b + a in floating point, so every lane holds the same bits); the caller sums
+// the n-blocks' partials in ascending order: a fixed order, no atomics.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace mok::gemm {
+
+struct SwigluBackwardOut {
+  const __nv_bfloat16* gu;  // [M, 2I]: g in columns [0, I), u in [I, 2I)
+  const float* w;           // [M]: the router weight of each row's slot (0 for padding rows)
+  __nv_bfloat16* dgu;       // [M, 2I]: dg | du
+  __nv_bfloat16* hw;        // [M, I]: bf16(w * h)
+  float* dw_part;           // [M, n_blocks]: per-tile partial sums of dh' * h
+  int32_t inter;            // I
+  int32_t n_blocks;         // ceil(I / 256)
+};
+
+// acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
+// 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). row0: the warpgroup's first row.
+template <class Accumulator>
+__device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o, int row0,
+                                                      int row_end, int col0, int n_block, int t) {
+  const int lane = t % 32, warp = t / 32;
+  const int r_base = row0 + 16 * warp + lane / 4;
+  const int c_base = col0 + 2 * (lane % 4);
+  const int64_t ld2 = 2 * int64_t(o.inter);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r_base + 8 * hh;
+    const bool in = row < row_end;
+    const float w = in ? o.w[row] : 0.0f;
+    float sum = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+      const int i = 4 * q + 2 * hh;
+      const int col = c_base + 8 * q;
+      if (in && col < o.inter) {
+        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + col);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + o.inter + col);
+        const float g[2] = {__low2float(g2), __high2float(g2)};
+        const float u[2] = {__low2float(u2), __high2float(u2)};
+        float dg[2], du[2], hw[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float s = 1.0f / (1.0f + __expf(-g[e]));
+          const float silu = g[e] * s;
+          const float h = silu * u[e];
+          const float dhp = acc(i + e);
+          sum += dhp * h;
+          const float dh = w * dhp;
+          dg[e] = dh * u[e] * s * (1.0f + g[e] * (1.0f - s));
+          du[e] = dh * silu;
+          hw[e] = w * h;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + col) = __floats2bfloat162_rn(dg[0], dg[1]);
+        *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + o.inter + col) = __floats2bfloat162_rn(du[0], du[1]);
+        *reinterpret_cast<__nv_bfloat162*>(o.hw + row * int64_t(o.inter) + col) = __floats2bfloat162_rn(hw[0], hw[1]);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (in && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = sum;
+  }
+}
+
+}  // namespace mok::gemm

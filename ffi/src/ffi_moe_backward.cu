@@ -1,0 +1,120 @@
+// XLA FFI handler for mok/experts_backward.cuh: mok_experts_backward.
+//   x: bf16[M, H], dy: bf16[M, H], w: f32[M], group_sizes: s32[E], gate_up: bf16[E, H, 2I], down: bf16[E, I, H]
+//   -> dx: bf16[M, H], dw: f32[M], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
+//      scratch: gu: bf16[M, 2I], dgu: bf16[M, 2I], hw: bf16[M, I], dw_part: f32[M, ceil(I / 256)]
+//   attrs: {num_sms: s32, 0 = all SMs}
+#include "ffi_common.h"
+#include "mok/experts_backward.cuh"
+
+namespace ffi = xla::ffi;
+
+struct ExpertsBackwardAttrs {
+  int32_t num_sms;
+};
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(ExpertsBackwardAttrs, ::xla::ffi::StructMember<int32_t>("num_sms"));
+
+namespace {
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (d[i++] != w) return false;
+  return true;
+}
+
+ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
+                                 ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
+                                 ffi::ResultBuffer<ffi::BF16> dx, ffi::ResultBuffer<ffi::F32> dw,
+                                 ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
+                                 ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> gu,
+                                 ffi::ResultBuffer<ffi::BF16> dgu, ffi::ResultBuffer<ffi::BF16> hw,
+                                 ffi::ResultBuffer<ffi::F32> dw_part, ExpertsBackwardAttrs attrs) {
+  constexpr const char* kOp = "mok_experts_backward";
+  using mok::ffi_util::invalid;
+  if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [M, H], got " + dims_str(x.dimensions()));
+  if (group_sizes.dimensions().size() != 1)
+    return invalid(kOp, "group_sizes must be rank 1 [E], got " + dims_str(group_sizes.dimensions()));
+  if (gate_up.dimensions().size() != 3 || gate_up.dimensions()[2] % 2 != 0)
+    return invalid(kOp, "gate_up must be rank 3 [E, H, 2I], got " + dims_str(gate_up.dimensions()));
+  const int64_t m = x.dimensions()[0], hidden = x.dimensions()[1], e = group_sizes.dimensions()[0];
+  const int64_t inter = gate_up.dimensions()[2] / 2;
+  const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
+  struct Want {
+    const char* name;
+    ffi::Span<const int64_t> got;
+    std::initializer_list<int64_t> want;
+    const char* shape;
+  };
+  const Want checks[] = {
+      {"dy", dy.dimensions(), {m, hidden}, "[M, H]"},
+      {"w", w.dimensions(), {m}, "[M]"},
+      {"gate_up", gate_up.dimensions(), {e, hidden, 2 * inter}, "[E, H, 2I]"},
+      {"down", down.dimensions(), {e, inter, hidden}, "[E, I, H]"},
+      {"dx", dx->dimensions(), {m, hidden}, "[M, H]"},
+      {"dw", dw->dimensions(), {m}, "[M]"},
+      {"d_gate_up", d_gate_up->dimensions(), {e, hidden, 2 * inter}, "[E, H, 2I]"},
+      {"d_down", d_down->dimensions(), {e, inter, hidden}, "[E, I, H]"},
+      {"gu", gu->dimensions(), {m, 2 * inter}, "[M, 2I]"},
+      {"dgu", dgu->dimensions(), {m, 2 * inter}, "[M, 2I]"},
+      {"hw", hw->dimensions(), {m, inter}, "[M, I]"},
+      {"dw_part", dw_part->dimensions(), {m, n_blocks}, "[M, ceil(I / 256)]"},
+  };
+  for (const Want& c : checks)
+    if (!dims_are(c.got, c.want))
+      return invalid(kOp, std::string(c.name) + " must be " + c.shape + ", got " + dims_str(c.got));
+  if (status->element_count() != 1) return invalid(kOp, "status must be a scalar s32");
+
+  mok::ExpertsBackwardParams p{};
+  p.x = x.untyped_data();
+  p.dy = dy.untyped_data();
+  p.w = w.typed_data();
+  p.group_sizes = group_sizes.typed_data();
+  p.gate_up = gate_up.untyped_data();
+  p.down = down.untyped_data();
+  p.dx = dx->untyped_data();
+  p.dw = dw->typed_data();
+  p.d_gate_up = d_gate_up->untyped_data();
+  p.d_down = d_down->untyped_data();
+  p.status = status->typed_data();
+  p.gu = gu->untyped_data();
+  p.dgu = dgu->untyped_data();
+  p.hw = hw->untyped_data();
+  p.dw_part = dw_part->typed_data();
+  p.num_rows = m;
+  p.hidden = hidden;
+  p.intermediate = inter;
+  p.num_experts = e;
+  p.num_sms = attrs.num_sms;
+  if (const char* why = mok::experts_backward_unsupported(p)) return invalid(kOp, why);
+  return mok::ffi_util::cuda_error(kOp, mok::launch_experts_backward(p, stream));
+}
+
+}  // namespace
+
+MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
+                ffi::Ffi::Bind()
+                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // x
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // dy
+                    .Arg<ffi::Buffer<ffi::F32>>()    // w
+                    .Arg<ffi::Buffer<ffi::S32>>()    // group_sizes
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // gate_up
+                    .Arg<ffi::Buffer<ffi::BF16>>()   // down
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // dx
+                    .Ret<ffi::Buffer<ffi::F32>>()    // dw
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // d_gate_up
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // d_down
+                    .Ret<ffi::Buffer<ffi::S32>>()    // status
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // gu (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // dgu (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // hw (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()    // dw_part (scratch)
+                    .Attrs<ExpertsBackwardAttrs>());
