@@ -4,8 +4,11 @@
 
 ``implementation="xla"`` runs the pure-JAX reference (``mok_jax.reference``); its backward is the
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
-(``mok_jax.ops.moe_forward``); its backward kernel is not built yet, so differentiating it raises a
-clear error (it never falls back to another implementation).
+(``mok_jax.ops.moe_forward``). Its backward, at EP size 1 (``ep_axis`` None or an axis of size 1), recomputes
+from the forward's inputs: the slots go to padded expert-major rows (``mok_jax.expert_layout``), one native op
+(``mok_jax.ops.experts_backward``) gives the routed experts' gradients, XLA the shared expert's, and each
+token's dx sums its slots' rows in f32 in slot order. Differentiating ``mok`` at EP size > 1 raises
+NotImplementedError (that backward is not built yet); mok never falls back to another implementation.
 
 Dtypes (checked at trace time, errors name the argument, the expected and the given dtype):
 
@@ -41,6 +44,8 @@ from jax.experimental import checkify
 from mok_jax import reference
 from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
+from mok_jax.expert_layout import gather_rows, padded_layout
+from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.validation import check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
@@ -48,7 +53,7 @@ __all__ = ["moe"]
 
 
 class MoEResiduals(NamedTuple):
-    """What the backward pass keeps from the forward pass (the reference recomputes the rest)."""
+    """What the backward pass keeps from the forward pass: its inputs (both backwards recompute the rest)."""
 
     x: jax.Array
     topk_idx: jax.Array
@@ -134,11 +139,72 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, config):
     return y, MoEResiduals(x, topk_idx, topk_weight, weights)
 
 
+def _shared_vjp(x, weights: MoEWeights, dy32):
+    """The shared expert's (dx, d shared_gate_up, d shared_down) for the f32 output gradient dy32, in XLA; zeros
+    and Nones without a shared expert."""
+    if weights.shared_gate_up is None:
+        return jnp.zeros(x.shape, x.dtype), None, None
+    _, vjp = jax.vjp(reference.swiglu_ffn, x, weights.shared_gate_up, weights.shared_down)
+    return vjp(dy32)
+
+
+def _vary_like(g: jax.Array, primal: jax.Array) -> jax.Array:
+    """g marked varying over the manual mesh axes its primal varies over. Inside shard_map a custom_vjp's
+    cotangent must have its primal's type, axes included; an ffi_call's outputs vary over none."""
+    want = getattr(jax.typeof(primal), "vma", frozenset())
+    missing = tuple(sorted(want - getattr(jax.typeof(g), "vma", frozenset())))
+    return jax.lax.pcast(g, missing, to="varying") if missing else g
+
+
+def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
+    """The gradients of implementation='mok' at EP size 1: (dx, d topk_idx (float0), d topk_weight, d weights).
+
+    The routed experts' backward runs over the padded expert-major rows of the slots (mok_jax.expert_layout)
+    in ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference); the shared expert's
+    in XLA. dx of a token sums its slots' rows in f32 in slot order j = 0..k-1, then adds the shared expert's.
+    """
+    ep = _ep_size(config)
+    if ep != 1:
+        raise NotImplementedError(
+            f"differentiating implementation='mok' at EP size {ep} (mesh axis {config.ep_axis!r}): the backward is "
+            f"built for EP size 1 only so far (the expert-parallel backward is not built yet), and mok never falls "
+            f"back to another implementation silently; use implementation='xla' to train expert-parallel for now")
+    if experts_fn is None:
+        from mok_jax import ops
+
+        experts_fn = ops.experts_backward
+    x, topk_idx, topk_weight, weights = residuals
+    k = topk_idx.shape[1]
+    num_experts = weights.num_local_experts
+    # A token with an invalid id has a NaN output row (its gradient is dropped, as the xla path's jnp.where does).
+    bad_token = jnp.any(_invalid_ids(topk_idx, num_experts), axis=1)
+    dy = jnp.where(bad_token[:, None], jnp.zeros((), dy.dtype), dy).astype(x.dtype)
+
+    layout = padded_layout(topk_idx, num_experts, block=EXPERTS_BACKWARD_GROUP_ALIGN)
+    w_e = gather_rows(topk_weight.reshape(-1).astype(jnp.float32), layout.src_slot)
+    out = experts_fn(gather_rows(x, layout.src_token), gather_rows(dy, layout.src_token), w_e, layout.group_sizes,
+                     weights.gate_up, weights.down)
+    # status != 0 means group sizes the layout never makes (a bug): NaN gradients rather than silently wrong ones
+    failed = out.status != 0
+
+    slot_used = (topk_idx >= 0) & (topk_idx < num_experts)
+    row = jnp.minimum(layout.pos, layout.num_rows - 1)
+    dx_shared, d_sgu, d_sdn = _shared_vjp(x, weights, dy.astype(jnp.float32))
+    dx = jnp.zeros(x.shape, jnp.float32)
+    for j in range(k):
+        dx = dx + jnp.where(slot_used[:, j, None], out.dx[row[:, j]].astype(jnp.float32), 0.0)
+    dx = jnp.where(failed, jnp.nan, dx + dx_shared.astype(jnp.float32)).astype(x.dtype)
+    d_topk_weight = jnp.where(failed, jnp.nan, jnp.where(slot_used, out.dw[row], 0.0)).astype(topk_weight.dtype)
+    d_gate_up, d_down = (jnp.where(failed, jnp.nan, g).astype(w.dtype)
+                         for g, w in ((out.d_gate_up, weights.gate_up), (out.d_down, weights.down)))
+    d_weights = jax.tree.map(_vary_like, MoEWeights(d_gate_up, d_down, d_sgu, d_sdn), weights)
+    d_idx = np.zeros(topk_idx.shape, jax.dtypes.float0)
+    return _vary_like(dx, x), d_idx, _vary_like(d_topk_weight, topk_weight), d_weights
+
+
 def _moe_bwd(config, residuals, dy):
     if config.implementation == "mok":
-        raise NotImplementedError(
-            "differentiating implementation='mok': the backward megakernel is not built yet, and mok never "
-            "falls back to another implementation silently; use implementation='xla' to train for now")
+        return _backward_mok(config, residuals, dy)
     _, vjp = jax.vjp(
         lambda x, w, W: _forward_xla(x, residuals.topk_idx, w, W, config),
         residuals.x, residuals.topk_weight, residuals.weights,
@@ -164,7 +230,8 @@ def moe(
     x: bf16|f32[T, H]; topk_idx: int32[T, k] (global expert ids; -1 = masked slot); topk_weight: f32[T, k]
     (bf16 accepted); weights: MoEWeights in x's dtype, or f32 with bf16 x (routed weights are this rank's
     local experts when ``config.ep_axis`` is set). Returns [T, H] in x.dtype; NaN rows for tokens with an
-    invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight.
+    invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight (``mok``: at EP
+    size 1 only so far; at EP size > 1 differentiating it raises NotImplementedError).
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")

@@ -348,13 +348,6 @@ def test_status_and_scratch_do_not_depend_on_routing():
     assert len(sizes) == 1
 
 
-def test_differentiating_mok_raises_clearly():
-    shape = _shape(8, 256, 128, 2)
-    x, idx, w, W = _problem("grad", shape, 32)
-    with pytest.raises(NotImplementedError, match="backward megakernel"):
-        jax.grad(lambda x: jnp.sum(mj.moe(x, idx, w, W, config=_mok()).astype(jnp.float32)))(x)
-
-
 # ----------------------------------------------------------------------------- through the modules
 
 

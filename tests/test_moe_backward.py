@@ -1,0 +1,514 @@
+"""The backward of implementation="mok" at EP size 1, on CPU: the padded expert layout, the experts' backward
+reference, and the layer's backward glue (mok_jax.moe._backward_mok) with the reference standing in for the
+native op, all in f32 against autodiff of mok_jax.reference. Also: the op's trace-time argument errors, and
+differentiating mok at EP size > 1 raising NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_problem
+
+import mok_jax as mj
+from mok_jax import _native, reference
+from mok_jax.config import ModelShape
+from mok_jax.expert_layout import gather_rows, padded_layout
+from mok_jax.ops import experts_backward
+from mok_jax.ops.moe_backward import (
+    EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
+    EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
+    EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
+)
+from mok_jax.reference import experts_backward_reference
+from mok_jax.weights import MoEWeights
+
+moe_mod = importlib.import_module("mok_jax.moe")  # the module (mok_jax.moe is also the function)
+
+# Both sides are fp32 math on the same inputs at matmul precision "highest"; they differ only in the order of
+# the sums (per-slot rows summed after the matmul, other GEMM blockings), which a gate or up value near 0 (a
+# cancelling sum) magnifies in its h: up to ~1e-5 of a row seen, 10x margin; a wrong row or slot is O(1).
+TOL_F32_ROW = 1e-4
+# A row (or scalar) far smaller than the array's rms row norm carries the absolute fp32 noise of its inputs, not
+# a relative one: d down's row i of an h_i near 0 (a cancelling gate or up sum), a weight gradient (a dot product
+# that cancels). Such rows are held to the bound of a row of 1e-2 x the rms, i.e. 1e-6 x rms; a wrong row is
+# O(rms), 1e6x over that.
+TOL_F32_FLOOR = 1e-2
+# The bf16 layer through the real custom_vjp (forward xla, backward the glue) against the xla path's bf16
+# gradients (dx and the weights'): each rounds its own intermediates to bf16 (the glue per slot row, the xla
+# VJP per cotangent), so they differ by a few bf16 roundings of a row: 8 ulps of 2^-8.
+TOL_BF16_ROW = 8 * 2.0**-8
+
+HI = functools.partial(jax.default_matmul_precision, "highest")
+
+
+def _shape(E, H, I, k, Is=None) -> ModelShape:
+    Is = I if Is is None else Is
+    return ModelShape(name="t", num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
+                      num_shared_experts=1 if Is else 0, shared_intermediate_size=Is)
+
+
+def _assert_rows_close(case, got, want, tol, floor=TOL_F32_FLOOR):
+    """Row by row (leading axis): ||got_r - want_r|| <= tol * max(||want_r||, floor * rms row norm)."""
+    got = np.asarray(got, np.float64).reshape(len(got), -1)
+    want = np.asarray(want, np.float64).reshape(len(want), -1)
+    assert got.shape == want.shape, f"{case}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{case}: NaN/Inf in rows {np.where(~np.isfinite(got).all(1))[0][:8].tolist()}"
+    norm = np.linalg.norm(want, axis=1)
+    rms = np.sqrt(np.mean(norm**2)) if norm.size else 0.0
+    bound = tol * np.maximum(norm, floor * rms)
+    err = np.linalg.norm(got - want, axis=1)
+    bad = np.where(err > bound)[0]
+    assert bad.size == 0, (f"{case}: {bad.size} of {len(err)} rows over the bound, e.g. rows {bad[:6].tolist()}: "
+                           f"err {err[bad[:6]].tolist()} > bound {bound[bad[:6]].tolist()}")
+
+
+# ----------------------------------------------------------------------------- the padded layout
+
+
+def _check_layout(idx, num_experts, block=128):
+    idx = np.asarray(idx)
+    T, k = idx.shape
+    lay = jax.jit(padded_layout, static_argnums=(1, 2))(jnp.asarray(idx), num_experts, block)
+    pos, src_token, src_slot, sizes = (np.asarray(a) for a in lay)
+    M = T * k + block * num_experts
+    assert pos.shape == (T, k) and src_token.shape == (M,) and src_slot.shape == (M,) and lay.num_rows == M
+    assert sizes.dtype == np.int32 and pos.dtype == np.int32 and src_token.dtype == np.int32
+    valid = (idx >= 0) & (idx < num_experts)
+    counts = np.bincount(idx[valid], minlength=num_experts)
+    assert (sizes % block == 0).all() and (sizes >= counts).all() and (sizes - counts < block).all()
+    assert sizes.sum() <= M
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    assert (pos[~valid] == M).all(), "masked and invalid slots get no row"
+    for e in range(num_experts):  # expert e's slots, in (t, j) order, fill the head of its group
+        slots = np.flatnonzero(valid.reshape(-1) & (idx.reshape(-1) == e))
+        np.testing.assert_array_equal(pos.reshape(-1)[slots], starts[e] + np.arange(len(slots)))
+    t, j = np.nonzero(valid)
+    rows = pos[t, j]
+    assert len(np.unique(rows)) == len(rows)
+    np.testing.assert_array_equal(src_token[rows], t)  # src is the inverse of pos
+    np.testing.assert_array_equal(src_slot[rows], t * k + j)
+    unused = np.ones(M, bool)
+    unused[rows] = False
+    assert (src_token[unused] == -1).all() and (src_slot[unused] == -1).all()
+    return lay
+
+
+@pytest.mark.parametrize("case", ["random", "masked_invalid", "one_expert", "empty_experts", "one_token", "k10"])
+def test_padded_layout(case):
+    rng = np.random.default_rng(len(case))
+    E, T, k = 8, 300, 4
+    if case == "k10":
+        E, k = 16, 10
+    if case == "one_token":
+        T = 1
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    if case == "masked_invalid":
+        idx[rng.random(idx.shape) < 0.3] = -1
+        idx[:5] = -1
+        idx[7, 1], idx[9, 0], idx[11, 3] = E, E + 40, -7
+    elif case == "one_expert":
+        idx[:, 0], idx[:, 1:] = 3, -1
+    elif case == "empty_experts":
+        idx = idx % 3  # experts 3.. get nothing (ids may repeat in a row: the layout does not care)
+    lay = _check_layout(idx, E)
+    if case == "one_expert":
+        assert np.asarray(lay.group_sizes).tolist() == [0, 0, 0, 384, 0, 0, 0, 0]
+    if case == "empty_experts":
+        assert not np.asarray(lay.group_sizes)[3:].any()
+
+
+def test_padded_layout_small_blocks_and_errors():
+    _check_layout(np.array([[0, 2], [2, -1], [5, 0], [1, 3]], np.int32), 4, block=4)
+    _check_layout(np.full((3, 2), -1, np.int32), 4, block=8)
+    with pytest.raises(ValueError, match="topk_idx must be rank 2"):
+        padded_layout(jnp.zeros((4,), jnp.int32), 4)
+    with pytest.raises(TypeError, match="topk_idx must be an integer array"):
+        padded_layout(jnp.zeros((4, 2), jnp.float32), 4)
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        padded_layout(jnp.zeros((4, 2), jnp.int32), 0)
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        padded_layout(jnp.zeros((4, 2), jnp.int32), 4, block=True)
+
+
+def test_gather_rows_zero_fills():
+    vals = jnp.arange(12.0).reshape(4, 3)
+    out = gather_rows(vals, jnp.array([2, -1, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), [[6, 7, 8], [0, 0, 0], [0, 1, 2]])
+
+
+# ----------------------------------------------------------------------------- the experts' backward reference
+
+
+def _expert_rows_problem(seed, sizes, m, H, I, dtype=jnp.float32):
+    """Expert-major rows for group sizes ``sizes`` (each expert's first rows used, the rest of its group padding
+    with zeros), garbage past sum(sizes) (the op must ignore it), random weights; returns the op's args and the
+    per-row expert id (-1 for padding)."""
+    E = len(sizes)
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (m, H))
+    dy = jax.random.normal(ks[1], (m, H))
+    w = jax.random.uniform(ks[2], (m,), minval=0.2, maxval=1.5)
+    gate_up = jax.random.normal(ks[3], (E, H, 2 * I)) * H**-0.5
+    down = jax.random.normal(ks[4], (E, I, H)) * I**-0.5
+    used = np.asarray(jax.random.uniform(ks[5], (E,)) * np.asarray(sizes)).astype(int)  # rows used per group
+    expert = np.full(m, -1)
+    start = 0
+    for e, (size, u) in enumerate(zip(sizes, used)):
+        expert[start:start + u] = e
+        start += size
+    pad_in_group = (expert < 0) & (np.arange(m) < start)
+    keep = jnp.asarray(~pad_in_group)
+    x, dy, w = jnp.where(keep[:, None], x, 0), jnp.where(keep[:, None], dy, 0), jnp.where(keep, w, 0)
+    args = (x.astype(dtype), dy.astype(dtype), w, jnp.asarray(np.asarray(sizes, np.int32)), gate_up.astype(dtype),
+            down.astype(dtype))
+    return args, expert
+
+
+def _autodiff_experts(x, dy, w, gate_up, down, expert):
+    """jax.vjp of sum_r w_r * swiglu_ffn(x_r; expert_r) against dy, in f32: (dx, dw, d_gate_up, d_down)."""
+    expert = jnp.asarray(expert)
+
+    def f(x, w, gate_up, down):
+        y = jnp.zeros(x.shape, jnp.float32)
+        for e in range(gate_up.shape[0]):
+            ye = w[:, None] * reference.swiglu_ffn(x, gate_up[e], down[e])
+            y = jnp.where((expert == e)[:, None], ye, y)
+        return y
+
+    with HI():
+        _, vjp = jax.vjp(f, x, w, gate_up, down)
+        return vjp(dy)
+
+
+@pytest.mark.parametrize("sizes,m,H,I", [
+    ([128, 256, 0, 128], 640, 64, 48),  # an empty expert; 128 rows past the sum
+    ([384], 384, 32, 40),  # one expert, no rows past the sum
+    ([0, 0, 128, 0, 0, 128, 0, 0], 1000, 24, 16),
+])
+def test_experts_backward_reference_matches_autodiff(sizes, m, H, I):
+    args, expert = _expert_rows_problem(m + H, sizes, m, H, I)
+    x, dy, w, gs, gate_up, down = args
+    out = jax.jit(experts_backward_reference)(*args)
+    assert int(out.status) == 0
+    dx, dw, dgu, ddn = _autodiff_experts(x, dy, w, gate_up, down, expert)
+    assert out.dx.dtype == jnp.float32 and out.dw.shape == (m,) and out.d_gate_up.shape == gate_up.shape
+    _assert_rows_close("dx", out.dx, dx, TOL_F32_ROW)
+    _assert_rows_close("dw", out.dw[expert >= 0, None], dw[expert >= 0, None], TOL_F32_ROW)
+    assert not np.asarray(out.dw)[expert < 0].any() and not np.asarray(out.dx)[expert < 0].any()
+    for e in range(len(sizes)):
+        if not (expert == e).any():  # an empty expert (or one whose rows are all padding): exact zeros
+            assert not np.asarray(out.d_gate_up[e]).any() and not np.asarray(out.d_down[e]).any()
+            continue
+        _assert_rows_close(f"d_gate_up[{e}]", out.d_gate_up[e], dgu[e], TOL_F32_ROW)
+        _assert_rows_close(f"d_down[{e}]", out.d_down[e], ddn[e], TOL_F32_ROW)
+
+
+def test_experts_backward_reference_bf16_roundings_and_status():
+    args, expert = _expert_rows_problem(3, [128, 128], 300, 16, 24, dtype=jnp.bfloat16)
+    out = experts_backward_reference(*args)
+    assert (out.dx.dtype, out.dw.dtype, out.d_gate_up.dtype, out.d_down.dtype) == (jnp.bfloat16, jnp.float32,
+                                                                                  jnp.bfloat16, jnp.bfloat16)
+    x, dy, w, gs, gu, dn = args
+    for sizes, bits in (([128, -128], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP),
+                        ([256, 128], EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
+                        ([128, 100], EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP),
+                        ([-28, 356], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP | EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW
+                         | EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP)):
+        bad = experts_backward_reference(x, dy, w, jnp.asarray(sizes, jnp.int32), gu, dn)
+        assert int(bad.status) == bits, sizes
+        assert not np.asarray(bad.dx, np.float32).any() and not np.asarray(bad.d_gate_up, np.float32).any()
+
+
+# ----------------------------------------------------------------------------- the op's argument checks
+
+
+E_, M_, H_, I_ = 3, 384, 64, 32
+
+
+def _op_args(**over):
+    bf = jnp.bfloat16
+    a = dict(x_e=jnp.ones((M_, H_), bf), dy_e=jnp.ones((M_, H_), bf), w_e=jnp.ones((M_,), jnp.float32),
+             group_sizes=jnp.array([128, 128, 128], jnp.int32), gate_up=jnp.ones((E_, H_, 2 * I_), bf),
+             down=jnp.ones((E_, I_, H_), bf))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(x_e=jnp.ones((M_, H_, 1), jnp.bfloat16)), ValueError, "x_e must be rank 2"),
+    (dict(dy_e=jnp.ones((M_,), jnp.bfloat16)), ValueError, "dy_e must be rank 2"),
+    (dict(w_e=jnp.ones((M_, 1), jnp.float32)), ValueError, "w_e must be rank 1"),
+    (dict(group_sizes=jnp.ones((E_, 1), jnp.int32)), ValueError, "group_sizes must be rank 1"),
+    (dict(gate_up=jnp.ones((H_, 2 * I_), jnp.bfloat16)), ValueError, "gate_up must be rank 3"),
+    (dict(down=jnp.ones((I_, H_), jnp.bfloat16)), ValueError, "down must be rank 3"),
+    (dict(x_e=jnp.ones((M_, H_), jnp.float32)), TypeError, "x_e must be bfloat16"),
+    (dict(dy_e=jnp.ones((M_, H_), jnp.float32)), TypeError, "dy_e must be bfloat16"),
+    (dict(w_e=jnp.ones((M_,), jnp.bfloat16)), TypeError, "w_e must be float32"),
+    (dict(group_sizes=jnp.ones((E_,), jnp.uint32)), TypeError, "group_sizes must be int32"),
+    (dict(gate_up=jnp.ones((E_, H_, 2 * I_), jnp.float32)), TypeError, "gate_up must be bfloat16"),
+    (dict(down=jnp.ones((E_, I_, H_), jnp.float16)), TypeError, "down must be bfloat16"),
+    (dict(dy_e=jnp.ones((M_ - 1, H_), jnp.bfloat16)), ValueError, "dy_e must be"),
+    (dict(w_e=jnp.ones((M_ + 1,), jnp.float32)), ValueError, "w_e must be"),
+    (dict(gate_up=jnp.ones((E_ + 1, H_, 2 * I_), jnp.bfloat16)), ValueError, "gate_up must be"),
+    (dict(gate_up=jnp.ones((E_, H_ + 8, 2 * I_), jnp.bfloat16)), ValueError, "gate_up must be"),
+    (dict(gate_up=jnp.ones((E_, H_, 2 * I_ + 1), jnp.bfloat16)), ValueError, "gate_up must be"),
+    (dict(down=jnp.ones((E_, I_ + 8, H_), jnp.bfloat16)), ValueError, "down must be"),
+    (dict(x_e=jnp.ones((M_, 60), jnp.bfloat16), dy_e=jnp.ones((M_, 60), jnp.bfloat16),
+          gate_up=jnp.ones((E_, 60, 2 * I_), jnp.bfloat16), down=jnp.ones((E_, I_, 60), jnp.bfloat16)),
+     ValueError, "multiple of 8"),
+    (dict(gate_up=jnp.ones((E_, H_, 24), jnp.bfloat16), down=jnp.ones((E_, 12, H_), jnp.bfloat16)),
+     ValueError, "multiple of 8"),
+    (dict(group_sizes=jnp.ones((1025,), jnp.int32), gate_up=jnp.ones((1025, H_, 16), jnp.bfloat16),
+          down=jnp.ones((1025, 8, H_), jnp.bfloat16)), ValueError, "1024"),
+])
+def test_op_rejects_bad_arguments_naming_them(over, exc, match):
+    with pytest.raises(exc, match=match):
+        experts_backward(**_op_args(**over))
+    with pytest.raises(exc, match=match):  # at trace time under jit too
+        jax.jit(lambda a: experts_backward(**a))(_op_args(**over))
+
+
+def test_op_rejects_rows_past_32_bit_offsets():
+    big = jax.ShapeDtypeStruct((2**21, 1024), jnp.bfloat16)  # M * H = 2^31: never allocated, only traced
+    with pytest.raises(ValueError, match="M times H and times 2I must be below 2"):
+        jax.eval_shape(lambda x: experts_backward(**_op_args(x_e=x, dy_e=x, w_e=jnp.ones((2**21,), jnp.float32),
+                                                                gate_up=jnp.ones((E_, 1024, 2 * I_), jnp.bfloat16),
+                                                                down=jnp.ones((E_, I_, 1024), jnp.bfloat16))), big)
+
+
+@pytest.mark.parametrize("num_sms", [0, -3, True, 2.0, "all"])
+def test_op_rejects_bad_num_sms(num_sms):
+    with pytest.raises(ValueError, match="num_sms"):
+        experts_backward(**_op_args(), num_sms=num_sms)
+
+
+def test_op_without_gpu_raises_not_falls_back():
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this machine has a GPU: the op runs (tests/test_moe_backward_gpu.py)")
+    with pytest.raises(_native.NativeLibraryUnavailable, match="experts_backward"):
+        experts_backward(**_op_args())
+
+
+# ----------------------------------------------------------------------------- the layer's backward glue
+
+
+MOK = mj.MoEConfig(implementation="mok")
+
+
+def _glue_grads(x, idx, w, W, dy, config=MOK):
+    res = moe_mod.MoEResiduals(x, idx, w, W)
+    with HI():
+        return jax.jit(lambda r, dy: moe_mod._backward_mok(config, r, dy, experts_fn=experts_backward_reference))(
+            res, dy)
+
+
+def _reference_grads(x, idx, w, W, dy):
+    with HI():
+        _, vjp = jax.vjp(lambda x, w, W: reference.moe(x, idx, w, W), x, w, W)
+        return vjp(dy)
+
+
+def _routing_case(case, T, E, k, seed):
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    if case == "masked":
+        idx[rng.random(idx.shape) < 0.3] = -1
+        idx[: min(3, T)] = -1  # tokens with every slot masked
+    elif case == "one_expert":
+        idx[:, 0], idx[:, 1:] = 2, -1
+    elif case == "empty_experts":  # experts 4.. get nothing
+        idx = np.stack([rng.permutation(4)[:k] for _ in range(T)]).astype(np.int32)
+    return jnp.asarray(idx)
+
+
+def _check_glue(case, x, idx, w, W, dy):
+    dx, d_idx, dw, dW = _glue_grads(x, idx, w, W, dy)
+    rdx, rdw, rdW = _reference_grads(x, idx, w, W, dy)
+    assert d_idx.dtype == jax.dtypes.float0 and d_idx.shape == idx.shape
+    assert dx.dtype == x.dtype and dw.dtype == jnp.float32
+    _assert_rows_close(f"{case}: dx", dx, rdx, TOL_F32_ROW)
+    _assert_rows_close(f"{case}: d topk_weight", dw, rdw, TOL_F32_ROW)
+    masked = np.asarray(idx) < 0
+    assert not np.asarray(dw)[masked].any(), f"{case}: a masked slot's weight gradient must be 0"
+    used = np.zeros(W.num_local_experts, bool)
+    used[np.asarray(idx)[~masked]] = True
+    for e in range(W.num_local_experts):
+        if not used[e]:  # exact zeros for an expert no slot reached
+            assert not np.asarray(dW.gate_up[e]).any() and not np.asarray(dW.down[e]).any(), f"{case}: expert {e}"
+            continue
+        _assert_rows_close(f"{case}: d gate_up[{e}]", dW.gate_up[e], rdW.gate_up[e], TOL_F32_ROW)
+        _assert_rows_close(f"{case}: d down[{e}]", dW.down[e], rdW.down[e], TOL_F32_ROW)
+    if W.shared_gate_up is None:
+        assert dW.shared_gate_up is None and dW.shared_down is None
+    else:
+        _assert_rows_close(f"{case}: d shared_gate_up", dW.shared_gate_up, rdW.shared_gate_up, TOL_F32_ROW)
+        _assert_rows_close(f"{case}: d shared_down", dW.shared_down, rdW.shared_down, TOL_F32_ROW)
+    return dx, dw, dW
+
+
+@pytest.mark.parametrize("case,T,E,k,Is", [
+    ("random", 200, 8, 3, 24),
+    ("masked", 150, 8, 4, 16),
+    ("one_expert", 130, 8, 4, 24),
+    ("empty_experts", 90, 8, 2, 24),
+    ("one_token", 1, 8, 3, 24),
+    ("k10", 64, 16, 10, 24),
+    ("no_shared", 100, 8, 2, 0),
+])
+def test_glue_matches_reference_autodiff(case, T, E, k, Is):
+    shape = _shape(E, 32, 40, k, Is)
+    x, _, w, W = random_problem(shape, T, seed=T + E)
+    idx = _routing_case(case, T, E, k, seed=T * k)
+    w = w * jax.random.uniform(jax.random.key(7), w.shape, minval=0.5, maxval=1.5)
+    dy = jax.random.normal(jax.random.key(T), x.shape)
+    _check_glue(case, x, idx, w, W, dy)
+
+
+def test_glue_masked_slot_weights_are_ignored_and_invalid_ids_match_xla():
+    shape = _shape(8, 32, 24, 4)
+    x, _, w, W = random_problem(shape, 40, seed=1)
+    idx = _routing_case("masked", 40, 8, 4, seed=3)
+    dy = jax.random.normal(jax.random.key(2), x.shape)
+    masked = idx < 0
+    got = _glue_grads(x, idx, jnp.where(masked, jnp.nan, w), W, dy)
+    want = _glue_grads(x, idx, w, W, dy)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # invalid ids (under jit, where they cannot be checked): the token's output is NaN and its gradient dropped,
+    # as on the xla path
+    bad = idx.at[5, 1].set(8).at[9, 0].set(-4)
+    dx, _, dw, dW = _glue_grads(x, bad, w, W, dy)
+    with HI():
+        xla = jax.jit(lambda r, dy: moe_mod._moe_bwd(mj.MoEConfig(), r, dy))(moe_mod.MoEResiduals(x, bad, w, W), dy)
+    _assert_rows_close("invalid ids: dx", dx, xla[0], TOL_F32_ROW)
+    _assert_rows_close("invalid ids: d topk_weight", dw, xla[2], TOL_F32_ROW)
+    for e in range(8):
+        _assert_rows_close("invalid ids: d gate_up", dW.gate_up[e], xla[3].gate_up[e], TOL_F32_ROW)
+    assert not np.asarray(dx)[[5, 9]].any() and not np.asarray(dw)[[5, 9]].any()
+
+
+def test_glue_nan_gradients_when_the_op_reports_bad_status():
+    shape = _shape(4, 16, 16, 2)
+    x, idx, w, W = random_problem(shape, 8, seed=0)
+
+    def broken(*args):
+        return experts_backward_reference(*args)._replace(status=jnp.int32(EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW))
+
+    res = moe_mod.MoEResiduals(x, idx, w, W)
+    dx, _, dw, dW = moe_mod._backward_mok(MOK, res, jnp.ones_like(x), experts_fn=broken)
+    assert np.isnan(np.asarray(dx)).all() and np.isnan(np.asarray(dw)).all()
+    assert np.isnan(np.asarray(dW.gate_up)).all() and np.isnan(np.asarray(dW.down)).all()
+
+
+def test_through_custom_vjp_bf16(monkeypatch):
+    """jax.grad of mj.moe(implementation='mok') on CPU with the xla forward and the reference experts' backward
+    patched in: the custom_vjp wiring (f32 master weights get f32 gradients, a bf16 topk_weight a bf16 one, jit)
+    gives the glue's own gradients bit for bit, and is near jax.grad of the xla path (both in bf16)."""
+    import mok_jax.ops
+
+    monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
+    monkeypatch.setattr(moe_mod, "_forward_mok", moe_mod._forward_xla)
+    monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
+    shape = _shape(8, 64, 48, 3)
+    x, idx, w, W = random_problem(shape, 96, seed=5)
+    x = x.astype(jnp.bfloat16)  # the weights stay f32 (master weights)
+    w_bf = w.astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(9), x.shape)
+
+    def grads(config):
+        return jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=config).astype(jnp.float32)
+                                                        * dy), argnums=(0, 1, 2)))(x, w_bf, W)
+
+    got = grads(MOK)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
+    assert all(g.dtype == jnp.float32 for g in got[2])
+    W_bf = jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
+    res = moe_mod.MoEResiduals(x, idx, w_bf.astype(jnp.float32), W_bf)
+    dx, _, dw, dW = jax.jit(lambda r, dy: moe_mod._backward_mok(MOK, r, dy, experts_fn=experts_backward_reference))(
+        res, dy.astype(jnp.bfloat16))
+    for a, b in zip(jax.tree.leaves(got), [dx, dw.astype(jnp.bfloat16), *(g.astype(jnp.float32) for g in dW)]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = grads(mj.MoEConfig())
+    for name, a, b in zip(("dx", "d gate_up", "d down", "d shared_gate_up", "d shared_down"),
+                          (got[0], *got[2]), (want[0], *want[2])):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        _assert_rows_close(f"bf16 {name}", a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), TOL_BF16_ROW)
+
+
+# ----------------------------------------------------------------------------- EP sizes
+
+
+def test_ep_axis_of_size_one_and_ep_two_raises(cpu_devices):
+    shape = _shape(8, 16, 16, 2)
+    x, idx, w, W = random_problem(shape, 16, seed=2)
+    dy = jax.random.normal(jax.random.key(4), x.shape)
+    want = _glue_grads(x, idx, w, W, dy)
+
+    def under(mesh, config):
+        spec = jax.sharding.PartitionSpec()
+        body = functools.partial(moe_mod._backward_mok, config, experts_fn=experts_backward_reference)
+        with HI():
+            return jax.jit(jax.shard_map(lambda r, dy: body(r, dy), mesh=mesh, in_specs=(spec, spec),
+                                         out_specs=spec, check_vma=False))(moe_mod.MoEResiduals(x, idx, w, W), dy)
+
+    got = under(jax.make_mesh((1,), ("ep",), devices=cpu_devices[:1]), mj.MoEConfig(implementation="mok",
+                                                                                     ep_axis="ep"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if a.dtype != jax.dtypes.float0:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=TOL_F32_ROW, atol=1e-6)
+    mesh2 = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
+    with pytest.raises(NotImplementedError, match="EP size 2.*not built yet"):
+        under(mesh2, mj.MoEConfig(implementation="mok", ep_axis="ep"))
+
+
+# ----------------------------------------------------------------------------- what reaches the handler
+
+
+def _custom_call_lines(text, target):
+    return [line for line in text.splitlines() if f"custom_call @{target}(" in line]
+
+
+def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
+    """Operands x_e, dy_e, w_e, group_sizes, gate_up, down; results dx, dw, d_gate_up, d_down, status and the four
+    scratch buffers (ffi/src/ffi_moe_backward.cu); num_sms as an int32 attribute (0 = every SM)."""
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    M, H, I, E = 512, 64, 384, 3
+    args = (jax.ShapeDtypeStruct((M, H), jnp.bfloat16), jax.ShapeDtypeStruct((M, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((M,), jnp.float32), jax.ShapeDtypeStruct((E,), jnp.int32),
+            jax.ShapeDtypeStruct((E, H, 2 * I), jnp.bfloat16), jax.ShapeDtypeStruct((E, I, H), jnp.bfloat16))
+    for num_sms, attr in ((None, 0), (20, 20)):
+        text = jax.jit(functools.partial(mb.experts_backward, num_sms=num_sms)).lower(*args).as_text()
+        [call] = _custom_call_lines(text, "mok_experts_backward")
+        operands = f"(tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{E}xi32>, " \
+                   f"tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>)"
+        results = f"(tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
+                  f"tensor<i32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
+                  f"tensor<{M}x2xf32>)"
+        assert operands + " -> " + results in call, call
+        assert f"num_sms = {attr} : i32" in call, call
+
+
+def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
+    """jax.grad of mj.moe(implementation='mok') at EP 1: the forward megakernel and one experts' backward call
+    over T * k + 128 * E padded rows, nothing of the xla path's dense experts."""
+    monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    T, H, I, E, k = 40, 64, 32, 4, 2
+    monkeypatch.setattr(moe_mod, "_forward_mok", lambda x, *a: x * 2)  # the megakernel needs a workspace
+    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+    idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
+    w = jnp.ones((T, k), jnp.float32)
+    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
+    f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=MOK).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))
+    text = f.lower(x, w, W).as_text()
+    [call] = _custom_call_lines(text, "mok_experts_backward")
+    assert f"(tensor<{T * k + 128 * E}x{H}xbf16>" in call

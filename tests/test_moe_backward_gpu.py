@@ -1,0 +1,312 @@
+"""GPU tests of the backward of implementation="mok" at EP size 1 (mok_jax.ops.experts_backward and the layer's
+gradients) against mok_jax.reference.
+
+The op: fresh random bf16 rows (the seed is printed) against experts_backward_reference, which rounds at the
+same points, so they differ by the outputs' roundings turned the other way by fp32 sum order; row by row.
+The layer: jax.grad of mok in bf16 against jax.grad of the f32 reference on upcast inputs (matmul precision
+"highest"), row by row, within 2x the error of the reference's own bf16 gradient on that row plus a few bf16
+roundings of the row and of a typical row; the awkward cases (masked slots, one expert, empty experts, one
+token, k = 10, no shared expert) and I not a multiple of the kernel's 256-column tiles. Determinism: two runs
+and three SM counts give the same bits; jax.checkpoint around the layer gives the bits of the plain gradient.
+On one H200 the file ran in ~41 s (XLA_FLAGS=--xla_gpu_autotune_level=0), the worst case at 0.4 of its bound.
+Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import record_metrics, seeded_key
+
+import mok_jax as mj
+from mok_jax import ops
+from mok_jax.bench.routing import make_routing
+from mok_jax.config import ModelShape
+from mok_jax.ops.moe_backward import (
+    EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
+    EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
+    EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
+)
+from mok_jax.reference import experts_backward_reference
+from mok_jax.weights import MoEWeights
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
+
+# The op against its reference: both round g, u, dgu, w h and the outputs to bf16 at the same points, so a row
+# differs by its own rounding turned the other way by fp32 sum order (an ulp, at most 2^-7, on a rare element)
+# and by a rare gate/up value rounded the other way upstream (a 2^-7 change of one of 2I terms): 2 x 2^-8 of
+# the row is far above that and far below a wrong row (O(1)).
+OP_ROW_TOL = 2 * 2.0**-8
+# Added to the bound of a weight-gradient row in the op test, times its rms row norm: rows that cancel.
+OP_FLOOR = 2.0**-8
+# dw (f32, not rounded) against its reference, times the sum of |dh'_i h_i| of the row: a gate/up value rounded
+# the other way (at most 2^-7 of it, through silu' <= 1.1) moves one term by < 2^-6.8 of it, and one term is
+# ~1/100 of that sum at I >= 384; 2^-10 covers several such, and a wrong row's dw (~ 1/20 of the sum) is 50x out.
+OP_DW_TOL = 2.0**-10
+# The layer's gradients against the f32 reference: mok rounds g, u, dgu, each slot's dx row, w h and the outputs
+# to bf16; the reference's own bf16 gradient (the xla path) rounds h, every cotangent and the outputs; mok sits
+# near it: 2x it ...
+ERR_VS_NAIVE_BF16 = 2.0
+# ... plus, times the row's norm: up to four roundings on a row's way (g, u, then dgu or w h, then the output),
+# each at most 2^-8, for rows whose naive gradient happens to be closer ...
+ERR_ROW = 4 * 2.0**-8
+# ... plus, times the rms row norm of that gradient: the weight gradients are dot products that cancel (dw over I,
+# the weights' over the tokens), so their error follows the size of their terms (~ the rms), not their own size.
+# With the op's reference in its place, the worst of 60 random cases (these shapes and routings) reached half of
+# the whole bound; a wrong slot or row is O(1) of the rms.
+ERR_FLOOR = 4 * 2.0**-8
+
+_SEED = int.from_bytes(os.urandom(4), "little")
+print(f"test_moe_backward_gpu: seed {_SEED}")
+_F32 = jnp.float32
+_BF16 = jnp.bfloat16
+
+
+def _record(case: str, **metrics):
+    record_metrics(case, _SEED, **metrics)
+
+
+def _key(tag: str):
+    return seeded_key(_SEED, tag)
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _rows(a) -> np.ndarray:
+    a = np.asarray(a, np.float64)
+    return a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a[:, None]
+
+
+# ----------------------------------------------------------------------------- the op against its reference
+
+
+def _op_problem(tag: str, sizes, m: int, H: int, I: int):
+    """bf16 expert-major rows for group sizes ``sizes`` (multiples of 128): each group's first rows random, the
+    rest of it padding (zeros, w = 0), random rows past sum(sizes) (which the op must ignore); random weights."""
+    E = len(sizes)
+    ks = jax.random.split(_key(tag), 6)
+    rng = np.random.default_rng(zlib.crc32(f"{_SEED}{tag}".encode()))
+    expert = np.full(m, -1)
+    start = 0
+    for e, size in enumerate(sizes):
+        used = int(rng.integers(size // 2, size + 1)) if size else 0
+        expert[start:start + used] = e
+        start += size
+    pad = (expert < 0) & (np.arange(m) < start)
+    keep = jnp.asarray(~pad)
+    x = jnp.where(keep[:, None], jax.random.normal(ks[0], (m, H)), 0).astype(_BF16)
+    dy = jnp.where(keep[:, None], jax.random.normal(ks[1], (m, H)), 0).astype(_BF16)
+    w = jnp.where(keep, jax.random.uniform(ks[2], (m,), minval=0.1, maxval=1.0), 0.0)
+    gate_up = (jax.random.normal(ks[3], (E, H, 2 * I)) * H**-0.5).astype(_BF16)
+    down = (jax.random.normal(ks[4], (E, I, H)) * I**-0.5).astype(_BF16)
+    return (x, dy, w, jnp.asarray(np.asarray(sizes, np.int32)), gate_up, down), expert
+
+
+@jax.jit
+def _dw_scale(x, dy, gate_up, down, expert):
+    """sum_i |dh'_i h_i| per row, in f32 (the size of the terms of dw, whatever they cancel to)."""
+    I = down.shape[1]
+    out = jnp.zeros(x.shape[0], _F32)
+    with jax.default_matmul_precision("highest"):
+        for e in range(gate_up.shape[0]):
+            gu = (x.astype(_F32) @ gate_up[e].astype(_F32)).astype(_BF16).astype(_F32)
+            h = jax.nn.silu(gu[:, :I]) * gu[:, I:]
+            dh = dy.astype(_F32) @ down[e].astype(_F32).T
+            out = jnp.where(expert == e, jnp.sum(jnp.abs(dh * h), axis=1), out)
+    return out
+
+
+def _check_rows(case, got, want, tol, floor):
+    """||got_r - want_r|| <= tol * ||want_r|| + floor * rms row norm, row by row; returns the worst ratio."""
+    got, want = _rows(got), _rows(want)
+    assert np.isfinite(got).all(), f"{case}: NaN/Inf in rows {np.where(~np.isfinite(got).all(1))[0][:8].tolist()}"
+    norm = np.linalg.norm(want, axis=1)
+    bound = tol * norm + floor * np.sqrt(np.mean(norm**2))
+    err = np.linalg.norm(got - want, axis=1)
+    bad = np.where(err > bound)[0]
+    assert bad.size == 0, (f"{case}: {bad.size} of {len(err)} rows over the bound, e.g. rows {bad[:6].tolist()}: "
+                           f"err {err[bad[:6]].tolist()} > bound {bound[bad[:6]].tolist()}")
+    return float((err / np.maximum(bound, 1e-30)).max(initial=0))
+
+
+@pytest.mark.parametrize("sizes,m,H,I", [
+    ([256, 128, 0, 384, 128, 0, 0, 128], 1280, 256, 512),  # empty experts; 256 rows past the sum
+    ([128, 0, 256, 128], 640, 320, 384),  # I not a multiple of 256; H of 2.5 x 128
+    ([1024], 1024, 256, 512),  # one expert, every row
+])
+def test_op_matches_reference(sizes, m, H, I):
+    case = f"op:{len(sizes)}x{H}x{I}"
+    args, expert = _op_problem(case, sizes, m, H, I)
+    got = jax.jit(ops.experts_backward)(*args)
+    want = jax.jit(experts_backward_reference)(*args)
+    assert int(got.status) == 0, f"{case}: status {int(got.status)}"
+    outside = expert < 0  # padding rows and rows past the sum: exact zeros
+    assert not _bits(got.dx)[outside].any() and not _bits(got.dw)[outside].any(), f"{case}: padding rows not 0"
+    worst = {"dx": _check_rows(f"{case}: dx", np.asarray(got.dx, np.float32)[~outside],
+                               np.asarray(want.dx, np.float32)[~outside], OP_ROW_TOL, 0.0)}
+    x, dy, _, _, gate_up, down = args
+    scale = np.asarray(_dw_scale(x, dy, gate_up, down, jnp.asarray(expert)))[~outside]
+    dw_err = np.abs(np.asarray(got.dw) - np.asarray(want.dw))[~outside]
+    over = ~(dw_err <= OP_DW_TOL * scale)  # NaN is over
+    assert not over.any(), (f"{case}: dw over the bound at {over.sum()} rows, e.g. {np.flatnonzero(over)[:6].tolist()}:"
+                            f" err {dw_err[over][:6].tolist()} > bound {(OP_DW_TOL * scale)[over][:6].tolist()}")
+    worst["dw"] = float((dw_err / np.maximum(OP_DW_TOL * scale, 1e-30)).max(initial=0))
+    for e, size in enumerate(sizes):
+        if not (expert == e).any():  # an empty expert: exact zeros
+            assert not _bits(got.d_gate_up[e]).any() and not _bits(got.d_down[e]).any(), f"{case}: expert {e}"
+            continue
+        for name in ("d_gate_up", "d_down"):
+            worst[f"{name}[{e}]"] = _check_rows(f"{case}: {name}[{e}]", np.asarray(getattr(got, name)[e], np.float32),
+                                                np.asarray(getattr(want, name)[e], np.float32), OP_ROW_TOL,
+                                                OP_FLOOR)
+    _record(case, worst_err_over_bound=max(worst.values()))
+
+
+def test_op_status_bits():
+    args, _ = _op_problem("status", [128, 128], 256, 256, 256)
+    x, dy, w, _, gate_up, down = args
+    f = jax.jit(ops.experts_backward)
+    for sizes, bits in (([128, -128], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP),
+                        ([256, 128], EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
+                        ([128, 100], EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP),
+                        ([128, 128], 0)):
+        status = int(f(x, dy, w, jnp.asarray(sizes, jnp.int32), gate_up, down).status)
+        assert status == bits, f"group sizes {sizes} (M = 256): status {status}, want {bits}"
+
+
+def test_op_bitwise_repeatable_whatever_the_sm_count():
+    args, _ = _op_problem("sms", [384, 0, 128, 256], 1024, 256, 384)
+    outs = [jax.jit(functools.partial(ops.experts_backward, num_sms=n))(*args) for n in (None, None, 20, 3)]
+    for n, out in zip((None, 20, 3), outs[1:]):
+        for name, a, b in zip(out._fields, out, outs[0]):
+            np.testing.assert_array_equal(_bits(a), _bits(b), f"num_sms={n}: {name} changed bits")
+
+
+# ----------------------------------------------------------------------------- the layer's gradients
+
+
+def _shape(E, H, I, k, Is=None) -> ModelShape:
+    Is = I if Is is None else Is
+    return ModelShape(name="t", num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
+                      num_shared_experts=1 if Is else 0, shared_intermediate_size=Is)
+
+
+def _problem(tag: str, shape: ModelShape, tokens: int, case: str = "uniform"):
+    """Fresh random bf16 inputs (scaled so every stage is O(1)), routing for ``case``, and a bf16 dy."""
+    kx, kg, kd, ksg, ksd, ky = jax.random.split(_key(tag), 6)
+    E, H, I, Is, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
+    x = jax.random.normal(kx, (tokens, H), _F32).astype(_BF16)
+    W = MoEWeights(
+        (jax.random.normal(kg, (E, H, 2 * I)) * H**-0.5).astype(_BF16),
+        (jax.random.normal(kd, (E, I, H)) * I**-0.5).astype(_BF16),
+        (jax.random.normal(ksg, (H, 2 * Is)) * H**-0.5).astype(_BF16) if Is else None,
+        (jax.random.normal(ksd, (Is, H)) * Is**-0.5).astype(_BF16) if Is else None,
+    )
+    seed = zlib.crc32(f"{_SEED}{tag}".encode())
+    rng = np.random.default_rng(seed)
+    idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=tokens, num_experts=E, top_k=k, seed=seed)
+    idx = np.asarray(idx, np.int32)
+    w = np.asarray(w, np.float32) * rng.uniform(0.5, 1.5, w.shape)
+    if case == "masked":
+        idx[rng.random(idx.shape) < 0.3] = -1
+        idx[: min(4, tokens)] = -1  # tokens with every slot masked
+    elif case == "one_expert":
+        idx[:, 0], idx[:, 1:] = 5, -1
+    elif case == "empty_experts":  # experts k.. get nothing
+        idx = np.stack([rng.permutation(k)[:k] for _ in range(tokens)]).astype(np.int32)
+    dy = jax.random.normal(ky, x.shape).astype(_BF16)
+    return x, jnp.asarray(idx), jnp.asarray(w, _F32), W, dy
+
+
+def _grad_fn(config):
+    """(dx, d topk_weight, d weights) of <moe(x), dy>: a function of (x, w, W, idx, dy)."""
+    def loss(x, w, W, idx, dy):
+        return jnp.sum(mj.moe(x, idx, w, W, config=config).astype(_F32) * dy.astype(_F32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+_MOK = mj.MoEConfig(implementation="mok")
+_mok_grads = jax.jit(_grad_fn(_MOK))
+_xla_grads = jax.jit(_grad_fn(mj.MoEConfig()))  # the reference's own bf16 gradient: the naive error
+
+
+@jax.jit
+def _reference_grads_f32(x, w, W, idx, dy):
+    with jax.default_matmul_precision("highest"):
+        return _grad_fn(mj.MoEConfig())(x.astype(_F32), w, jax.tree.map(lambda a: a.astype(_F32), W), idx, dy)
+
+
+def _check_layer(case, x, idx, w, W, dy, got=None):
+    got = _mok_grads(x, w, W, idx, dy) if got is None else got
+    ref = _reference_grads_f32(x, w, W, idx, dy)
+    naive = _xla_grads(x, w, W, idx, dy)
+    names = ["dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down"]
+    leaves = [jax.tree.leaves(t) for t in (got, ref, naive)]
+    worst = {}
+    for name, g, r, n in zip(names, *leaves):
+        g, r, n = _rows(np.asarray(g, np.float32)), _rows(r), _rows(np.asarray(n, np.float32))
+        assert np.isfinite(g).all(), f"{case}: {name} has NaN/Inf"
+        err, err_nv = np.linalg.norm(g - r, axis=1), np.linalg.norm(n - r, axis=1)
+        norm = np.linalg.norm(r, axis=1)
+        bound = ERR_VS_NAIVE_BF16 * err_nv + ERR_ROW * norm + ERR_FLOOR * np.sqrt(np.mean(norm**2))
+        bad = np.where(err > bound)[0]
+        assert bad.size == 0, (f"{case}: {name}: {bad.size} of {len(err)} rows over the bound, e.g. rows "
+                               f"{bad[:6].tolist()}: err {err[bad[:6]].tolist()} > bound {bound[bad[:6]].tolist()}")
+        worst[name] = float((err / bound).max(initial=0))
+    idx_np = np.asarray(idx)
+    assert not np.asarray(got[1])[idx_np < 0].any(), f"{case}: a masked slot's weight gradient must be 0"
+    for e in sorted(set(range(W.num_local_experts)) - set(idx_np[idx_np >= 0].tolist())):
+        assert not _bits(got[2].gate_up[e]).any() and not _bits(got[2].down[e]).any(), f"{case}: empty expert {e}"
+    _record(case, tokens=int(x.shape[0]), worst_err_over_bound=max(worst.values()), **worst)
+    return got
+
+
+# One shape for the routings (one compilation of each gradient), then the shapes and cases that change it.
+_SMALL = dict(E=8, H=256, I=512, k=4, Is=256, T=256)
+
+
+@pytest.mark.parametrize("case", ["uniform", "masked", "one_expert", "empty_experts"])
+def test_layer_gradients_routings(case):
+    E, H, I, k, Is, T = _SMALL.values()
+    _check_layer(f"grad:{case}", *_problem(f"grad:{case}", _shape(E, H, I, k, Is), T, case))
+
+
+@pytest.mark.parametrize("case,E,H,I,k,Is,T", [
+    ("I384", 8, 320, 384, 2, 128, 300),  # I not a multiple of the kernel's 256 columns; H of 2.5 x 128
+    ("one_token", 8, 256, 512, 4, 256, 1),
+    ("k10", 16, 256, 512, 10, 256, 64),
+    ("no_shared", 8, 256, 512, 2, 0, 130),
+])
+def test_layer_gradients_shapes(case, E, H, I, k, Is, T):
+    _check_layer(f"grad:{case}", *_problem(f"grad:{case}", _shape(E, H, I, k, Is), T))
+
+
+# ----------------------------------------------------------------------------- determinism and programs
+
+
+def test_layer_gradients_bitwise_repeatable_and_under_checkpoint():
+    E, H, I, k, Is, T = _SMALL.values()
+    x, idx, w, W, dy = _problem("remat", _shape(E, H, I, k, Is), T, "masked")
+    first = _mok_grads(x, w, W, idx, dy)
+    second = _mok_grads(x, w, W, idx, dy)
+
+    def loss(layer):
+        return lambda x, w, W: jnp.sum(layer(x, idx, w, W).astype(_F32) * dy.astype(_F32))
+
+    plain_layer = functools.partial(mj.moe, config=_MOK)
+    remat = jax.jit(jax.grad(loss(jax.checkpoint(plain_layer)), argnums=(0, 1, 2)))(x, w, W)
+    for name, a, b, c in zip(["dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down"],
+                             *(jax.tree.leaves(t) for t in (first, second, remat))):
+        np.testing.assert_array_equal(_bits(b), _bits(a), f"a second run changed {name}")
+        np.testing.assert_array_equal(_bits(c), _bits(a), f"jax.checkpoint changed {name}")
+    _check_layer("grad:remat", x, idx, w, W, dy, got=first)
