@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The forward megakernel on a lent H200, in one command: environment, the GPU tests of the megakernel and of
+# The MoE layer's kernels on a lent H200, in one command: environment, the GPU tests of the megakernel and of
 # the grouped FFN (whose GEMM pieces it shares), then mok-bench against the JAX baselines in the same process.
 # Logs under $OUT (the device tool's folder) or ./out. A short summary is printed last.
-# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
+# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline train curve zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
 # (SKIP_TESTS=1 skips the tests; BENCH_STEPS='' skips the benchmarks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ source scripts/step.sh
 step env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, mok_jax; from mok_jax._native import native_status; print(jax.__version__, jax.devices(), native_status())'"
 [ -z "${SKIP_TESTS:-}" ] && step tests ${TEST_LIMIT:-330} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_TEST_METRICS="$LOGS/metrics.jsonl" \
   $PY -m pytest -q -rs --timeout=${TEST_TIMEOUT:-120} -p no:cacheprovider ${TEST_FILES:-tests/test_moe_gpu.py tests/test_grouped_ffn_gpu.py} ${1:+-k "$1"}
-# mok-bench on one GPU: the whole 2-GPU ep64-slice problem (E/32 experts), bf16, uniform routing
+# mok-bench on one GPU: the whole 2-GPU ep64-slice problem (E/32 experts), bf16, uniform routing; train = fwd+bwd
 BENCH=($PY -m mok_jax.bench --experts-per-gpu E/32 --dtype bf16 --pass fwd --no-progress --samples ${SAMPLES:-10}
        --target-sample-ms ${SAMPLE_MS:-20})
 MODELS=${MODELS:-kimi-k2,glm-5,qwen3.5-397b-a17b,deepseek-v4-pro}
@@ -26,6 +26,10 @@ for s in ${BENCH_STEPS-headline granularity}; do
           cp configs/tuned/*/kernel.toml "$LOGS/" 2>/dev/null ;;
     headline) step headline ${HEADLINE_LIMIT:-240} "${BENCH[@]}" --model "$MODELS" --tokens 2048 \
                 --impl xla,xla-capacity,mok --time-budget ${HEADLINE_BUDGET:-200} --json "$LOGS/headline.json" ;;
+    train) step train ${TRAIN_LIMIT:-300} "${BENCH[@]/fwd/fwd+bwd}" --model "$MODELS" --tokens 2048 \
+             --impl xla,xla-capacity,mok --time-budget ${TRAIN_BUDGET:-250} --json "$LOGS/train.json" ;;
+    curve) step curve 200 $PY -m mok_jax.bench.train_curve --steps ${CURVE_STEPS:-50} --json "$LOGS/train_curve.json" \
+             --plot "$LOGS/train_curve.png" ;;
     zipf) step zipf 150 "${BENCH[@]}" --model "$MODELS" --tokens 2048 --routing zipf --zipf-s 1.2 \
             --impl xla,xla-capacity,mok --time-budget 120 --json "$LOGS/zipf.json" ;;
     granularity) step granularity 150 "${BENCH[@]}" --model kimi-k2 --tokens ${GTOKENS:-2048} --impl mok \

@@ -184,7 +184,8 @@ class BenchOptions:
             need(not set_knobs, f"--tune sweeps the kernel knobs itself; drop {', '.join(set_knobs)}")
             need(self.impls in (None, ("mok",)), "--tune times implementation mok only; drop --impl")
             need(self.baseline in (None, "mok"), "--tune times implementation mok only; drop --baseline")
-            need(self.passes == ("fwd",), "--tune times the forward only (mok has no backward yet); drop --pass")
+            need(self.passes == ("fwd",), "--tune times the forward only (the knobs are the forward megakernel's); "
+                 "drop --pass")
 
     def _check_knobs(self) -> None:
         """Each knob option as mok_jax.KernelConfig checks it, the error naming the option."""
@@ -624,7 +625,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                                                                           gpu_kind)
                     r["kernel"] = dataclasses.asdict(ran)
                     label += f" [{rep.kernel_label(r, ('comm_sms_fwd', 'ring_slots'))}]"
-                    if pass_ == "fwd":  # the forward's memory; the backward's is not known until it exists
+                    if pass_ == "fwd":  # the forward's memory; the backward's is not sized yet
                         r.update(acc.mok_memory_per_rank(shape, tokens, ran))
                 if stop_reason:
                     raise _Skip(stop_reason)
@@ -674,7 +675,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
             except _Interrupted as e:
                 stop_reason = str(e)
                 r.update(status="skipped", error=stop_reason)
-            except NotImplementedError as e:  # e.g. mok's backward (raised at trace time): this pass only
+            except NotImplementedError as e:  # e.g. mok's backward at EP > 1 (raised at trace time): this pass only
                 r.update(status="unsupported", error=_error_text(e))
                 say(f"{label}: unsupported ({_error_text(e).splitlines()[0][:300]})")
             except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
@@ -805,7 +806,7 @@ def _from_json(opts: BenchOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point. Returns 0 when at least one run succeeded and none failed (skipped and unsupported
-    runs are not failures: --time-budget, a signal, mok's missing backward), 1 when a run failed or none ran,
+    runs are not failures: --time-budget, a signal, mok's missing backward at EP > 1), 1 when a run failed or none ran,
     2 on bad options or an implementation asked for by name that cannot run here (one line saying why)."""
     try:
         opts = parse_args(argv)
