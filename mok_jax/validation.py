@@ -98,32 +98,46 @@ def check_routing_values(topk_idx, num_experts: int) -> None:
         raise ValueError("topk_idx must name distinct experts within each token's row")
 
 
-def check_experts_backward_args(x_e, dy_e, w_e, group_sizes, gate_up, down, *, where: str,
-                                dtypes=(jnp.bfloat16,), max_experts: int | None = None) -> tuple[int, int, int, int]:
+def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, *, where: str,
+                                dtypes=(jnp.bfloat16,), max_experts: int | None = None
+                                ) -> tuple[int, int, int, int, int, int]:
     """Shapes and dtypes of the experts' backward arguments (mok_jax.ops.experts_backward and its reference);
-    returns (M, H, I, E). ``where`` opens each message; ``dtypes``: the floating dtypes allowed for x_e (dy_e and
-    the weights must be x_e's); ``max_experts``: the most experts the caller takes (None: no limit)."""
-    for name, a, rank, shape in (("x_e", x_e, 2, "[M, H]"), ("dy_e", dy_e, 2, "[M, H]"), ("w_e", w_e, 1, "[M]"),
+    returns (T, k, M, H, I, E). ``where`` opens each message; ``dtypes``: the floating dtypes allowed for x (dy
+    and the weights must be x's); ``max_experts``: the most experts the caller takes (None: no limit). The values
+    of pos, src_slot and group_sizes are not checked (they are device values)."""
+    for name, a, rank, shape in (("x", x, 2, "[T, H]"), ("dy", dy, 2, "[T, H]"),
+                                 ("topk_weight", topk_weight, 2, "[T, k]"), ("pos", pos, 2, "[T, k]"),
+                                 ("src_slot", src_slot, 1, "[M]"),
                                  ("group_sizes", group_sizes, 1, "[E]"), ("gate_up", gate_up, 3, "[E, H, 2I]"),
                                  ("down", down, 3, "[E, I, H]")):
         if getattr(a, "ndim", None) != rank:
             raise ValueError(f"{where}: {name} must be rank {rank} {shape}, got shape {getattr(a, 'shape', None)}")
-    dtype = x_e.dtype
+    dtype = x.dtype
     if dtype not in [jnp.dtype(d) for d in dtypes]:
-        raise TypeError(f"{where}: x_e must be {' or '.join(jnp.dtype(d).name for d in dtypes)}, got {dtype}")
-    for name, a, want in (("dy_e", dy_e, dtype), ("w_e", w_e, jnp.float32), ("group_sizes", group_sizes, jnp.int32),
+        raise TypeError(f"{where}: x must be {' or '.join(jnp.dtype(d).name for d in dtypes)}, got {dtype}")
+    for name, a, want in (("dy", dy, dtype), ("topk_weight", topk_weight, jnp.float32), ("pos", pos, jnp.int32),
+                          ("src_slot", src_slot, jnp.int32), ("group_sizes", group_sizes, jnp.int32),
                           ("gate_up", gate_up, dtype), ("down", down, dtype)):
         if a.dtype != want:
             raise TypeError(f"{where}: {name} must be {jnp.dtype(want).name}, got {a.dtype}")
-    m, hidden = x_e.shape
-    if dy_e.shape != (m, hidden):
-        raise ValueError(f"{where}: dy_e must be [M, H] = {(m, hidden)} (x_e's shape), got {dy_e.shape}")
-    if w_e.shape != (m,):
-        raise ValueError(f"{where}: w_e must be [M] = [{m}] (x_e's rows), got {w_e.shape}")
+    tokens, hidden = x.shape
+    if dy.shape != (tokens, hidden):
+        raise ValueError(f"{where}: dy must be [T, H] = {(tokens, hidden)} (x's shape), got {dy.shape}")
+    if topk_weight.shape[0] != tokens:
+        raise ValueError(f"{where}: topk_weight must be [T, k] with T = {tokens} (x's rows), got {topk_weight.shape}")
+    top_k = topk_weight.shape[1]
+    if pos.shape != topk_weight.shape:
+        raise ValueError(f"{where}: pos must be [T, k] = {topk_weight.shape} (topk_weight's shape), got {pos.shape}")
+    if tokens < 1 or top_k < 1:
+        raise ValueError(f"{where}: topk_weight: tokens T and slots per token k must be at least 1, got "
+                         f"{topk_weight.shape}")
+    (m,) = src_slot.shape
+    if m < 1:
+        raise ValueError(f"{where}: src_slot: the number of rows M must be at least 1, got {m}")
     (num_experts,) = group_sizes.shape
     if gate_up.shape[0] != num_experts or gate_up.shape[1] != hidden or gate_up.shape[2] % 2:
         raise ValueError(f"{where}: gate_up must be [E, H, 2I] = [{num_experts}, {hidden}, 2I] (E from group_sizes, "
-                         f"H from x_e), got {gate_up.shape}")
+                         f"H from x), got {gate_up.shape}")
     inter = gate_up.shape[2] // 2
     if down.shape != (num_experts, inter, hidden):
         raise ValueError(f"{where}: down must be [E, I, H] = {(num_experts, inter, hidden)}, got {down.shape}")
@@ -131,10 +145,13 @@ def check_experts_backward_args(x_e, dy_e, w_e, group_sizes, gate_up, down, *, w
         raise ValueError(f"{where}: group_sizes: the number of experts must be in [1, {max_experts or 'inf'}], "
                          f"got {num_experts}")
     if hidden <= 0 or hidden % 8:
-        raise ValueError(f"{where}: x_e: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), "
+        raise ValueError(f"{where}: x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), "
                          f"got {hidden}")
     if inter <= 0 or inter % 8:
         raise ValueError(f"{where}: gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
     if m >= 2**31:
-        raise ValueError(f"{where}: x_e: rows M must be below 2^31, got {m}")
-    return m, hidden, inter, num_experts
+        raise ValueError(f"{where}: src_slot: rows M must be below 2^31, got {m}")
+    if tokens * top_k >= 2**31:
+        raise ValueError(f"{where}: topk_weight: slots T * k must be below 2^31 (int32 slot ids in src_slot), got "
+                         f"{tokens} * {top_k}")
+    return tokens, top_k, m, hidden, inter, num_experts

@@ -1,15 +1,18 @@
 """GPU tests of the backward of implementation="mok" at EP size 1 (mok_jax.ops.experts_backward and the layer's
 gradients) against mok_jax.reference.
 
-The op: fresh random bf16 rows (the seed is printed) against experts_backward_reference, which rounds at the
-same points, so they differ by the outputs' roundings turned the other way by fp32 sum order; row by row.
+The op: fresh random bf16 tokens and the padded layout of a random routing (the seed is printed) against
+experts_backward_reference, which gathers the same rows, rounds at the same points and sums each token's bf16
+slot rows in f32 in the same order, so they differ by the outputs' roundings turned the other way by fp32 sum
+order; dx per token, dw per slot, the weights' gradients row by row. Out-of-range pos and src_slot values (which
+the op must skip, not read through) are compared with the reference too.
 The layer: jax.grad of mok in bf16 against jax.grad of the f32 reference on upcast inputs (matmul precision
 "highest"), row by row, within 2x the error of the reference's own bf16 gradient on that row plus a few bf16
 roundings of the row and of a typical row; the awkward cases (masked slots, one expert, empty experts, one
 token, k = 10, no shared expert) and I not a multiple of the kernel's 256-column tiles. Determinism: two runs
 and three SM counts give the same bits; jax.checkpoint around the layer gives the bits of the plain gradient.
-On one H200 the file ran in ~41 s (XLA_FLAGS=--xla_gpu_autotune_level=0), the worst case at 0.4 of its bound.
-Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
+Before the op gathered its rows itself, the file ran in ~41 s on one H200 (XLA_FLAGS=--xla_gpu_autotune_level=0),
+the worst case at 0.4 of its bound. Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import mok_jax as mj
 from mok_jax import ops
 from mok_jax.bench.routing import make_routing
 from mok_jax.config import ModelShape
+from mok_jax.expert_layout import padded_layout
 from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
@@ -41,17 +45,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 # The op against its reference: both round g, u, dgu, w h and the outputs to bf16 at the same points, so a row
 # differs by its own rounding turned the other way by fp32 sum order (an ulp, at most 2^-7, on a rare element)
 # and by a rare gate/up value rounded the other way upstream (a 2^-7 change of one of 2I terms): 2 x 2^-8 of
-# the row is far above that and far below a wrong row (O(1)).
+# the row is far above that and far below a wrong row (O(1)). A token's dx is the f32 sum, in the same slot
+# order on both sides, of its k such bf16 rows: their errors add as the (independent) rows do, so the sum's
+# relative error is a row's, and the same bound holds per token.
 OP_ROW_TOL = 2 * 2.0**-8
 # Added to the bound of a weight-gradient row in the op test, times its rms row norm: rows that cancel.
 OP_FLOOR = 2.0**-8
-# dw (f32, not rounded) against its reference, times the sum of |dh'_i h_i| of the row: a gate/up value rounded
+# dw (f32, not rounded) against its reference, times the sum of |dh'_i h_i| of the slot's row: a gate/up value rounded
 # the other way (at most 2^-7 of it, through silu' <= 1.1) moves one term by < 2^-6.8 of it, and one term is
 # ~1/100 of that sum at I >= 384; 2^-10 covers several such, and a wrong row's dw (~ 1/20 of the sum) is 50x out.
 OP_DW_TOL = 2.0**-10
 # The layer's gradients against the f32 reference: mok rounds g, u, dgu, each slot's dx row, w h and the outputs
-# to bf16; the reference's own bf16 gradient (the xla path) rounds h, every cotangent and the outputs; mok sits
-# near it: 2x it ...
+# to bf16 (the shared expert's XLA backward: dgu, h and the outputs); the reference's own bf16 gradient (the xla
+# path) rounds h, every cotangent and the outputs; mok sits near it: 2x it ...
 ERR_VS_NAIVE_BF16 = 2.0
 # ... plus, times the row's norm: up to four roundings on a row's way (g, u, then dgu or w h, then the output),
 # each at most 2^-8, for rows whose naive gradient happens to be closer ...
@@ -89,39 +95,38 @@ def _rows(a) -> np.ndarray:
 # ----------------------------------------------------------------------------- the op against its reference
 
 
-def _op_problem(tag: str, sizes, m: int, H: int, I: int):
-    """bf16 expert-major rows for group sizes ``sizes`` (multiples of 128): each group's first rows random, the
-    rest of it padding (zeros, w = 0), random rows past sum(sizes) (which the op must ignore); random weights."""
-    E = len(sizes)
-    ks = jax.random.split(_key(tag), 6)
+def _op_problem(tag: str, T: int, E: int, k: int, H: int, I: int, routing: str = "uniform"):
+    """bf16 tokens, dy and weights, f32 router weights, and the padded layout of a random routing: ``uniform``
+    (k distinct experts of all E per token), ``masked_empty`` (experts from a random half only, so some get
+    nothing; 30% of the slots masked and the first tokens with every slot masked). Returns the op's args and
+    topk_idx."""
+    ks = jax.random.split(_key(tag), 5)
     rng = np.random.default_rng(zlib.crc32(f"{_SEED}{tag}".encode()))
-    expert = np.full(m, -1)
-    start = 0
-    for e, size in enumerate(sizes):
-        used = int(rng.integers(size // 2, size + 1)) if size else 0
-        expert[start:start + used] = e
-        start += size
-    pad = (expert < 0) & (np.arange(m) < start)
-    keep = jnp.asarray(~pad)
-    x = jnp.where(keep[:, None], jax.random.normal(ks[0], (m, H)), 0).astype(_BF16)
-    dy = jnp.where(keep[:, None], jax.random.normal(ks[1], (m, H)), 0).astype(_BF16)
-    w = jnp.where(keep, jax.random.uniform(ks[2], (m,), minval=0.1, maxval=1.0), 0.0)
+    pool = np.arange(E) if routing == "uniform" else rng.permutation(E)[:max(k, E // 2)]
+    idx = np.stack([rng.permutation(pool)[:k] for _ in range(T)]).astype(np.int32)
+    if routing == "masked_empty":
+        idx[rng.random(idx.shape) < 0.3] = -1
+        idx[: min(4, T)] = -1
+    x = jax.random.normal(ks[0], (T, H)).astype(_BF16)
+    dy = jax.random.normal(ks[1], (T, H)).astype(_BF16)
+    w = jax.random.uniform(ks[2], (T, k), minval=0.1, maxval=1.0)
     gate_up = (jax.random.normal(ks[3], (E, H, 2 * I)) * H**-0.5).astype(_BF16)
     down = (jax.random.normal(ks[4], (E, I, H)) * I**-0.5).astype(_BF16)
-    return (x, dy, w, jnp.asarray(np.asarray(sizes, np.int32)), gate_up, down), expert
+    lay = padded_layout(jnp.asarray(idx), E)
+    return (x, dy, w, lay.pos, lay.src_slot, lay.group_sizes, gate_up, down), idx
 
 
 @jax.jit
-def _dw_scale(x, dy, gate_up, down, expert):
-    """sum_i |dh'_i h_i| per row, in f32 (the size of the terms of dw, whatever they cancel to)."""
+def _dw_scale(x, dy, gate_up, down, idx):
+    """sum_i |dh'_i h_i| per slot [T, k], in f32 (the size of the terms of dw, whatever they cancel to)."""
     I = down.shape[1]
-    out = jnp.zeros(x.shape[0], _F32)
+    out = jnp.zeros(idx.shape, _F32)
     with jax.default_matmul_precision("highest"):
         for e in range(gate_up.shape[0]):
             gu = (x.astype(_F32) @ gate_up[e].astype(_F32)).astype(_BF16).astype(_F32)
             h = jax.nn.silu(gu[:, :I]) * gu[:, I:]
             dh = dy.astype(_F32) @ down[e].astype(_F32).T
-            out = jnp.where(expert == e, jnp.sum(jnp.abs(dh * h), axis=1), out)
+            out = jnp.where(idx == e, jnp.sum(jnp.abs(dh * h), axis=1)[:, None], out)
     return out
 
 
@@ -138,30 +143,28 @@ def _check_rows(case, got, want, tol, floor):
     return float((err / np.maximum(bound, 1e-30)).max(initial=0))
 
 
-@pytest.mark.parametrize("sizes,m,H,I", [
-    ([256, 128, 0, 384, 128, 0, 0, 128], 1280, 256, 512),  # empty experts; 256 rows past the sum
-    ([128, 0, 256, 128], 640, 320, 384),  # I not a multiple of 256; H of 2.5 x 128
-    ([1024], 1024, 256, 512),  # one expert, every row
-])
-def test_op_matches_reference(sizes, m, H, I):
-    case = f"op:{len(sizes)}x{H}x{I}"
-    args, expert = _op_problem(case, sizes, m, H, I)
-    got = jax.jit(ops.experts_backward)(*args)
-    want = jax.jit(experts_backward_reference)(*args)
+def _check_op(case, args, got, want, idx, no_row=None):
+    """The op's outputs ``got`` against the reference's ``want`` on ``args``; idx: the routing (-1: the slot has
+    no row); no_row: bool[T, k], further slots with no row or a padding row (exact zeros of dw)."""
+    x, dy, _, _, _, _, gate_up, down = args
+    E = gate_up.shape[0]
     assert int(got.status) == 0, f"{case}: status {int(got.status)}"
-    outside = expert < 0  # padding rows and rows past the sum: exact zeros
-    assert not _bits(got.dx)[outside].any() and not _bits(got.dw)[outside].any(), f"{case}: padding rows not 0"
-    worst = {"dx": _check_rows(f"{case}: dx", np.asarray(got.dx, np.float32)[~outside],
-                               np.asarray(want.dx, np.float32)[~outside], OP_ROW_TOL, 0.0)}
-    x, dy, _, _, gate_up, down = args
-    scale = np.asarray(_dw_scale(x, dy, gate_up, down, jnp.asarray(expert)))[~outside]
-    dw_err = np.abs(np.asarray(got.dw) - np.asarray(want.dw))[~outside]
+    no_row = (idx < 0) if no_row is None else (idx < 0) | no_row
+    assert not _bits(got.dw)[no_row].any(), f"{case}: a slot without a row has dw != 0"
+    rowless = no_row.all(axis=1)  # tokens none of whose slots adds a row: exact zeros
+    assert not _bits(got.dx)[rowless].any(), f"{case}: a token without rows has dx != 0"
+    worst = {"dx": _check_rows(f"{case}: dx", np.asarray(got.dx)[~rowless], np.asarray(want.dx)[~rowless],
+                               OP_ROW_TOL, 0.0)}
+    scale = np.asarray(_dw_scale(x, dy, gate_up, down, jnp.asarray(np.where(no_row, -1, idx))))[~no_row]
+    dw_err = np.abs(np.asarray(got.dw) - np.asarray(want.dw))[~no_row]
     over = ~(dw_err <= OP_DW_TOL * scale)  # NaN is over
-    assert not over.any(), (f"{case}: dw over the bound at {over.sum()} rows, e.g. {np.flatnonzero(over)[:6].tolist()}:"
-                            f" err {dw_err[over][:6].tolist()} > bound {(OP_DW_TOL * scale)[over][:6].tolist()}")
+    assert not over.any(), (f"{case}: dw over the bound at {over.sum()} slots, e.g. "
+                            f"{np.flatnonzero(over)[:6].tolist()}: err {dw_err[over][:6].tolist()} > bound "
+                            f"{(OP_DW_TOL * scale)[over][:6].tolist()}")
     worst["dw"] = float((dw_err / np.maximum(OP_DW_TOL * scale, 1e-30)).max(initial=0))
-    for e, size in enumerate(sizes):
-        if not (expert == e).any():  # an empty expert: exact zeros
+    reached = set(idx[idx >= 0].tolist())
+    for e in range(E):
+        if e not in reached:  # an empty expert: exact zeros
             assert not _bits(got.d_gate_up[e]).any() and not _bits(got.d_down[e]).any(), f"{case}: expert {e}"
             continue
         for name in ("d_gate_up", "d_down"):
@@ -171,20 +174,62 @@ def test_op_matches_reference(sizes, m, H, I):
     _record(case, worst_err_over_bound=max(worst.values()))
 
 
+@pytest.mark.parametrize("T,E,k,H,I,routing", [
+    (300, 8, 4, 256, 512, "uniform"),  # rows past the sum (M = T k + 128 E)
+    (200, 8, 2, 320, 384, "masked_empty"),  # empty experts, masked slots; I not a multiple of 256; H = 2.5 x 128
+    (1000, 1, 1, 256, 512, "uniform"),  # one expert: one group of 1024 rows, 24 of them padding
+    (64, 16, 10, 256, 256, "uniform"),  # k = 10
+])
+def test_op_matches_reference(T, E, k, H, I, routing):
+    case = f"op:{T}x{E}x{k}x{H}x{I}:{routing}"
+    args, idx = _op_problem(case, T, E, k, H, I, routing)
+    got = jax.jit(ops.experts_backward)(*args)
+    want = jax.jit(experts_backward_reference)(*args)
+    _check_op(case, args, got, want, idx)
+
+
+def test_op_skips_out_of_range_pos_and_src_slot():
+    """pos outside [0, M) adds nothing and gets dw = 0, and so does a pos at a row past sum(group_sizes) (that
+    row's dx and dw are 0); src_slot outside [-1, T k) is a padding row: the op agrees with the reference (which
+    defines this) and reads nothing out of bounds (no fault, finite results)."""
+    T, E, k = 200, 4, 2
+    args, idx = _op_problem("op:out of range", T, E, k, 256, 256)
+    x, dy, w, pos, src_slot, gs, gate_up, down = args
+    M = src_slot.shape[0]
+    pos, src_slot = np.array(pos), np.array(src_slot)
+    no_row = np.zeros((T, k), bool)
+    assert int(np.sum(gs)) <= M - 1  # so pos = M - 1 is a row past the sum, whose dx and dw rows are 0
+    for (t, j), bad in zip([(0, 0), (3, 1), (8, 0), (9, 1), (20, 0), (21, 1), (22, 0)],
+                           [M, M + 7, -1, -5, 2**31 - 1, -(2**31), M - 1]):
+        pos[t, j] = bad
+        no_row[t, j] = True
+    for (t, j), bad in zip([(30, 0), (31, 1), (40, 0), (41, 1)], [-2, T * k, 2**31 - 1, -(2**31)]):
+        src_slot[pos[t, j]] = bad
+        no_row[t, j] = True  # its row is padding: dw = 0, dx adds a zero row
+    args = (x, dy, w, jnp.asarray(pos), jnp.asarray(src_slot), gs, gate_up, down)
+    got = jax.jit(ops.experts_backward)(*args)
+    want = jax.jit(experts_backward_reference)(*args)
+    _check_op("op:out of range", args, got, want, idx, no_row)
+
+
 def test_op_status_bits():
-    args, _ = _op_problem("status", [128, 128], 256, 256, 256)
-    x, dy, w, _, gate_up, down = args
+    args, _ = _op_problem("status", 128, 2, 1, 256, 256)  # M = 128 + 2 * 128 = 384
+    x, dy, w, pos, src_slot, _, gate_up, down = args
     f = jax.jit(ops.experts_backward)
     for sizes, bits in (([128, -128], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP),
-                        ([256, 128], EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
+                        ([256, 256], EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
                         ([128, 100], EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP),
                         ([128, 128], 0)):
-        status = int(f(x, dy, w, jnp.asarray(sizes, jnp.int32), gate_up, down).status)
-        assert status == bits, f"group sizes {sizes} (M = 256): status {status}, want {bits}"
+        out = f(x, dy, w, pos, src_slot, jnp.asarray(sizes, jnp.int32), gate_up, down)
+        status = int(out.status)
+        assert status == bits, f"group sizes {sizes} (M = 384): status {status}, want {bits}"
+        for name in ("d_gate_up", "d_down"):  # bad sizes: NaN weight gradients, never a gradient-looking value
+            g = np.asarray(getattr(out, name), np.float32)
+            assert np.all(np.isnan(g)) if bits else np.all(np.isfinite(g)), f"group sizes {sizes}: {name}"
 
 
 def test_op_bitwise_repeatable_whatever_the_sm_count():
-    args, _ = _op_problem("sms", [384, 0, 128, 256], 1024, 256, 384)
+    args, _ = _op_problem("sms", 400, 4, 2, 256, 384, "masked_empty")
     outs = [jax.jit(functools.partial(ops.experts_backward, num_sms=n))(*args) for n in (None, None, 20, 3)]
     for n, out in zip((None, 20, 3), outs[1:]):
         for name, a, b in zip(out._fields, out, outs[0]):

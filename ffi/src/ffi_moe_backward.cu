@@ -1,7 +1,9 @@
 // XLA FFI handler for mok/experts_backward.cuh: mok_experts_backward.
-//   x: bf16[M, H], dy: bf16[M, H], w: f32[M], group_sizes: s32[E], gate_up: bf16[E, H, 2I], down: bf16[E, I, H]
-//   -> dx: bf16[M, H], dw: f32[M], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
-//      scratch: gu: bf16[M, 2I], dgu: bf16[M, 2I], hw: bf16[M, I], dw_part: f32[M, ceil(I / 256)]
+//   x: bf16[T, H], dy: bf16[T, H], topk_weight: f32[T, k], pos: s32[T, k], src_slot: s32[M], group_sizes: s32[E],
+//   gate_up: bf16[E, H, 2I], down: bf16[E, I, H]
+//   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
+//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: bf16[M, 2I], dgu: bf16[M, 2I], hw: bf16[M, I],
+//      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M]
 //   attrs: {num_sms: s32, 0 = all SMs}
 #include "ffi_common.h"
 #include "mok/experts_backward.cuh"
@@ -30,21 +32,30 @@ bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
 }
 
 ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
-                                 ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
+                                 ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
-                                 ffi::ResultBuffer<ffi::BF16> dx, ffi::ResultBuffer<ffi::F32> dw,
+                                 ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw,
                                  ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
-                                 ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> gu,
-                                 ffi::ResultBuffer<ffi::BF16> dgu, ffi::ResultBuffer<ffi::BF16> hw,
-                                 ffi::ResultBuffer<ffi::F32> dw_part, ExpertsBackwardAttrs attrs) {
+                                 ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e,
+                                 ffi::ResultBuffer<ffi::BF16> dy_e, ffi::ResultBuffer<ffi::F32> w_e,
+                                 ffi::ResultBuffer<ffi::BF16> gu, ffi::ResultBuffer<ffi::BF16> dgu,
+                                 ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
+                                 ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
+                                 ExpertsBackwardAttrs attrs) {
   constexpr const char* kOp = "mok_experts_backward";
   using mok::ffi_util::invalid;
-  if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [M, H], got " + dims_str(x.dimensions()));
+  if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [T, H], got " + dims_str(x.dimensions()));
+  if (topk_weight.dimensions().size() != 2)
+    return invalid(kOp, "topk_weight must be rank 2 [T, k], got " + dims_str(topk_weight.dimensions()));
+  if (src_slot.dimensions().size() != 1)
+    return invalid(kOp, "src_slot must be rank 1 [M], got " + dims_str(src_slot.dimensions()));
   if (group_sizes.dimensions().size() != 1)
     return invalid(kOp, "group_sizes must be rank 1 [E], got " + dims_str(group_sizes.dimensions()));
   if (gate_up.dimensions().size() != 3 || gate_up.dimensions()[2] % 2 != 0)
     return invalid(kOp, "gate_up must be rank 3 [E, H, 2I], got " + dims_str(gate_up.dimensions()));
-  const int64_t m = x.dimensions()[0], hidden = x.dimensions()[1], e = group_sizes.dimensions()[0];
+  const int64_t t = x.dimensions()[0], hidden = x.dimensions()[1], k = topk_weight.dimensions()[1];
+  const int64_t m = src_slot.dimensions()[0], e = group_sizes.dimensions()[0];
   const int64_t inter = gate_up.dimensions()[2] / 2;
   const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
   struct Want {
@@ -54,18 +65,24 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
     const char* shape;
   };
   const Want checks[] = {
-      {"dy", dy.dimensions(), {m, hidden}, "[M, H]"},
-      {"w", w.dimensions(), {m}, "[M]"},
+      {"dy", dy.dimensions(), {t, hidden}, "[T, H]"},
+      {"topk_weight", topk_weight.dimensions(), {t, k}, "[T, k]"},
+      {"pos", pos.dimensions(), {t, k}, "[T, k]"},
       {"gate_up", gate_up.dimensions(), {e, hidden, 2 * inter}, "[E, H, 2I]"},
       {"down", down.dimensions(), {e, inter, hidden}, "[E, I, H]"},
-      {"dx", dx->dimensions(), {m, hidden}, "[M, H]"},
-      {"dw", dw->dimensions(), {m}, "[M]"},
+      {"dx", dx->dimensions(), {t, hidden}, "[T, H]"},
+      {"dw", dw->dimensions(), {t, k}, "[T, k]"},
       {"d_gate_up", d_gate_up->dimensions(), {e, hidden, 2 * inter}, "[E, H, 2I]"},
       {"d_down", d_down->dimensions(), {e, inter, hidden}, "[E, I, H]"},
+      {"x_e", x_e->dimensions(), {m, hidden}, "[M, H]"},
+      {"dy_e", dy_e->dimensions(), {m, hidden}, "[M, H]"},
+      {"w_e", w_e->dimensions(), {m}, "[M]"},
       {"gu", gu->dimensions(), {m, 2 * inter}, "[M, 2I]"},
       {"dgu", dgu->dimensions(), {m, 2 * inter}, "[M, 2I]"},
       {"hw", hw->dimensions(), {m, inter}, "[M, I]"},
       {"dw_part", dw_part->dimensions(), {m, n_blocks}, "[M, ceil(I / 256)]"},
+      {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
+      {"dw_e", dw_e->dimensions(), {m}, "[M]"},
   };
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
@@ -75,19 +92,28 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   mok::ExpertsBackwardParams p{};
   p.x = x.untyped_data();
   p.dy = dy.untyped_data();
-  p.w = w.typed_data();
+  p.topk_weight = topk_weight.typed_data();
+  p.pos = pos.typed_data();
+  p.src_slot = src_slot.typed_data();
   p.group_sizes = group_sizes.typed_data();
   p.gate_up = gate_up.untyped_data();
   p.down = down.untyped_data();
-  p.dx = dx->untyped_data();
+  p.dx = dx->typed_data();
   p.dw = dw->typed_data();
   p.d_gate_up = d_gate_up->untyped_data();
   p.d_down = d_down->untyped_data();
   p.status = status->typed_data();
+  p.x_e = x_e->untyped_data();
+  p.dy_e = dy_e->untyped_data();
+  p.w_e = w_e->typed_data();
   p.gu = gu->untyped_data();
   p.dgu = dgu->untyped_data();
   p.hw = hw->untyped_data();
   p.dw_part = dw_part->typed_data();
+  p.dx_e = dx_e->untyped_data();
+  p.dw_e = dw_e->typed_data();
+  p.num_tokens = t;
+  p.top_k = k;
   p.num_rows = m;
   p.hidden = hidden;
   p.intermediate = inter;
@@ -102,19 +128,26 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
 MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                    .Arg<ffi::Buffer<ffi::BF16>>()   // x
-                    .Arg<ffi::Buffer<ffi::BF16>>()   // dy
-                    .Arg<ffi::Buffer<ffi::F32>>()    // w
-                    .Arg<ffi::Buffer<ffi::S32>>()    // group_sizes
-                    .Arg<ffi::Buffer<ffi::BF16>>()   // gate_up
-                    .Arg<ffi::Buffer<ffi::BF16>>()   // down
-                    .Ret<ffi::Buffer<ffi::BF16>>()   // dx
-                    .Ret<ffi::Buffer<ffi::F32>>()    // dw
-                    .Ret<ffi::Buffer<ffi::BF16>>()   // d_gate_up
-                    .Ret<ffi::Buffer<ffi::BF16>>()   // d_down
-                    .Ret<ffi::Buffer<ffi::S32>>()    // status
-                    .Ret<ffi::Buffer<ffi::BF16>>()   // gu (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>()   // dgu (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>()   // hw (scratch)
-                    .Ret<ffi::Buffer<ffi::F32>>()    // dw_part (scratch)
+                    .Arg<ffi::Buffer<ffi::BF16>>() // x
+                    .Arg<ffi::Buffer<ffi::BF16>>() // dy
+                    .Arg<ffi::Buffer<ffi::F32>>()  // topk_weight
+                    .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                    .Arg<ffi::Buffer<ffi::S32>>()  // src_slot
+                    .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
+                    .Arg<ffi::Buffer<ffi::BF16>>() // gate_up
+                    .Arg<ffi::Buffer<ffi::BF16>>() // down
+                    .Ret<ffi::Buffer<ffi::F32>>()  // dx
+                    .Ret<ffi::Buffer<ffi::F32>>()  // dw
+                    .Ret<ffi::Buffer<ffi::BF16>>() // d_gate_up
+                    .Ret<ffi::Buffer<ffi::BF16>>() // d_down
+                    .Ret<ffi::Buffer<ffi::S32>>()  // status
+                    .Ret<ffi::Buffer<ffi::BF16>>() // x_e (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // dy_e (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()  // w_e (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // gu (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // dgu (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // hw (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()  // dw_part (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // dx_e (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()  // dw_e (scratch)
                     .Attrs<ExpertsBackwardAttrs>());

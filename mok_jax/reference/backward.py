@@ -1,14 +1,19 @@
 """The routed experts' backward over padded expert-major rows: what mok_jax.ops.experts_backward computes.
 
-Written for obviousness: every expert runs on every row (masked to its own rows), in fp32 from the inputs, with
-the kernel's roundings to the input dtype (bf16 as the kernel; with f32 inputs nothing is rounded, which makes it
-comparable with autodiff of mok_jax.reference.experts.swiglu_ffn to fp32 precision). Per row r of expert e:
+Written for obviousness: the slots' tokens and weights are gathered into the layout's rows, every expert runs on
+every row (masked to its own rows), in fp32 from the inputs, with the kernel's roundings to the input dtype (bf16
+as the kernel; with f32 inputs nothing is rounded, which makes it comparable with autodiff of
+mok_jax.reference.experts.swiglu_ffn to fp32 precision). Row r holds slot s = src_slot[r] (zeros for padding);
+per row r of expert e:
 
     g, u = split(round(x_r @ gate_up[e]));  h = silu(g) * u                    (h kept in fp32)
     dh' = dy_r @ down[e]^T;  dw_r = <dh', h>;  dh = w_r dh'
     dgu_r = round([dh u silu'(g), dh silu(g)]),  silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
     dx_r = round(dgu_r @ gate_up[e]^T)
     d_down[e] = round(sum_r round(w_r h_r)^T dy_r);  d_gate_up[e] = round(sum_r x_r^T dgu_r)
+
+and per token t: dx[t] = sum_j dx_{pos[t, j]} in fp32 in slot order, dw[t, j] = dw_{pos[t, j]} (a slot whose pos
+is outside [0, M) adds nothing and gets 0).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mok_jax.expert_layout import gather_rows
 from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_GROUP_ALIGN,
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
@@ -39,27 +45,35 @@ def _status(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 
 
 def experts_backward_reference(
-    x_e: jax.Array, dy_e: jax.Array, w_e: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array,
-    *, num_sms: int | None = None,
+    x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
+    group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
 ) -> ExpertsBackwardOutput:
     """mok_jax.ops.experts_backward in pure JAX (same signature, shapes and semantics; the module docstring has
-    the math). x_e, dy_e, gate_up and down: bf16 or f32, one dtype (the dtype of every rounding and of dx,
-    d_gate_up and d_down); w_e: f32[M]; group_sizes: int32[E]. num_sms is accepted and ignored.
+    the math). x, dy, gate_up and down: bf16 or f32, one dtype (the dtype of every rounding and of d_gate_up and
+    d_down; dx and dw are f32); topk_weight: f32[T, k]; pos: int32[T, k]; src_slot: int32[M]; group_sizes:
+    int32[E]. num_sms is accepted and ignored.
 
-    With bad group sizes (status != 0) the kernel's outputs are not specified; here they are zeros.
+    With bad group sizes (status != 0) d_gate_up and d_down are NaN, as the kernel's; dx and dw are not specified
+    (here zeros).
     """
     del num_sms
-    m, hidden, inter, num_experts = check_experts_backward_args(
-        x_e, dy_e, w_e, group_sizes, gate_up, down, where="mok_jax.reference.experts_backward_reference",
-        dtypes=(jnp.bfloat16, jnp.float32))
-    dtype = x_e.dtype
+    tokens, k, m, hidden, inter, num_experts = check_experts_backward_args(
+        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
+        where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32))
+    dtype = x.dtype
     status = _status(group_sizes, m)
+
+    # gather: a row whose slot is outside [0, T k) is padding (zeros)
+    slot_ok = (src_slot >= 0) & (src_slot < tokens * k)
+    slot = jnp.where(slot_ok, src_slot, -1)
+    x32 = gather_rows(x, jnp.where(slot_ok, slot // k, -1)).astype(_F32)
+    dy32 = gather_rows(dy, jnp.where(slot_ok, slot // k, -1)).astype(_F32)
+    w32 = gather_rows(topk_weight.reshape(-1), slot).astype(_F32)
+
     ends = jnp.cumsum(group_sizes)
     expert_of_row = jnp.searchsorted(ends, jnp.arange(m), side="right")  # == E past sum(group_sizes)
-    x32, dy32, w32 = x_e.astype(_F32), dy_e.astype(_F32), w_e.astype(_F32)
-
-    dx = jnp.zeros((m, hidden), _F32)
-    dw = jnp.zeros((m,), _F32)
+    dx_rows = jnp.zeros((m, hidden), _F32)
+    dw_rows = jnp.zeros((m,), _F32)
     d_gate_up, d_down = [], []
     with jax.default_matmul_precision("highest"):
         for e in range(num_experts):
@@ -79,9 +93,18 @@ def experts_backward_reference(
             hw = jnp.where(mine[:, None], (w32[:, None] * h).astype(dtype).astype(_F32), 0.0)
             x_mine = jnp.where(mine[:, None], x32, 0.0)
             dy_mine = jnp.where(mine[:, None], dy32, 0.0)
-            dx = jnp.where(mine[:, None], dgu @ gate_up[e].astype(_F32).T, dx)
-            dw = jnp.where(mine, dw_e, dw)
+            dx_rows = jnp.where(mine[:, None], dgu @ gate_up[e].astype(_F32).T, dx_rows)
+            dw_rows = jnp.where(mine, dw_e, dw_rows)
             d_down.append(hw.T @ dy_mine)
             d_gate_up.append(x_mine.T @ dgu)
-    return ExpertsBackwardOutput(
-        dx.astype(dtype), dw, jnp.stack(d_gate_up).astype(dtype), jnp.stack(d_down).astype(dtype), status)
+    dx_rows = dx_rows.astype(dtype).astype(_F32)  # each row rounded, then summed per token in f32
+
+    # sum: slot j of token t adds row pos[t, j] when it is in [0, M)
+    row_ok = (pos >= 0) & (pos < m)
+    row = jnp.clip(pos, 0, m - 1)
+    dx = jnp.zeros((tokens, hidden), _F32)
+    for j in range(k):
+        dx = dx + jnp.where(row_ok[:, j, None], dx_rows[row[:, j]], 0.0)
+    dw = jnp.where(row_ok, dw_rows[row], 0.0)
+    poison = lambda g: jnp.where(status == 0, g, jnp.nan).astype(dtype)  # noqa: E731
+    return ExpertsBackwardOutput(dx, dw, poison(jnp.stack(d_gate_up)), poison(jnp.stack(d_down)), status)

@@ -1,31 +1,37 @@
-// mok expert backward (bf16, Hopper sm_90a): the gradients of the routed SwiGLU experts over padded
-// expert-major rows, the routed half of the layer's backward pass.
+// mok expert backward (bf16, Hopper sm_90a): the gradients of the routed SwiGLU experts of one rank's tokens,
+// the routed half of the layer's backward pass at EP 1.
 //
-// Rows of expert e: [start_e, start_e + group_sizes[e]), start = exclusive prefix sum (read on device);
-// every group size is a multiple of 128 (padding rows inside a group hold zeros in x and dy and w = 0,
-// and produce zeros). Per row r of expert e, fp32 accumulation throughout:
-//   g, u     = bf16(x[r] @ gate_up[e])                     recomputed (the forward keeps no activations)
-//   dh'      = dy[r] @ down[e]^T
-//   dw[r]    = <dh', silu(g) * u>                           = <dy_r, expert_e(x_r)>: the router-weight gradient
-//   dgu[r]   = bf16(SwiGLU backward of w[r] * dh')          (mok/gemm/swiglu_backward.cuh)
-//   dx[r]    = bf16(dgu[r] @ gate_up[e]^T)
+// The slots go to padded expert-major rows (mok_jax/expert_layout.py): expert e owns rows
+// [start_e, start_e + group_sizes[e]), start = exclusive prefix sum (read on device), every group size a
+// multiple of 128; row r holds slot s = src_slot[r] (-1: a padding row) and slot (t, j) sits at row
+// pos[t, j] (outside [0, M): a masked slot). Per row r of expert e, token t = s / k, fp32 accumulation:
+//   x_e[r], dy_e[r], w_e[r] = x[t], dy[t], topk_weight[t, j]           gathered; zeros for padding rows
+//   g, u     = bf16(x_e[r] @ gate_up[e])                    recomputed (the forward keeps no activations)
+//   dh'      = dy_e[r] @ down[e]^T
+//   dw_e[r]  = <dh', silu(g) * u>                           = <dy_t, expert_e(x_t)>: the router-weight gradient
+//   dgu[r]   = bf16(SwiGLU backward of w_e[r] * dh')        (mok/gemm/swiglu_backward.cuh)
+//   dx_e[r]  = bf16(dgu[r] @ gate_up[e]^T)
 //   d_down[e]    = bf16(sum_r bf16(w_r h_r)^T dy_r)          [I, H]
 //   d_gate_up[e] = bf16(sum_r x_r^T dgu_r)                   [H, 2I]; exact zeros for an empty expert
-// Rows r >= sum(group_sizes): dx[r] = 0, dw[r] = 0.
+// and per token: dx[t] = sum_{j = 0..k-1} dx_e[pos[t, j]] in fp32 in slot order, dw[t, j] = dw_e[pos[t, j]]
+// (0 for a masked slot). The caller adds the shared expert's dx.
 //
-// Six stream-ordered launches, each a persistent TMA + wgmma kernel on num_sms SMs (or a tiny one):
-//   1 gu = x @ gate_up          grouped GEMM, plain bf16 epilogue            (sm90_grouped_gemm.cuh)
-//   2 dh' = dy @ down^T         grouped GEMM, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
-//   3 dw = sum of the partials  in ascending n-block order
-//   4 dx = dgu @ gate_up^T      grouped GEMM, K-major B, plain bf16 epilogue
-//   5 d_down = hw^T dy          weight-gradient GEMM, K = a group's rows     (sm90_weight_grad.cuh)
-//   6 d_gate_up = x^T dgu       weight-gradient GEMM
-// Every output element is reduced by one CTA in a fixed order: bitwise reproducible, and the same for
-// any num_sms. No float atomics.
+// Launches, stream-ordered; the GEMMs are persistent TMA + wgmma kernels on num_sms SMs:
+//   0 gather x_e, dy_e, w_e     one warp per row, 16-byte copies
+//   1 gu = x_e @ gate_up        grouped GEMM, plain bf16 epilogue            (sm90_grouped_gemm.cuh)
+//   2 dh' = dy_e @ down^T       grouped GEMM, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
+//   3 dw_e = sum of partials    in ascending n-block order
+//   4 dx_e = dgu @ gate_up^T    grouped GEMM, K-major B, plain bf16 epilogue
+//   5 d_down = hw^T dy_e        weight-gradient GEMM, K = a group's rows     (sm90_weight_grad.cuh)
+//   6 d_gate_up = x_e^T dgu     weight-gradient GEMM
+//   7 dx, dw per token          the slot sum
+// Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
+// for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
 //
-// status (written every call): 0, or kGroupedFfnStatus* bits (bad sizes: every group is then empty and
-// every output is zero) | kExpertsBackwardStatusUnpadded (a size not a multiple of 128: the weight
-// gradients are then zero).
+// status (written every call): 0, or kGroupedFfnStatus* bits (bad sizes: every group is then empty, dx and
+// dw are zero and the weight gradients NaN) | kExpertsBackwardStatusUnpadded (a size not a multiple of 128:
+// the weight gradients are NaN). The layer never makes such sizes; NaN keeps a bug from passing for a
+// gradient without a pass over the weight gradients to say so.
 #pragma once
 
 #include "mok/common.cuh"
@@ -36,22 +42,29 @@ constexpr int32_t kExpertsBackwardStatusUnpadded = 4;
 constexpr int kExpertsBackwardRowBlock = 128;  // group sizes are multiples of this
 
 struct ExpertsBackwardParams {
-  const void* x;               // bf16 [M, H]
-  const void* dy;              // bf16 [M, H]
-  const float* w;              // f32 [M]
+  const void* x;               // bf16 [T, H]
+  const void* dy;              // bf16 [T, H]
+  const float* topk_weight;    // f32 [T, k]
+  const int32_t* pos;          // s32 [T, k]: the row of each slot
+  const int32_t* src_slot;     // s32 [M]: the slot of each row, -1 for padding
   const int32_t* group_sizes;  // s32 [E], device
   const void* gate_up;         // bf16 [E, H, 2I]
   const void* down;            // bf16 [E, I, H]
-  void* dx;                    // bf16 [M, H]
-  float* dw;                   // f32 [M]
+  float* dx;                   // f32 [T, H]
+  float* dw;                   // f32 [T, k]
   void* d_gate_up;             // bf16 [E, H, 2I]
   void* d_down;                // bf16 [E, I, H]
   int32_t* status;             // s32 [1]
+  void* x_e;                   // scratch bf16 [M, H]
+  void* dy_e;                  // scratch bf16 [M, H]
+  float* w_e;                  // scratch f32 [M]
   void* gu;                    // scratch bf16 [M, 2I]
   void* dgu;                   // scratch bf16 [M, 2I]
   void* hw;                    // scratch bf16 [M, I]
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]
-  int64_t num_rows, hidden, intermediate, num_experts;
+  void* dx_e;                  // scratch bf16 [M, H]
+  float* dw_e;                 // scratch f32 [M]
+  int64_t num_tokens, top_k, num_rows, hidden, intermediate, num_experts;
   int32_t num_sms;             // 0 = every SM
 };
 

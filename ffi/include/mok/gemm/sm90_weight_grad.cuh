@@ -8,9 +8,10 @@
 // MN-major (rows are the k index): the down projection's gradient is (w h)^T dy, the gate/up projection's
 // x^T dgu.
 //
-// Every group size must be a multiple of the k-tile (64; the backward pads groups to 128 rows with zero
-// rows), so a k-tile never holds another group's rows; a size that is not sets kStatusUnpaddedGroup
-// and the group is treated as empty.
+// Every group size must be a multiple of 128 (the backward pads groups to 128 rows with zero rows, its M
+// tile; twice the k-tile), so a k-tile never holds another group's rows. Bad sizes (a negative one, a sum
+// past the rows, or one that is not a multiple of 128: kStatusUnpaddedGroup) set their status bits, nothing is read, and
+// every output element is NaN, so a gradient computed from them cannot pass for a real one.
 //
 // Work: every group has the same (m_blocks x n_blocks) output tiles; the flat list is group-major and a
 // CTA takes tiles c, c + num_ctas, ... A hot expert's tiles are consecutive in the list, so they spread
@@ -27,7 +28,8 @@
 
 namespace mok::gemm {
 
-constexpr int32_t kStatusUnpaddedGroup = 4;  // a group size that is not a multiple of the k-tile
+constexpr int32_t kStatusUnpaddedGroup = 4;  // a group size that is not a multiple of kGroupAlign
+constexpr int kGroupAlign = 128;
 
 struct Sm90WeightGrad {
   using Tile = Sm90TileT<cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
@@ -37,6 +39,7 @@ struct Sm90WeightGrad {
   static constexpr int kThreads = 128 + Tile::kConsumerThreads;
   static constexpr int kGroupM = 16;
   static constexpr int kMaxGroups = 1024;
+  static_assert(kGroupAlign % Tile::kBlockK == 0, "a k-tile never straddles two groups");
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
@@ -49,7 +52,7 @@ struct Sm90WeightGrad {
   struct Params {
     TmaA tma_a;
     TmaB tma_b;
-    const int32_t* group_sizes;  // [num_groups], device; multiples of Tile::kBlockK
+    const int32_t* group_sizes;  // [num_groups], device; multiples of kGroupAlign
     int32_t num_groups;
     int32_t num_rows;            // M: rows of A and B
     int32_t m_dim, n_dim;        // out[g] is m_dim x n_dim
@@ -62,6 +65,7 @@ struct Sm90WeightGrad {
     alignas(16) uint32_t epi[Tile::kConsumerWarpgroups][Tile::kEpiWords];
     GroupTable<kMaxGroups> table;
     int32_t unpadded;
+    int32_t bad;  // table.status or unpadded: every tile is NaN
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
@@ -98,13 +102,15 @@ struct Sm90WeightGrad {
     }
   }
 
-  __device__ static void zero_tile(const Tile::TileStore& st, int ct) {
+  // A tile without k: zeros (an empty expert), or NaN (bf16 0x7fc0) when the sizes were bad.
+  __device__ static void fill_tile(const Tile::TileStore& st, int ct, bool nan) {
     auto* out = static_cast<Element*>(st.out);
+    const uint32_t v = nan ? 0x7fc07fc0u : 0u;
     constexpr int kChunks = kBlockM * kBlockN / 8;
     for (int idx = ct; idx < kChunks; idx += Tile::kConsumerThreads) {
       const int row = st.row0 + idx / (kBlockN / 8), col = st.col0 + (idx % (kBlockN / 8)) * 8;
       if (row < st.row_end && col < st.n_out)
-        *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = make_uint4(v, v, v, v);
     }
   }
 
@@ -118,7 +124,7 @@ struct Sm90WeightGrad {
       Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
       const Tile::TileStore st{out, p.n_dim, r.m_block * kBlockM, p.m_dim, r.n_block * kBlockN, p.n_dim};
       if (r.k_len == 0) {  // an empty expert: exact zeros (the accumulator is not involved, see mma_tile)
-        zero_tile(st, ct);
+        fill_tile(st, ct, s.bad);
         continue;
       }
       if (!Tile::mma_tile(s.stages, pos, acc, r.k_len, ct, p.status)) return;
@@ -140,9 +146,9 @@ struct Sm90WeightGrad {
     if (warp == 1) {
       build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
       bool unpadded = false;
-      for (int g = lane; g < p.num_groups; g += 32) unpadded |= p.group_sizes[g] % Tile::kBlockK != 0;
+      for (int g = lane; g < p.num_groups; g += 32) unpadded |= p.group_sizes[g] % kGroupAlign != 0;
       unpadded = __any_sync(0xffffffffu, unpadded);
-      if (lane == 0) s.unpadded = unpadded;
+      if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
     }
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x == 0 && (s.table.status | (s.unpadded ? kStatusUnpaddedGroup : 0)))

@@ -33,7 +33,7 @@ struct SwigluBackwardOut {
 
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
 // 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). row0: the warpgroup's first row.
-template <class Accumulator>
+template <class Accumulator, int kBatch = 4>
 __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o, int row0,
                                                       int row_end, int col0, int n_block, int t) {
   const int lane = t % 32, warp = t / 32;
@@ -46,15 +46,26 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
     const bool in = row < row_end;
     const float w = in ? o.w[row] : 0.0f;
     float sum = 0.0f;
+    // Four column pairs at a time (eight spill): their 8 loads are issued before any is used, so the epilogue waits on
+    // memory once per batch rather than once per pair.
 #pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      const int i = 4 * q + 2 * hh;
-      const int col = c_base + 8 * q;
-      if (in && col < o.inter) {
-        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + col);
-        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + o.inter + col);
-        const float g[2] = {__low2float(g2), __high2float(g2)};
-        const float u[2] = {__low2float(u2), __high2float(u2)};
+    for (int qb = 0; qb < 32; qb += kBatch) {
+      __nv_bfloat162 g2[kBatch], u2[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int col = c_base + 8 * (qb + b);
+        const bool ok = in && col < o.inter;
+        g2[b] = ok ? *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + col) : __floats2bfloat162_rn(0.f, 0.f);
+        u2[b] = ok ? *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + o.inter + col)
+                   : __floats2bfloat162_rn(0.f, 0.f);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int q = qb + b;
+        const int i = 4 * q + 2 * hh;
+        const int col = c_base + 8 * q;
+        const float g[2] = {__low2float(g2[b]), __high2float(g2[b])};
+        const float u[2] = {__low2float(u2[b]), __high2float(u2[b])};
         float dg[2], du[2], hw[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -62,15 +73,17 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
           const float silu = g[e] * s;
           const float h = silu * u[e];
           const float dhp = acc(i + e);
-          sum += dhp * h;
+          sum += dhp * h;  // 0 past I: B's zero fill makes dh' 0 there, and h is 0
           const float dh = w * dhp;
           dg[e] = dh * u[e] * s * (1.0f + g[e] * (1.0f - s));
           du[e] = dh * silu;
           hw[e] = w * h;
         }
-        *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + col) = __floats2bfloat162_rn(dg[0], dg[1]);
-        *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + o.inter + col) = __floats2bfloat162_rn(du[0], du[1]);
-        *reinterpret_cast<__nv_bfloat162*>(o.hw + row * int64_t(o.inter) + col) = __floats2bfloat162_rn(hw[0], hw[1]);
+        if (in && col < o.inter) {
+          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + col) = __floats2bfloat162_rn(dg[0], dg[1]);
+          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + o.inter + col) = __floats2bfloat162_rn(du[0], du[1]);
+          *reinterpret_cast<__nv_bfloat162*>(o.hw + row * int64_t(o.inter) + col) = __floats2bfloat162_rn(hw[0], hw[1]);
+        }
       }
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);

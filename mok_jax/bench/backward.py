@@ -1,0 +1,177 @@
+"""Where the layer's backward time goes, on one GPU (EP 1).
+
+    python -m mok_jax.bench.backward [--model kimi-k2,...] [--tokens 2048] [--json out.json] [--trace DIR]
+
+For each model (the one-GPU ep64-slice problem: E/32 experts, uniform routing, bf16), in one process, median
+ms of back-to-back calls (mok_jax.bench.timing):
+- ``fwd``: the layer forward with ``implementation="mok"`` (the megakernel);
+- ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it;
+- ``experts op``: ``ops.experts_backward`` alone on the tokens, dy and the padded expert-major layout of the same
+  routing (it gathers the rows, gives the routed experts' gradients and sums each token's slot rows of dx; the
+  layer's backward adds the layout and the shared expert's bf16 XLA backward);
+- with ``--trace DIR``: the device time of each of the op's launches (the row gather, gate/up recompute, down
+  dgrad with the SwiGLU backward, the router-weight sum, gate/up dgrad, the two weight-gradient GEMMs, the
+  per-token slot sum) from a jax.profiler trace of a few calls, and its TFLOP/s.
+The compute floor beside them: 3x the forward's FLOPs at the dense 8192^3 GEMM rate measured in the same
+process (the floor mok-bench and the issue use: ``fwd+bwd floor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+__all__ = ["main", "run"]
+
+MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
+# The op's launches, in order, and how to find each in a trace (kernel names are C++ template names).
+LAUNCHES = (
+    ("row gather", "gather_rows_kernel"),
+    ("gate/up recompute", "Sm90GroupedGemmILNS0_8EpilogueE1ELN4cute4SM904GMMA5MajorE1"),
+    ("down dgrad + SwiGLU bwd", "Sm90GroupedGemmILNS0_8EpilogueE2"),
+    ("router-weight sum", "dw_sum_kernel"),
+    ("gate/up dgrad", "Sm90GroupedGemmILNS0_8EpilogueE1ELN4cute4SM904GMMA5MajorE0"),
+    ("weight grads (2)", "Sm90WeightGrad"),
+    ("slot sum", "slot_sum_kernel"),
+)
+
+
+def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from mok_jax import ops, tuning
+    from mok_jax.bench.breakdown import _kernel_times_from_trace, _problem, _timed
+    from mok_jax.config import MoEConfig
+    from mok_jax.expert_layout import padded_layout
+    from mok_jax.moe import moe
+    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
+
+    m, x, idx, w, W, flops = _problem(model_name, tokens, seed)
+    E, H, I, k = W.gate_up.shape[0], m.hidden_size, m.intermediate_size, m.top_k
+    key = tuning.ProblemKey(hidden=H, intermediate=I, top_k=k, experts_per_rank=E, ep=1, tokens=tokens)
+    cfg = MoEConfig(implementation="mok", kernel=tuning.resolve(None, key, jax.devices()[0].device_kind))
+    dy = jax.random.normal(jax.random.key(seed + 1), x.shape, jnp.float32).astype(jnp.bfloat16)
+    fwd = jax.jit(lambda x, i, w, W: moe(x, i, w, W, config=cfg))
+    grad = jax.jit(jax.grad(lambda x, i, w, W, dy: jnp.sum(moe(x, i, w, W, config=cfg).astype(jnp.float32) * dy),
+                            argnums=(0, 2, 3)))
+    lay = padded_layout(idx, E, block=EXPERTS_BACKWARD_GROUP_ALIGN)
+    op = jax.jit(lambda *a: ops.experts_backward(*a))
+    op_args = (x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down)
+    status = int(op(*op_args).status)
+    res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "E": E, "H": H, "I": I, "k": k, "fwd_flops": flops,
+           "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
+           "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
+           "fwd+bwd": _timed(grad, (x, idx, w, W, dy), timing_kw),
+           "experts op": _timed(op, op_args, timing_kw)}
+    # FLOPs the op executes (gate/up twice: the recompute and its dgrad) over the slots' rows.
+    res["op_flops"] = 2 * res["slots"] * H * I * (2 + 1 + 1 + 2 + 2)
+    if trace:
+        jax.block_until_ready(op(*op_args))
+        with jax.profiler.trace(trace):
+            for _ in range(5):
+                out = op(*op_args)
+            jax.block_until_ready(out)
+        per = {}
+        for name, key in LAUNCHES:
+            times = _kernel_times_from_trace(trace, key)
+            calls = 10 if name == "weight grads (2)" else 5
+            per[name] = statistics.median(times[-calls:]) * (2 if calls == 10 else 1) if times else None
+        res["launch_ms"] = per
+        res["op_kernels"] = _top_kernels(trace, 5)
+        jax.block_until_ready(grad(x, idx, w, W, dy))
+        with jax.profiler.trace(trace + "/fwd_bwd"):
+            for _ in range(5):
+                g = grad(x, idx, w, W, dy)
+            jax.block_until_ready(g)
+        res["fwd+bwd_kernels"] = _top_kernels(trace + "/fwd_bwd", 5)
+    return res
+
+
+def _top_kernels(trace_dir: str, calls: int, top: int = 14) -> list[tuple[str, float, int]]:
+    """(name, ms per call, launches per call) of the kernels with the most device time in the newest trace
+    under trace_dir, over ``calls`` calls."""
+    import glob
+    import gzip
+    import os
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        return []
+    ev = json.load(gzip.open(files[-1]))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    pids = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    tot: dict[str, list[float]] = {}
+    for e in ev:
+        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
+            tot.setdefault(e["name"], []).append(e["dur"] / 1e3)
+    rows = sorted(((n[:160], sum(d) / calls, round(len(d) / calls)) for n, d in tot.items()), key=lambda r: -r[1])
+    return rows[:top]
+
+
+def _dense(timing_kw) -> dict:
+    from mok_jax.bench.breakdown import _dense as dense
+
+    return dense(timing_kw)
+
+
+def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 20.0, seed: int = 0,
+        trace: str | None = None) -> dict:
+    timing_kw = {"samples": samples, "target_sample_ms": sample_ms}
+    out = {"dense": _dense(timing_kw), "cases": []}
+    for name in models:
+        out["cases"].append(_case(name, tokens, timing_kw, seed, trace and f"{trace}/{name}"))
+    return out
+
+
+def table(res: dict) -> str:
+    rate = res["dense"]["tflops"] if "tflops" in res["dense"] else None
+    lines = [f"dense bf16 8192^3 GEMM: {rate:.0f} TFLOP/s" if rate else "dense GEMM: not measured"]
+    lines.append(f"{'model':<18} {'fwd ms':>8} {'fwd+bwd':>8} {'floor':>7} {'x floor':>8} {'bwd':>7} {'op ms':>7} "
+                 f"{'op TF/s':>8}")
+    for c in res["cases"]:
+        floor = 3 * c["fwd_flops"] / (rate * 1e12) * 1e3 if rate else float("nan")
+        fb = c["fwd+bwd"]["ms"]
+        lines.append(f"{c['model']:<18} {c['fwd']['ms']:>8.3f} {fb:>8.3f} {floor:>7.3f} {fb / floor:>7.2f}x "
+                     f"{fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
+                     f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f}")
+        if c.get("launch_ms"):
+            parts = ", ".join(f"{n} {v:.3f}" for n, v in c["launch_ms"].items() if v is not None)
+            lines.append(f"{'':<18} launches (ms): {parts}")
+        for what in ("op_kernels", "fwd+bwd_kernels"):
+            if c.get(what):
+                lines.append(f"{'':<18} {what}, ms per call: " + "; ".join(
+                    f"{n[:70]} {ms:.3f} (x{cnt})" for n, ms, cnt in c[what]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mok_jax.bench.backward", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=",".join(MODELS))
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--sample-ms", type=float, default=20.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", help="record a jax.profiler trace of the op here and print its launches' times")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from mok_jax.bench.timing import kernels_unavailable
+
+    why = kernels_unavailable()
+    if why:
+        print(f"mok_jax.bench.backward: {why}")
+        return 2
+    res = run(tuple(s for s in a.model.split(",") if s), a.tokens, samples=a.samples, sample_ms=a.sample_ms,
+              seed=a.seed, trace=a.trace)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
