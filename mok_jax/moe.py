@@ -5,9 +5,10 @@
 ``implementation="xla"`` runs the pure-JAX reference (``mok_jax.reference``); its backward is the
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
 (``mok_jax.ops.moe_forward``). Its backward, at EP size 1 (``ep_axis`` None or an axis of size 1), recomputes
-from the forward's inputs: the slots go to padded expert-major rows (``mok_jax.expert_layout``), one native op
-(``mok_jax.ops.experts_backward``) gives the routed experts' gradients, XLA the shared expert's, and each
-token's dx sums its slots' rows in f32 in slot order. Differentiating ``mok`` at EP size > 1 raises
+from the forward's inputs: a padded expert-major layout of the slots (``mok_jax.expert_layout``) goes to one
+native op (``mok_jax.ops.experts_backward``), which gathers the slots' rows, gives the routed experts'
+gradients and sums each token's slot rows of dx in f32 in slot order; the shared expert's backward is bf16
+matmuls (f32 accumulation) in XLA, its dx added in f32. Differentiating ``mok`` at EP size > 1 raises
 NotImplementedError (that backward is not built yet); mok never falls back to another implementation.
 
 Dtypes (checked at trace time, errors name the argument, the expected and the given dtype):
@@ -44,7 +45,7 @@ from jax.experimental import checkify
 from mok_jax import reference
 from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
-from mok_jax.expert_layout import gather_rows, padded_layout
+from mok_jax.expert_layout import padded_layout
 from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.validation import check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
@@ -139,29 +140,64 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, config):
     return y, MoEResiduals(x, topk_idx, topk_weight, weights)
 
 
-def _shared_vjp(x, weights: MoEWeights, dy32):
-    """The shared expert's (dx, d shared_gate_up, d shared_down) for the f32 output gradient dy32, in XLA; zeros
-    and Nones without a shared expert."""
+def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array):
+    """The shared SwiGLU expert's backward in XLA: (dx f32[T, H], d shared_gate_up, d shared_down), or (None,
+    None, None) without a shared expert. x, dy: [T, H] and the shared weights in one dtype (bf16 on the layer's
+    mok path; f32 only from the tests' reference runs, where the same code runs in f32).
+
+    Every matmul takes two operands of x's dtype and accumulates in f32 (in bf16: no f32 matmuls); the roundings
+    are the routed kernel's (dgu and h rounded to x's dtype before their matmuls; g and u kept in f32 here):
+
+        g, u = split(x Wsgu);  h = silu(g) u;  dh = dy Wsd^T
+        dgu = round([dh u silu'(g), dh silu(g)]);  dx = dgu Wsgu^T (kept f32, added to the routed experts' dx)
+        d Wsd = round(h)^T dy;  d Wsgu = x^T dgu
+    """
     if weights.shared_gate_up is None:
-        return jnp.zeros(x.shape, x.dtype), None, None
-    _, vjp = jax.vjp(reference.swiglu_ffn, x, weights.shared_gate_up, weights.shared_down)
-    return vjp(dy32)
+        return None, None, None
+    wsgu, wsd = weights.shared_gate_up, weights.shared_down
+    f32 = jnp.float32
+    mm = functools.partial(jnp.einsum, preferred_element_type=f32)
+    gu = mm("th,hn->tn", x, wsgu)
+    g, u = jnp.split(gu, 2, axis=-1)
+    sig = jax.nn.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    dh = mm("th,ih->ti", dy, wsd)
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    du = dh * silu
+    dgu = jnp.concatenate([dg, du], axis=-1).astype(x.dtype)
+    dx = mm("tn,hn->th", dgu, wsgu)
+    d_wsd = mm("ti,th->ih", h.astype(x.dtype), dy).astype(wsd.dtype)
+    d_wsgu = mm("th,tn->hn", x, dgu).astype(wsgu.dtype)
+    return dx, d_wsgu, d_wsd
+
+
+def _manual_axes(a) -> frozenset:
+    """The manual mesh axes a value varies over (inside shard_map); empty outside it."""
+    t = jax.typeof(a)
+    axis_type = getattr(t, "manual_axis_type", None)  # jax 0.11
+    return frozenset(axis_type.varying) if axis_type is not None else frozenset(getattr(t, "vma", ()))
 
 
 def _vary_like(g: jax.Array, primal: jax.Array) -> jax.Array:
-    """g marked varying over the manual mesh axes its primal varies over. Inside shard_map a custom_vjp's
-    cotangent must have its primal's type, axes included; an ffi_call's outputs vary over none."""
-    want = getattr(jax.typeof(primal), "vma", frozenset())
-    missing = tuple(sorted(want - getattr(jax.typeof(g), "vma", frozenset())))
-    return jax.lax.pcast(g, missing, to="varying") if missing else g
+    """g with its primal's manual axes. Inside shard_map a custom_vjp's cotangent must have its primal's type,
+    axes included: an ffi_call's outputs vary over none (mark them varying), and the gradient of a replicated
+    weight computed from varying tokens is a sum over the ranks (psum; a no-op at EP 1)."""
+    want, have = _manual_axes(primal), _manual_axes(g)
+    if extra := tuple(sorted(have - want)):
+        g = jax.lax.psum(g, extra)
+    if missing := tuple(sorted(want - have)):
+        g = jax.lax.pcast(g, missing, to="varying")
+    return g
 
 
 def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
     """The gradients of implementation='mok' at EP size 1: (dx, d topk_idx (float0), d topk_weight, d weights).
 
-    The routed experts' backward runs over the padded expert-major rows of the slots (mok_jax.expert_layout)
-    in ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference); the shared expert's
-    in XLA. dx of a token sums its slots' rows in f32 in slot order j = 0..k-1, then adds the shared expert's.
+    The routed experts' backward runs on the padded expert-major layout of the slots (mok_jax.expert_layout) in
+    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference), which gathers the rows and
+    sums each token's slot rows of dx in f32 in slot order j = 0..k-1; the shared expert's backward runs in XLA
+    (``_shared_backward``) and its dx is added in f32 before the one rounding.
     """
     ep = _ep_size(config)
     if ep != 1:
@@ -174,29 +210,24 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
 
         experts_fn = ops.experts_backward
     x, topk_idx, topk_weight, weights = residuals
-    k = topk_idx.shape[1]
     num_experts = weights.num_local_experts
     # A token with an invalid id has a NaN output row (its gradient is dropped, as the xla path's jnp.where does).
     bad_token = jnp.any(_invalid_ids(topk_idx, num_experts), axis=1)
     dy = jnp.where(bad_token[:, None], jnp.zeros((), dy.dtype), dy).astype(x.dtype)
 
+    # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
     layout = padded_layout(topk_idx, num_experts, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-    w_e = gather_rows(topk_weight.reshape(-1).astype(jnp.float32), layout.src_slot)
-    out = experts_fn(gather_rows(x, layout.src_token), gather_rows(dy, layout.src_token), w_e, layout.group_sizes,
+    out = experts_fn(x, dy, topk_weight.astype(jnp.float32), layout.pos, layout.src_slot, layout.group_sizes,
                      weights.gate_up, weights.down)
     # status != 0 means group sizes the layout never makes (a bug): NaN gradients rather than silently wrong ones
+    # (the op's weight gradients are NaN then already; a jnp.where over them would cost a pass over E*H*3I)
     failed = out.status != 0
 
-    slot_used = (topk_idx >= 0) & (topk_idx < num_experts)
-    row = jnp.minimum(layout.pos, layout.num_rows - 1)
-    dx_shared, d_sgu, d_sdn = _shared_vjp(x, weights, dy.astype(jnp.float32))
-    dx = jnp.zeros(x.shape, jnp.float32)
-    for j in range(k):
-        dx = dx + jnp.where(slot_used[:, j, None], out.dx[row[:, j]].astype(jnp.float32), 0.0)
-    dx = jnp.where(failed, jnp.nan, dx + dx_shared.astype(jnp.float32)).astype(x.dtype)
-    d_topk_weight = jnp.where(failed, jnp.nan, jnp.where(slot_used, out.dw[row], 0.0)).astype(topk_weight.dtype)
-    d_gate_up, d_down = (jnp.where(failed, jnp.nan, g).astype(w.dtype)
-                         for g, w in ((out.d_gate_up, weights.gate_up), (out.d_down, weights.down)))
+    dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy)
+    dx = out.dx if dx_shared is None else out.dx + dx_shared
+    dx = jnp.where(failed, jnp.nan, dx).astype(x.dtype)
+    d_topk_weight = jnp.where(failed, jnp.nan, out.dw).astype(topk_weight.dtype)
+    d_gate_up, d_down = out.d_gate_up.astype(weights.gate_up.dtype), out.d_down.astype(weights.down.dtype)
     d_weights = jax.tree.map(_vary_like, MoEWeights(d_gate_up, d_down, d_sgu, d_sdn), weights)
     d_idx = np.zeros(topk_idx.shape, jax.dtypes.float0)
     return _vary_like(dx, x), d_idx, _vary_like(d_topk_weight, topk_weight), d_weights
@@ -246,7 +277,7 @@ def moe(
         if x.dtype != jnp.bfloat16:
             raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast x, or use "
                             f"implementation='xla')")
-    if isinstance(topk_idx, jax.core.Tracer):  # concrete ids were checked above
+    if config.checkify_ids and isinstance(topk_idx, jax.core.Tracer):  # concrete ids were checked above
         _report_invalid_ids(topk_idx, num_experts)
     # Casts outside the custom_vjp, so that autodiff hands f32 master weights f32 gradients and a bf16
     # topk_weight a bf16 one; no-ops when the dtypes already match.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,13 @@ TOL_F32_FLOOR = 1e-2
 # gradients (dx and the weights'): each rounds its own intermediates to bf16 (the glue per slot row, the xla
 # VJP per cotangent), so they differ by a few bf16 roundings of a row: 8 ulps of 2^-8.
 TOL_BF16_ROW = 8 * 2.0**-8
+
+# The shared expert's bf16 backward against the f32 VJP on the same inputs: it rounds dgu (before dx and d
+# shared_gate_up), h (before d shared_down) and the weight gradients to bf16, at most 2^-9 of an element each; two
+# roundings on a row's way, 2^-8, and 2x margin (a wrong row is O(1)). Rows far below the rms row norm (a small h
+# column, a cancelling sum over tokens) carry the absolute error of their terms: floor 1/4 of the rms.
+TOL_BF16_SHARED_ROW = 2 * 2.0**-8
+TOL_BF16_SHARED_FLOOR = 0.25
 
 HI = functools.partial(jax.default_matmul_precision, "highest")
 
@@ -145,40 +153,38 @@ def test_gather_rows_zero_fills():
 # ----------------------------------------------------------------------------- the experts' backward reference
 
 
-def _expert_rows_problem(seed, sizes, m, H, I, dtype=jnp.float32):
-    """Expert-major rows for group sizes ``sizes`` (each expert's first rows used, the rest of its group padding
-    with zeros), garbage past sum(sizes) (the op must ignore it), random weights; returns the op's args and the
-    per-row expert id (-1 for padding)."""
-    E = len(sizes)
-    ks = jax.random.split(jax.random.key(seed), 6)
-    x = jax.random.normal(ks[0], (m, H))
-    dy = jax.random.normal(ks[1], (m, H))
-    w = jax.random.uniform(ks[2], (m,), minval=0.2, maxval=1.5)
+def _layout_problem(seed, T, E, k, H, I, case="random", dtype=jnp.float32):
+    """Random tokens and weights, routing for ``case`` and its padded layout; returns the op's args (x, dy,
+    topk_weight, pos, src_slot, group_sizes, gate_up, down) and topk_idx."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (T, H))
+    dy = jax.random.normal(ks[1], (T, H))
+    w = jax.random.uniform(ks[2], (T, k), minval=0.2, maxval=1.5)
     gate_up = jax.random.normal(ks[3], (E, H, 2 * I)) * H**-0.5
     down = jax.random.normal(ks[4], (E, I, H)) * I**-0.5
-    used = np.asarray(jax.random.uniform(ks[5], (E,)) * np.asarray(sizes)).astype(int)  # rows used per group
-    expert = np.full(m, -1)
-    start = 0
-    for e, (size, u) in enumerate(zip(sizes, used)):
-        expert[start:start + u] = e
-        start += size
-    pad_in_group = (expert < 0) & (np.arange(m) < start)
-    keep = jnp.asarray(~pad_in_group)
-    x, dy, w = jnp.where(keep[:, None], x, 0), jnp.where(keep[:, None], dy, 0), jnp.where(keep, w, 0)
-    args = (x.astype(dtype), dy.astype(dtype), w, jnp.asarray(np.asarray(sizes, np.int32)), gate_up.astype(dtype),
+    idx = _routing_case(case, T, E, k, seed)
+    lay = padded_layout(idx, E)
+    args = (x.astype(dtype), dy.astype(dtype), w, lay.pos, lay.src_slot, lay.group_sizes, gate_up.astype(dtype),
             down.astype(dtype))
-    return args, expert
+    return args, idx
 
 
-def _autodiff_experts(x, dy, w, gate_up, down, expert):
-    """jax.vjp of sum_r w_r * swiglu_ffn(x_r; expert_r) against dy, in f32: (dx, dw, d_gate_up, d_down)."""
-    expert = jnp.asarray(expert)
+def _autodiff_experts(x, dy, w, gate_up, down, idx, no_grad=None):
+    """jax.vjp of y_t = sum_j w_tj swiglu_ffn(x_t; expert idx_tj) (slots with idx outside [0, E) add nothing)
+    against dy, in f32: (dx, dw, d_gate_up, d_down). Slots where ``no_grad`` (bool[T, k]) is set still add to y
+    and to the weights' gradients but pass nothing to dx and dw (a slot whose pos points nowhere)."""
+    E = gate_up.shape[0]
+    idx = jnp.asarray(idx)
+    no_grad = jnp.zeros(idx.shape, bool) if no_grad is None else jnp.asarray(no_grad)
 
     def f(x, w, gate_up, down):
         y = jnp.zeros(x.shape, jnp.float32)
-        for e in range(gate_up.shape[0]):
-            ye = w[:, None] * reference.swiglu_ffn(x, gate_up[e], down[e])
-            y = jnp.where((expert == e)[:, None], ye, y)
+        for j in range(idx.shape[1]):
+            xj = jnp.where(no_grad[:, j, None], jax.lax.stop_gradient(x), x)
+            wj = jnp.where(no_grad[:, j], jax.lax.stop_gradient(w[:, j]), w[:, j])
+            for e in range(E):
+                ye = wj[:, None] * reference.swiglu_ffn(xj, gate_up[e], down[e])
+                y = y + jnp.where((idx[:, j] == e)[:, None], ye, 0.0)
         return y
 
     with HI():
@@ -186,54 +192,100 @@ def _autodiff_experts(x, dy, w, gate_up, down, expert):
         return vjp(dy)
 
 
-@pytest.mark.parametrize("sizes,m,H,I", [
-    ([128, 256, 0, 128], 640, 64, 48),  # an empty expert; 128 rows past the sum
-    ([384], 384, 32, 40),  # one expert, no rows past the sum
-    ([0, 0, 128, 0, 0, 128, 0, 0], 1000, 24, 16),
+def _check_experts_backward(case, out, want, idx, E):
+    dx, dw, dgu, ddn = want
+    assert out.dx.dtype == jnp.float32 and out.dw.dtype == jnp.float32
+    assert out.dx.shape == dx.shape and out.dw.shape == idx.shape
+    _assert_rows_close(f"{case}: dx", out.dx, dx, TOL_F32_ROW)
+    _assert_rows_close(f"{case}: dw", out.dw.reshape(-1, 1), dw.reshape(-1, 1), TOL_F32_ROW)
+    used = np.zeros(E, bool)
+    idx = np.asarray(idx)
+    used[idx[(idx >= 0) & (idx < E)]] = True
+    for e in range(E):
+        if not used[e]:  # an empty expert: exact zeros
+            assert not np.asarray(out.d_gate_up[e]).any() and not np.asarray(out.d_down[e]).any(), f"{case}: {e}"
+            continue
+        _assert_rows_close(f"{case}: d_gate_up[{e}]", out.d_gate_up[e], dgu[e], TOL_F32_ROW)
+        _assert_rows_close(f"{case}: d_down[{e}]", out.d_down[e], ddn[e], TOL_F32_ROW)
+
+
+@pytest.mark.parametrize("case,T,E,k,H,I", [
+    ("random", 150, 4, 2, 64, 48),
+    ("masked", 90, 8, 3, 32, 40),  # masked slots (pos = M), tokens with every slot masked
+    ("empty_experts", 70, 8, 2, 24, 16),
+    ("one_expert", 130, 8, 4, 16, 24),  # all tokens to expert 2: one group of 256 rows
+    ("one_token", 1, 8, 3, 16, 8),
 ])
-def test_experts_backward_reference_matches_autodiff(sizes, m, H, I):
-    args, expert = _expert_rows_problem(m + H, sizes, m, H, I)
-    x, dy, w, gs, gate_up, down = args
+def test_experts_backward_reference_matches_autodiff(case, T, E, k, H, I):
+    args, idx = _layout_problem(T + E, T, E, k, H, I, case)
+    x, dy, w, pos, src_slot, gs, gate_up, down = args
     out = jax.jit(experts_backward_reference)(*args)
     assert int(out.status) == 0
-    dx, dw, dgu, ddn = _autodiff_experts(x, dy, w, gate_up, down, expert)
-    assert out.dx.dtype == jnp.float32 and out.dw.shape == (m,) and out.d_gate_up.shape == gate_up.shape
-    _assert_rows_close("dx", out.dx, dx, TOL_F32_ROW)
-    _assert_rows_close("dw", out.dw[expert >= 0, None], dw[expert >= 0, None], TOL_F32_ROW)
-    assert not np.asarray(out.dw)[expert < 0].any() and not np.asarray(out.dx)[expert < 0].any()
-    for e in range(len(sizes)):
-        if not (expert == e).any():  # an empty expert (or one whose rows are all padding): exact zeros
-            assert not np.asarray(out.d_gate_up[e]).any() and not np.asarray(out.d_down[e]).any()
-            continue
-        _assert_rows_close(f"d_gate_up[{e}]", out.d_gate_up[e], dgu[e], TOL_F32_ROW)
-        _assert_rows_close(f"d_down[{e}]", out.d_down[e], ddn[e], TOL_F32_ROW)
+    _check_experts_backward(case, out, _autodiff_experts(x, dy, w, gate_up, down, idx), idx, E)
+    masked = np.asarray(idx) < 0
+    assert not np.asarray(out.dw)[masked].any(), f"{case}: a slot without a row has dw = 0"
+    assert not np.asarray(out.dx)[masked.all(1)].any(), f"{case}: a token without rows has dx = 0"
+
+
+def test_experts_backward_reference_out_of_range_pos_and_src_slot():
+    """pos outside [0, M), or at a row past sum(group_sizes): the slot adds nothing to dx and gets dw = 0 (its
+    own row still counts for the weights); src_slot outside [-1, T k): the row is padding (as if the slot were
+    masked)."""
+    T, E, k = 60, 4, 2
+    args, idx = _layout_problem(11, T, E, k, 32, 24)
+    x, dy, w, pos, src_slot, gs, gate_up, down = args
+    M = src_slot.shape[0]
+    pos_np, src_np, idx_np = np.array(pos), np.array(src_slot), np.array(idx)
+    no_grad = np.zeros((T, k), bool)
+    assert int(np.sum(gs)) <= M - 1  # so pos = M - 1 is a row past the sum (dx_r = 0, dw_r = 0)
+    for (t, j), bad in zip([(0, 0), (3, 1), (8, 0), (9, 1), (20, 0), (21, 1), (22, 0)],
+                           [M, M + 7, -1, -5, 2**31 - 1, -(2**31), M - 1]):
+        pos_np[t, j] = bad
+        no_grad[t, j] = True
+    for (t, j), bad in zip([(30, 0), (31, 1), (40, 0)], [-2, T * k, 2**31 - 1]):
+        src_np[pos_np[t, j]] = bad
+        idx_np[t, j] = -1  # its row is padding: as a masked slot
+    out = experts_backward_reference(x, dy, w, jnp.asarray(pos_np), jnp.asarray(src_np), gs, gate_up, down)
+    assert int(out.status) == 0
+    want = _autodiff_experts(x, dy, w, gate_up, down, idx_np, no_grad)
+    _check_experts_backward("out of range", out, want, idx_np, E)
+    assert not np.asarray(out.dw)[no_grad | (idx_np < 0)].any()
 
 
 def test_experts_backward_reference_bf16_roundings_and_status():
-    args, expert = _expert_rows_problem(3, [128, 128], 300, 16, 24, dtype=jnp.bfloat16)
+    args, idx = _layout_problem(3, 100, 2, 1, 16, 24, dtype=jnp.bfloat16)
     out = experts_backward_reference(*args)
-    assert (out.dx.dtype, out.dw.dtype, out.d_gate_up.dtype, out.d_down.dtype) == (jnp.bfloat16, jnp.float32,
+    assert (out.dx.dtype, out.dw.dtype, out.d_gate_up.dtype, out.d_down.dtype) == (jnp.float32, jnp.float32,
                                                                                   jnp.bfloat16, jnp.bfloat16)
-    x, dy, w, gs, gu, dn = args
+    # k = 1: each token's dx is its one slot's row, rounded to bf16 before the f32 sum
+    dx = np.asarray(out.dx)
+    np.testing.assert_array_equal(dx, np.asarray(out.dx.astype(jnp.bfloat16).astype(jnp.float32)))
+    assert np.abs(dx).max() > 0
+    x, dy, w, pos, src_slot, gs, gu, dn = args
+    M = src_slot.shape[0]  # 100 + 2 * 128 = 356
     for sizes, bits in (([128, -128], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP),
                         ([256, 128], EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
                         ([128, 100], EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP),
-                        ([-28, 356], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP | EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW
+                        ([-28, M + 100], EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP | EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW
                          | EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP)):
-        bad = experts_backward_reference(x, dy, w, jnp.asarray(sizes, jnp.int32), gu, dn)
+        bad = experts_backward_reference(x, dy, w, pos, src_slot, jnp.asarray(sizes, jnp.int32), gu, dn)
         assert int(bad.status) == bits, sizes
-        assert not np.asarray(bad.dx, np.float32).any() and not np.asarray(bad.d_gate_up, np.float32).any()
+        assert not np.asarray(bad.dx).any() and not np.asarray(bad.dw).any()
+        assert np.isnan(np.asarray(bad.d_gate_up, np.float32)).all()  # as the kernel: NaN weight gradients
+        assert np.isnan(np.asarray(bad.d_down, np.float32)).all()
 
 
 # ----------------------------------------------------------------------------- the op's argument checks
 
 
-E_, M_, H_, I_ = 3, 384, 64, 32
+E_, T_, K_, H_, I_ = 3, 100, 2, 64, 32
+M_ = T_ * K_ + 128 * E_
 
 
 def _op_args(**over):
     bf = jnp.bfloat16
-    a = dict(x_e=jnp.ones((M_, H_), bf), dy_e=jnp.ones((M_, H_), bf), w_e=jnp.ones((M_,), jnp.float32),
+    a = dict(x=jnp.ones((T_, H_), bf), dy=jnp.ones((T_, H_), bf), topk_weight=jnp.ones((T_, K_), jnp.float32),
+             pos=jnp.zeros((T_, K_), jnp.int32), src_slot=jnp.full((M_,), -1, jnp.int32),
              group_sizes=jnp.array([128, 128, 128], jnp.int32), gate_up=jnp.ones((E_, H_, 2 * I_), bf),
              down=jnp.ones((E_, I_, H_), bf))
     a.update(over)
@@ -241,25 +293,35 @@ def _op_args(**over):
 
 
 @pytest.mark.parametrize("over,exc,match", [
-    (dict(x_e=jnp.ones((M_, H_, 1), jnp.bfloat16)), ValueError, "x_e must be rank 2"),
-    (dict(dy_e=jnp.ones((M_,), jnp.bfloat16)), ValueError, "dy_e must be rank 2"),
-    (dict(w_e=jnp.ones((M_, 1), jnp.float32)), ValueError, "w_e must be rank 1"),
+    (dict(x=jnp.ones((T_, H_, 1), jnp.bfloat16)), ValueError, "x must be rank 2"),
+    (dict(dy=jnp.ones((T_,), jnp.bfloat16)), ValueError, "dy must be rank 2"),
+    (dict(topk_weight=jnp.ones((T_ * K_,), jnp.float32)), ValueError, "topk_weight must be rank 2"),
+    (dict(pos=jnp.ones((T_ * K_,), jnp.int32)), ValueError, "pos must be rank 2"),
+    (dict(src_slot=jnp.ones((M_, 1), jnp.int32)), ValueError, "src_slot must be rank 1"),
     (dict(group_sizes=jnp.ones((E_, 1), jnp.int32)), ValueError, "group_sizes must be rank 1"),
     (dict(gate_up=jnp.ones((H_, 2 * I_), jnp.bfloat16)), ValueError, "gate_up must be rank 3"),
     (dict(down=jnp.ones((I_, H_), jnp.bfloat16)), ValueError, "down must be rank 3"),
-    (dict(x_e=jnp.ones((M_, H_), jnp.float32)), TypeError, "x_e must be bfloat16"),
-    (dict(dy_e=jnp.ones((M_, H_), jnp.float32)), TypeError, "dy_e must be bfloat16"),
-    (dict(w_e=jnp.ones((M_,), jnp.bfloat16)), TypeError, "w_e must be float32"),
+    (dict(x=jnp.ones((T_, H_), jnp.float32)), TypeError, "x must be bfloat16"),
+    (dict(dy=jnp.ones((T_, H_), jnp.float32)), TypeError, "dy must be bfloat16"),
+    (dict(topk_weight=jnp.ones((T_, K_), jnp.bfloat16)), TypeError, "topk_weight must be float32"),
+    (dict(pos=jnp.ones((T_, K_), jnp.int16)), TypeError, "pos must be int32"),
+    (dict(src_slot=jnp.ones((M_,), jnp.uint32)), TypeError, "src_slot must be int32"),
     (dict(group_sizes=jnp.ones((E_,), jnp.uint32)), TypeError, "group_sizes must be int32"),
     (dict(gate_up=jnp.ones((E_, H_, 2 * I_), jnp.float32)), TypeError, "gate_up must be bfloat16"),
     (dict(down=jnp.ones((E_, I_, H_), jnp.float16)), TypeError, "down must be bfloat16"),
-    (dict(dy_e=jnp.ones((M_ - 1, H_), jnp.bfloat16)), ValueError, "dy_e must be"),
-    (dict(w_e=jnp.ones((M_ + 1,), jnp.float32)), ValueError, "w_e must be"),
+    (dict(dy=jnp.ones((T_ - 1, H_), jnp.bfloat16)), ValueError, "dy must be"),
+    (dict(topk_weight=jnp.ones((T_ + 1, K_), jnp.float32)), ValueError, "topk_weight must be"),
+    (dict(pos=jnp.ones((T_, K_ + 1), jnp.int32)), ValueError, "pos must be"),
+    (dict(src_slot=jnp.ones((0,), jnp.int32)), ValueError, "src_slot: the number of rows M must be at least 1"),
+    (dict(topk_weight=jnp.ones((T_, 0), jnp.float32), pos=jnp.ones((T_, 0), jnp.int32)), ValueError,
+     "at least 1"),
+    (dict(topk_weight=jnp.ones((T_, 33), jnp.float32), pos=jnp.ones((T_, 33), jnp.int32)), ValueError,
+     "k must be at most 32"),
     (dict(gate_up=jnp.ones((E_ + 1, H_, 2 * I_), jnp.bfloat16)), ValueError, "gate_up must be"),
     (dict(gate_up=jnp.ones((E_, H_ + 8, 2 * I_), jnp.bfloat16)), ValueError, "gate_up must be"),
     (dict(gate_up=jnp.ones((E_, H_, 2 * I_ + 1), jnp.bfloat16)), ValueError, "gate_up must be"),
     (dict(down=jnp.ones((E_, I_ + 8, H_), jnp.bfloat16)), ValueError, "down must be"),
-    (dict(x_e=jnp.ones((M_, 60), jnp.bfloat16), dy_e=jnp.ones((M_, 60), jnp.bfloat16),
+    (dict(x=jnp.ones((T_, 60), jnp.bfloat16), dy=jnp.ones((T_, 60), jnp.bfloat16),
           gate_up=jnp.ones((E_, 60, 2 * I_), jnp.bfloat16), down=jnp.ones((E_, I_, 60), jnp.bfloat16)),
      ValueError, "multiple of 8"),
     (dict(gate_up=jnp.ones((E_, H_, 24), jnp.bfloat16), down=jnp.ones((E_, 12, H_), jnp.bfloat16)),
@@ -274,12 +336,17 @@ def test_op_rejects_bad_arguments_naming_them(over, exc, match):
         jax.jit(lambda a: experts_backward(**a))(_op_args(**over))
 
 
-def test_op_rejects_rows_past_32_bit_offsets():
-    big = jax.ShapeDtypeStruct((2**21, 1024), jnp.bfloat16)  # M * H = 2^31: never allocated, only traced
-    with pytest.raises(ValueError, match="M times H and times 2I must be below 2"):
-        jax.eval_shape(lambda x: experts_backward(**_op_args(x_e=x, dy_e=x, w_e=jnp.ones((2**21,), jnp.float32),
-                                                                gate_up=jnp.ones((E_, 1024, 2 * I_), jnp.bfloat16),
-                                                                down=jnp.ones((E_, I_, 1024), jnp.bfloat16))), big)
+def test_op_rejects_sizes_past_32_bit_offsets():
+    """M * H (or M * 2I) and T * H must be below 2^31: traced through ShapeDtypeStructs, never allocated."""
+    bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+    wide = dict(gate_up=sds((E_, 1024, 2 * I_), bf), down=sds((E_, I_, 1024), bf))
+    rows = dict(_op_args(**wide), x=sds((T_, 1024), bf), dy=sds((T_, 1024), bf),
+                src_slot=sds((2**21,), jnp.int32))  # M * H = 2^31
+    tokens = dict(_op_args(**wide), x=sds((2**21, 1024), bf), dy=sds((2**21, 1024), bf),
+                  topk_weight=sds((2**21, K_), jnp.float32), pos=sds((2**21, K_), jnp.int32))  # T * H = 2^31
+    for a, match in ((rows, "M times H and times 2I must be below 2"), (tokens, "T times H must be below 2")):
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(lambda a: experts_backward(**a), a)
 
 
 @pytest.mark.parametrize("num_sms", [0, -3, True, 2.0, "all"])
@@ -397,8 +464,10 @@ def test_glue_nan_gradients_when_the_op_reports_bad_status():
     shape = _shape(4, 16, 16, 2)
     x, idx, w, W = random_problem(shape, 8, seed=0)
 
-    def broken(*args):
-        return experts_backward_reference(*args)._replace(status=jnp.int32(EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW))
+    def broken(*args):  # the op's contract under bad status: NaN weight gradients, dx and dw unspecified
+        out = experts_backward_reference(*args)
+        return out._replace(status=jnp.int32(EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
+                            d_gate_up=jnp.full_like(out.d_gate_up, jnp.nan), d_down=jnp.full_like(out.d_down, jnp.nan))
 
     res = moe_mod.MoEResiduals(x, idx, w, W)
     dx, _, dw, dW = moe_mod._backward_mok(MOK, res, jnp.ones_like(x), experts_fn=broken)
@@ -441,6 +510,33 @@ def test_through_custom_vjp_bf16(monkeypatch):
         _assert_rows_close(f"bf16 {name}", a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), TOL_BF16_ROW)
 
 
+def test_shared_backward_bf16_matches_f32_autodiff():
+    """The shared expert's bf16 backward (bf16 x bf16 matmuls, f32 accumulation) against jax.vjp of
+    reference.swiglu_ffn in f32 on the same (bf16-valued) inputs, row by row."""
+    T, H, Is = 200, 128, 96
+    ks = jax.random.split(jax.random.key(21), 4)
+    bf = jnp.bfloat16
+    x = jax.random.normal(ks[0], (T, H)).astype(bf)
+    sgu = (jax.random.normal(ks[1], (H, 2 * Is)) * H**-0.5).astype(bf)
+    sdn = (jax.random.normal(ks[2], (Is, H)) * Is**-0.5).astype(bf)
+    dy = jax.random.normal(ks[3], (T, H)).astype(bf)
+    W = MoEWeights(jnp.zeros((1, H, 16), bf), jnp.zeros((1, 8, H), bf), sgu, sdn)  # routed weights unused
+    dx, d_sgu, d_sdn = jax.jit(moe_mod._shared_backward)(x, W, dy)
+    assert (dx.dtype, d_sgu.dtype, d_sdn.dtype) == (jnp.float32, bf, bf)
+    f32 = [a.astype(jnp.float32) for a in (x, sgu, sdn, dy)]
+    with HI():
+        _, vjp = jax.vjp(reference.swiglu_ffn, *f32[:3])
+        want = vjp(f32[3])
+    for name, a, b in zip(("dx", "d shared_gate_up", "d shared_down"), (dx, d_sgu, d_sdn), want):
+        _assert_rows_close(f"bf16 shared {name}", np.asarray(a, np.float32), b, TOL_BF16_SHARED_ROW,
+                           floor=TOL_BF16_SHARED_FLOOR)
+    jaxpr = jax.make_jaxpr(moe_mod._shared_backward)(x, W, dy)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 5 and all(v.aval.dtype == bf for e in dots for v in e.invars), dots
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    assert moe_mod._shared_backward(x, W._replace(shared_gate_up=None, shared_down=None), dy) == (None, None, None)
+
+
 # ----------------------------------------------------------------------------- EP sizes
 
 
@@ -475,40 +571,75 @@ def _custom_call_lines(text, target):
 
 
 def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
-    """Operands x_e, dy_e, w_e, group_sizes, gate_up, down; results dx, dw, d_gate_up, d_down, status and the four
-    scratch buffers (ffi/src/ffi_moe_backward.cu); num_sms as an int32 attribute (0 = every SM)."""
+    """Operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down; results dx, dw, d_gate_up, d_down,
+    status and the nine scratch buffers x_e, dy_e, w_e, gu, dgu, hw, dw partials, dx_e, dw_e
+    (ffi/src/ffi_moe_backward.cu); num_sms as an int32 attribute (0 = every SM)."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
-    M, H, I, E = 512, 64, 384, 3
-    args = (jax.ShapeDtypeStruct((M, H), jnp.bfloat16), jax.ShapeDtypeStruct((M, H), jnp.bfloat16),
-            jax.ShapeDtypeStruct((M,), jnp.float32), jax.ShapeDtypeStruct((E,), jnp.int32),
-            jax.ShapeDtypeStruct((E, H, 2 * I), jnp.bfloat16), jax.ShapeDtypeStruct((E, I, H), jnp.bfloat16))
+    T, k, M, H, I, E = 100, 3, 812, 64, 384, 4
+    sds = jax.ShapeDtypeStruct
+    args = (sds((T, H), jnp.bfloat16), sds((T, H), jnp.bfloat16), sds((T, k), jnp.float32), sds((T, k), jnp.int32),
+            sds((M,), jnp.int32), sds((E,), jnp.int32), sds((E, H, 2 * I), jnp.bfloat16),
+            sds((E, I, H), jnp.bfloat16))
     for num_sms, attr in ((None, 0), (20, 20)):
         text = jax.jit(functools.partial(mb.experts_backward, num_sms=num_sms)).lower(*args).as_text()
         [call] = _custom_call_lines(text, "mok_experts_backward")
-        operands = f"(tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{E}xi32>, " \
-                   f"tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>)"
-        results = f"(tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
-                  f"tensor<i32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
-                  f"tensor<{M}x2xf32>)"
+        operands = f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
+                   f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>)"
+        results = f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
+                  f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
+                  f"tensor<{M}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
+                  f"tensor<{M}x2xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>)"
         assert operands + " -> " + results in call, call
         assert f"num_sms = {attr} : i32" in call, call
 
 
 def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
     """jax.grad of mj.moe(implementation='mok') at EP 1: the forward megakernel and one experts' backward call
-    over T * k + 128 * E padded rows, nothing of the xla path's dense experts."""
+    on the tokens and a layout of T * k + 128 * E padded rows, nothing of the xla path's dense experts, and no
+    [M, H] array outside the call (the op gathers the rows and sums the slots itself)."""
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
     T, H, I, E, k = 40, 64, 32, 4, 2
+    M = T * k + 128 * E
     monkeypatch.setattr(moe_mod, "_forward_mok", lambda x, *a: x * 2)  # the megakernel needs a workspace
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
     w = jnp.ones((T, k), jnp.float32)
-    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
+    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16),
+                   jnp.ones((H, 2 * I), jnp.bfloat16), jnp.ones((I, H), jnp.bfloat16))
     f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=MOK).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
     text = f.lower(x, w, W).as_text()
     [call] = _custom_call_lines(text, "mok_experts_backward")
-    assert f"(tensor<{T * k + 128 * E}x{H}xbf16>" in call
+    assert f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
+           f"tensor<{M}xi32>, tensor<{E}xi32>" in call, call
+    elsewhere = [line for line in text.splitlines() if f"tensor<{M}x{H}x" in line and line != call]
+    assert not elsewhere, "\n".join(elsewhere[:4])
+    dots = [re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", line) for line in text.splitlines()
+            if "stablehlo.dot_general" in line]
+    assert len(dots) == 5, "the shared expert's backward: 5 matmuls"  # gu, dh, dx, d shared_down, d shared_gate_up
+    assert all(m and m[1].endswith("xbf16>") and m[2].endswith("xbf16>") for m in dots), [m and m[0] for m in dots]
+
+
+def test_cotangents_take_their_primals_manual_axes():
+    """Inside shard_map (check_vma on), _vary_like gives an unvarying value (what an ffi_call returns) its
+    primal's varying axis, and sums a varying gradient of a replicated primal over the axis: what a custom_vjp
+    needs of the mok backward under expert_parallel_moe."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+    def body(x, w):
+        unvarying = jnp.ones((4,), jnp.float32)  # a constant: varies over no axis, like an ffi_call's output
+        a = moe_mod._vary_like(unvarying, x)  # x is sharded over ep: varying
+        b = moe_mod._vary_like(x * 2.0, w)  # w is replicated: the varying value is summed over ep
+        assert moe_mod._manual_axes(a) == moe_mod._manual_axes(x) == frozenset({"ep"})
+        assert moe_mod._manual_axes(b) == moe_mod._manual_axes(w) == frozenset()
+        return a, b
+
+    a, b = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P()), out_specs=(P("ep"), P()),
+                                 check_vma=True))(jnp.arange(4.0), jnp.zeros((4,)))
+    np.testing.assert_array_equal(np.asarray(a), np.ones(4))
+    np.testing.assert_array_equal(np.asarray(b), 2.0 * np.arange(4.0))
