@@ -152,18 +152,25 @@ class MoEConfig:
     workspace: the megakernel's symmetric workspace (mok_jax.workspace.moe_workspace). Needed when ``moe``
         runs inside a caller's own shard_map with ``ep_axis`` set; ``expert_parallel_moe`` and the Flax
         module set it up themselves, and without ``ep_axis`` a local one is used.
+    checkify_ids: report an invalid expert id under jit through ``jax.experimental.checkify`` (a
+        ``checkify.debug_check``, free unless the caller checkifies). Its effect cannot be serialized by
+        ``jax.export``: set False to export the layer (invalid ids still give NaN rows, and the megakernel
+        still records them for ``Workspace.check()``).
     """
 
     implementation: Implementation = "xla"
     ep_axis: str | None = None
     kernel: KernelConfig | None = None
     workspace: object | None = None
+    checkify_ids: bool = True
 
     def __post_init__(self):
         _require(self.implementation in ("xla", "mok"),
                  f"MoEConfig.implementation must be 'xla' or 'mok', got {self.implementation!r}")
         _require(self.ep_axis is None or (isinstance(self.ep_axis, str) and self.ep_axis),
                  f"MoEConfig.ep_axis must be a mesh axis name or None, got {self.ep_axis!r}", TypeError)
+        _require(isinstance(self.checkify_ids, bool),
+                 f"MoEConfig.checkify_ids must be a bool, got {self.checkify_ids!r}", TypeError)
         _require(self.kernel is None or isinstance(self.kernel, KernelConfig),
                  f"MoEConfig.kernel must be a KernelConfig or None, got {type(self.kernel).__name__}", TypeError)
         if self.workspace is not None:

@@ -324,6 +324,21 @@ def test_bad_expert_ids_give_nan_rows_and_a_checkify_error(cpu_devices, path):
     assert err.get() is None
 
 
+def test_checkify_ids_off_lets_jax_export_serialize_the_layer():
+    """checkify's debug_check leaves an effect jax.export cannot serialize; MoEConfig(checkify_ids=False) leaves it
+    out, and the bad id still gives its NaN row."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    from jax import export
+
+    x, idx, w, W = random_problem(SHAPE, 16, seed=35)
+    layer = lambda cfg: jax.jit(lambda x, i, w, *W_: mj.moe(x, i, w, mj.MoEWeights(*W_), config=cfg))  # noqa: E731
+    with pytest.raises(NotImplementedError, match="serializ"):
+        export.export(layer(mj.MoEConfig()))(x, idx, w, *W).serialize()
+    blob = export.export(layer(mj.MoEConfig(checkify_ids=False)))(x, idx, w, *W).serialize()
+    y = np.asarray(export.deserialize(blob).call(x, idx.at[3, 1].set(16), w, *W))
+    assert np.flatnonzero(np.isnan(y).any(axis=1)).tolist() == [3]
+
+
 @pytest.mark.parametrize("path", ["single", "ep"])
 def test_masked_slot_ignores_its_weight(cpu_devices, path):
     x, idx, w, W = random_problem(SHAPE, 16, seed=34)
