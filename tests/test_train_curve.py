@@ -16,3 +16,6 @@ def test_train_curve_runs_and_learns(tmp_path, capsys):
     assert loss.shape == (6,) and np.all(np.isfinite(loss))
     assert loss[-1] < loss[0], loss  # it trains: the permutation task's loss falls within a few steps
     assert "max gap to xla" in capsys.readouterr().out
+    png = tmp_path / "curve.png"
+    assert train_curve.main(["--replot", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

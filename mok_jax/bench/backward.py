@@ -27,12 +27,12 @@ __all__ = ["main", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
 # The op's launches, in order, and how to find each in a trace (kernel names are C++ template names).
-LAUNCHES = (
+LAUNCHES = (  # CuTe's GMMA::Major: K = 0, MN = 1
     ("row gather", "gather_rows_kernel"),
-    ("gate/up recompute", "Sm90GroupedGemmILNS0_8EpilogueE1ELN4cute4SM904GMMA5MajorE1"),
-    ("down dgrad + SwiGLU bwd", "Sm90GroupedGemmILNS0_8EpilogueE2"),
+    ("gate/up recompute", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)1>"),
+    ("down dgrad + SwiGLU bwd", "Sm90GroupedGemm<(mok::gemm::Epilogue)2"),
     ("router-weight sum", "dw_sum_kernel"),
-    ("gate/up dgrad", "Sm90GroupedGemmILNS0_8EpilogueE1ELN4cute4SM904GMMA5MajorE0"),
+    ("gate/up dgrad", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)0>"),
     ("weight grads (2)", "Sm90WeightGrad"),
     ("slot sum", "slot_sum_kernel"),
 )

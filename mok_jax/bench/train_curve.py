@@ -1,6 +1,7 @@
 """A small Flax NNX model with several MoE layers, trained with optax under each implementation.
 
     python -m mok_jax.bench.train_curve [--steps 50] [--layers 3] [--impl xla,mok] [--json F] [--plot F]
+    python -m mok_jax.bench.train_curve --replot F.json --plot F.png      # redraw an earlier run's plot
 
 The model: token embedding -> ``--layers`` x (RMSNorm -> MoELayer, residual) -> RMSNorm -> vocabulary head,
 trained on a fixed synthetic task: the target of each token is a fixed random permutation of it (the
@@ -96,6 +97,35 @@ def train(implementation: str, *, steps: int, layers: int, tokens: int, vocab: i
     return [float(step(model, opt, tok, tgt)) for tok, tgt in _batches(vocab, tokens, steps, seed + 1)]
 
 
+def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
+    """The loss curves on a log scale, as a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl, c in curves.items():
+        ax.plot(range(len(c)), c, label=f"implementation={impl!r}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def replot(json_path: str, png_path: str) -> None:
+    """Redraw the plot of a --json file written by an earlier run (on a machine with matplotlib)."""
+    with open(json_path) as f:
+        d = json.load(f)
+    a = d["args"]
+    plot(d["curves"], png_path, f"{a['layers']} MoE layers ({SHAPE.num_experts} experts, top-{SHAPE.top_k}), "
+                                f"{a['tokens']} tokens/step, {d['device']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mok_jax.bench.train_curve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
@@ -108,7 +138,13 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--json", help="write the curves here")
     ap.add_argument("--plot", help="write a PNG of the curves here (needs matplotlib)")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw --plot from this --json file of an earlier run")
     a = ap.parse_args(argv)
+    if a.replot:
+        if not a.plot:
+            ap.error("--replot needs --plot")
+        replot(a.replot, a.plot)
+        return 0
     impls = [s for s in a.impl.split(",") if s]
     curves: dict[str, list[float]] = {}
     for impl in impls:
@@ -127,21 +163,8 @@ def main(argv=None) -> int:
             json.dump({"args": vars(a), "device": jax.devices()[0].device_kind, "curves": curves, "summary": summary},
                       f, indent=1)
     if a.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for impl, c in curves.items():
-            ax.plot(range(len(c)), c, label=f"implementation={impl!r}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy")
-        ax.set_title(f"{a.layers} MoE layers ({SHAPE.num_experts} experts, top-{SHAPE.top_k}), "
-                     f"{a.tokens} tokens/step, {jax.devices()[0].device_kind}", fontsize=9)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
+        plot(curves, a.plot, f"{a.layers} MoE layers ({SHAPE.num_experts} experts, top-{SHAPE.top_k}), "
+                             f"{a.tokens} tokens/step, {jax.devices()[0].device_kind}")
     print(f"{'implementation':<16} {'first loss':>10} {'final loss':>10} {'max gap to ' + impls[0]:>16}")
     for impl, s in summary.items():
         print(f"{impl:<16} {s['first_loss']:>10.4f} {s['final_loss']:>10.4f} {s['max_abs_gap_to_' + impls[0]]:>16.4f}")
