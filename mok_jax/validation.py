@@ -98,6 +98,22 @@ def check_routing_values(topk_idx, num_experts: int) -> None:
         raise ValueError("topk_idx must name distinct experts within each token's row")
 
 
+def check_expert_weights(gate_up, down, num_experts: int, hidden: int, *, max_experts: int | None = None,
+                         prefix: str = "") -> int:
+    """The routed weights of the grouped ops: gate_up [E, H, 2I] and down [E, I, H] for E experts (from
+    group_sizes) and hidden size H (from x). Returns I; errors name the argument (after ``prefix``)."""
+    if gate_up.shape[0] != num_experts or gate_up.shape[1] != hidden or gate_up.shape[2] % 2:
+        raise ValueError(f"{prefix}gate_up must be [E, H, 2I] = [{num_experts}, {hidden}, 2I] (E from group_sizes, "
+                         f"H from x), got {gate_up.shape}")
+    inter = gate_up.shape[2] // 2
+    if down.shape != (num_experts, inter, hidden):
+        raise ValueError(f"{prefix}down must be [E, I, H] = {(num_experts, inter, hidden)}, got {down.shape}")
+    if num_experts < 1 or (max_experts is not None and num_experts > max_experts):
+        raise ValueError(f"{prefix}group_sizes: the number of experts must be in [1, {max_experts or 'inf'}], "
+                         f"got {num_experts}")
+    return inter
+
+
 def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, *, where: str,
                                 dtypes=(jnp.bfloat16,), max_experts: int | None = None
                                 ) -> tuple[int, int, int, int, int, int]:
@@ -135,15 +151,7 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
     if m < 1:
         raise ValueError(f"{where}: src_slot: the number of rows M must be at least 1, got {m}")
     (num_experts,) = group_sizes.shape
-    if gate_up.shape[0] != num_experts or gate_up.shape[1] != hidden or gate_up.shape[2] % 2:
-        raise ValueError(f"{where}: gate_up must be [E, H, 2I] = [{num_experts}, {hidden}, 2I] (E from group_sizes, "
-                         f"H from x), got {gate_up.shape}")
-    inter = gate_up.shape[2] // 2
-    if down.shape != (num_experts, inter, hidden):
-        raise ValueError(f"{where}: down must be [E, I, H] = {(num_experts, inter, hidden)}, got {down.shape}")
-    if num_experts < 1 or (max_experts is not None and num_experts > max_experts):
-        raise ValueError(f"{where}: group_sizes: the number of experts must be in [1, {max_experts or 'inf'}], "
-                         f"got {num_experts}")
+    inter = check_expert_weights(gate_up, down, num_experts, hidden, max_experts=max_experts, prefix=f"{where}: ")
     if hidden <= 0 or hidden % 8:
         raise ValueError(f"{where}: x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), "
                          f"got {hidden}")

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -20,6 +21,21 @@ inline ffi::Error cuda_error(const char* op, cudaError_t err) {
 
 inline ffi::Error invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+// "[d0, d1, ...]", for error messages that name a buffer's shape.
+inline std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+inline bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (d[i++] != w) return false;
+  return true;
 }
 
 }  // namespace mok::ffi_util

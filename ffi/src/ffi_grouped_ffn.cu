@@ -14,11 +14,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(GroupedFfnAttrs, ::xla::ffi::StructMember<
 
 namespace {
 
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
+using mok::ffi_util::dims_str;
 
 ffi::Error grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> group_sizes,
                             ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,

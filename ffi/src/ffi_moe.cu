@@ -47,21 +47,9 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(MoeForwardAttrs, StructMember<int64_t>("ws
 namespace {
 
 using mok::ffi_util::cuda_error;
+using mok::ffi_util::dims_are;
+using mok::ffi_util::dims_str;
 using mok::ffi_util::invalid;
-
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
 
 mok::moe::ForwardKnobs knobs_of(const MoeForwardAttrs& a) {
   return mok::moe::ForwardKnobs{a.granularity, a.comm_items, a.ring_slots, a.dispatch_push, a.combine_pull,

@@ -17,19 +17,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(ExpertsBackwardAttrs, ::xla::ffi::StructMe
 
 namespace {
 
-std::string dims_str(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
+using mok::ffi_util::dims_are;
+using mok::ffi_util::dims_str;
 
 ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax._native import require_native
+from mok_jax.validation import check_expert_weights
 
 __all__ = ["GroupedFfnOutput", "grouped_ffn", "GROUPED_FFN_MAX_EXPERTS", "GROUPED_FFN_STATUS_NEGATIVE_GROUP",
            "GROUPED_FFN_STATUS_ROW_OVERFLOW"]
@@ -55,15 +56,7 @@ def grouped_ffn(
             raise TypeError(f"{name} must be {jnp.dtype(want).name}, got {arr.dtype}")
     m, hidden = x.shape
     (num_experts,) = group_sizes.shape
-    if gate_up.shape[0] != num_experts or gate_up.shape[1] != hidden or gate_up.shape[2] % 2:
-        raise ValueError(f"gate_up must be [E, H, 2I] = [{num_experts}, {hidden}, 2I] (E from group_sizes, "
-                         f"H from x), got {gate_up.shape}")
-    inter = gate_up.shape[2] // 2
-    if down.shape != (num_experts, inter, hidden):
-        raise ValueError(f"down must be [E, I, H] = {(num_experts, inter, hidden)}, got {down.shape}")
-    if not 1 <= num_experts <= GROUPED_FFN_MAX_EXPERTS:
-        raise ValueError(f"group_sizes: number of experts must be in [1, {GROUPED_FFN_MAX_EXPERTS}], "
-                         f"got {num_experts}")
+    inter = check_expert_weights(gate_up, down, num_experts, hidden, max_experts=GROUPED_FFN_MAX_EXPERTS)
     if hidden <= 0 or hidden % 8:
         raise ValueError(f"x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), got {hidden}")
     if inter <= 0 or inter % 8:
