@@ -100,17 +100,6 @@ __global__ void dw_sum_kernel(const float* __restrict__ part, int n_blocks, cons
 }
 
 template <class Gemm>
-cudaError_t launch(const typename Gemm::Params& params, int grid, cudaStream_t stream) {
-  auto* kernel = &gemm::sm90_grouped_gemm_kernel<Gemm>;
-  cudaFuncAttributes attr{};
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Gemm::kSmemBytes));
-  kernel<<<grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
-}
-
-template <class Gemm>
 typename Gemm::Params grouped(const ExpertsBackwardParams& p, const Bf16* a, int k, const Bf16* b, int n_b,
                               int n_out, void* out, int64_t out_ld, int write_status) {
   typename Gemm::Params g{};
@@ -160,10 +149,10 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
 
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t stream) {
   if (experts_backward_unsupported(p)) return cudaErrorInvalidValue;
-  int device = 0, sm_count = 0;
-  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MOK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  const int grid = p.num_sms > 0 && p.num_sms < sm_count ? p.num_sms : sm_count;
+  using gemm::launch_persistent_gemm;
+  int grid = 0, sm_count = 0;
+  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
+  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(0, &sm_count));  // every SM: the row kernels' grids
   const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts);
   const int n_blocks = (I + kExpertsBackwardColBlock - 1) / kExpertsBackwardColBlock;
   const auto* x_e = static_cast<const Bf16*>(p.x_e);
@@ -176,14 +165,6 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const int chunks = H / 8;
   const int k = int(p.top_k);
   const int64_t slots = p.num_tokens * p.top_k;
-  auto slot_sum = [&]() -> cudaError_t {
-    if (p.num_tokens == 0) return cudaSuccess;
-    const int64_t blocks = p.num_tokens < 4 * int64_t(sm_count) ? p.num_tokens : 4 * int64_t(sm_count);
-    slot_sum_kernel<<<int(blocks), 256, 0, stream>>>(static_cast<const uint4*>(p.dx_e), p.dw_e, p.pos, p.num_tokens,
-                                                    k, p.num_rows, chunks, reinterpret_cast<float4*>(p.dx), p.dw);
-    return cudaGetLastError();
-  };
-
   if (p.num_rows == 0) {  // no rows: zero gradients, and the status of the sizes
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_gate_up, 0, size_t(E) * H * 2 * I * sizeof(Bf16), stream));
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_down, 0, size_t(E) * I * H * sizeof(Bf16), stream));
@@ -202,25 +183,32 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
     MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   // 1: gu = x_e @ gate_up (writes the status word; zero rows past the groups)
-  MOK_CUDA_RETURN_IF_ERROR(launch<GuGemm>(grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, gu, 2 * I, 1), grid, stream));
+  MOK_CUDA_RETURN_IF_ERROR(
+      launch_persistent_gemm<GuGemm>(grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, gu, 2 * I, 1), grid, stream));
   // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue
   auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, 0);
   dh.bwd = gemm::SwigluBackwardOut{reinterpret_cast<const __nv_bfloat16*>(gu), p.w_e,
                                    reinterpret_cast<__nv_bfloat16*>(dgu), reinterpret_cast<__nv_bfloat16*>(hw),
                                    p.dw_part, I, n_blocks};
-  MOK_CUDA_RETURN_IF_ERROR(launch<DhGemm>(dh, grid, stream));
+  MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<DhGemm>(dh, grid, stream));
   // 3: dw_e
   const int64_t sum_blocks = (p.num_rows + 255) / 256;
   dw_sum_kernel<<<int(sum_blocks < 1024 ? sum_blocks : 1024), 256, 0, stream>>>(p.dw_part, n_blocks, p.group_sizes,
                                                                                 E, p.num_rows, p.dw_e);
   MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 4: dx_e = dgu @ gate_up^T (zero rows past the groups)
-  MOK_CUDA_RETURN_IF_ERROR(launch<DxGemm>(grouped<DxGemm>(p, dgu, 2 * I, gate_up, H, H, p.dx_e, H, 0), grid, stream));
+  MOK_CUDA_RETURN_IF_ERROR(
+      launch_persistent_gemm<DxGemm>(grouped<DxGemm>(p, dgu, 2 * I, gate_up, H, H, p.dx_e, H, 0), grid, stream));
   // 5, 6: weight gradients
-  MOK_CUDA_RETURN_IF_ERROR(launch<WGrad>(weight_grad(p, hw, I, dy_e, H, p.d_down), grid, stream));
-  MOK_CUDA_RETURN_IF_ERROR(launch<WGrad>(weight_grad(p, x_e, H, dgu, 2 * I, p.d_gate_up), grid, stream));
+  MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<WGrad>(weight_grad(p, hw, I, dy_e, H, p.d_down), grid, stream));
+  MOK_CUDA_RETURN_IF_ERROR(
+      launch_persistent_gemm<WGrad>(weight_grad(p, x_e, H, dgu, 2 * I, p.d_gate_up), grid, stream));
   // 7: per token
-  return slot_sum();
+  if (p.num_tokens == 0) return cudaSuccess;
+  const int64_t blocks = p.num_tokens < 4 * int64_t(sm_count) ? p.num_tokens : 4 * int64_t(sm_count);
+  slot_sum_kernel<<<int(blocks), 256, 0, stream>>>(static_cast<const uint4*>(p.dx_e), p.dw_e, p.pos, p.num_tokens, k,
+                                                  p.num_rows, chunks, reinterpret_cast<float4*>(p.dx), p.dw);
+  return cudaGetLastError();
 }
 
 }  // namespace mok

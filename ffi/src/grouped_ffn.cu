@@ -29,18 +29,6 @@ __global__ void occupy_sms_kernel(int64_t duration_ns, int32_t* started) {
   while (gemm::global_timer_ns() - t0 < uint64_t(duration_ns)) __nanosleep(10000);
 }
 
-template <class Gemm>
-cudaError_t launch_gemm(const typename Gemm::Params& params, int grid, cudaStream_t stream) {
-  auto* kernel = &gemm::sm90_grouped_gemm_kernel<Gemm>;
-  cudaFuncAttributes attr{};
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;  // needs sm_90a machine code
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Gemm::kSmemBytes));
-  kernel<<<grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 const char* grouped_ffn_unsupported(const GroupedFfnParams& p) {
@@ -61,10 +49,8 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
     grouped_ffn_status_kernel<<<1, 32, 0, stream>>>(p.group_sizes, num_experts, p.status);
     return cudaGetLastError();
   }
-  int device = 0, sm_count = 0;
-  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MOK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  const int grid = p.num_sms > 0 && p.num_sms < sm_count ? p.num_sms : sm_count;
+  int grid = 0;
+  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
 
   const int m = int(p.num_rows), hidden = int(p.hidden), inter = int(p.intermediate);
   auto* h = static_cast<Bf16*>(p.h);
@@ -99,8 +85,8 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   dn.status = p.status;
   dn.write_status = 0;
 
-  MOK_CUDA_RETURN_IF_ERROR(launch_gemm<GateUpGemm>(up, grid, stream));
-  return launch_gemm<DownGemm>(dn, grid, stream);
+  MOK_CUDA_RETURN_IF_ERROR(gemm::launch_persistent_gemm<GateUpGemm>(up, grid, stream));
+  return gemm::launch_persistent_gemm<DownGemm>(dn, grid, stream);
 }
 
 cudaError_t launch_occupy_sms(int32_t num_blocks, int64_t duration_ns, int32_t* started, cudaStream_t stream) {

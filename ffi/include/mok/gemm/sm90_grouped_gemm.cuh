@@ -28,6 +28,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "mok/common.cuh"
 #include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
@@ -179,6 +180,30 @@ __global__ void __launch_bounds__(Gemm::kThreads, 1) sm90_grouped_gemm_kernel(co
   // nothing silently (the host refuses to launch such a build in the first place).
   if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(params.status, kStatusNoSm90a);
 #endif
+}
+
+// ---- host side ---------------------------------------------------------------------------------------
+// The CTA count of a persistent GEMM: num_sms when it is in (0, SMs of the current device), else every SM.
+inline cudaError_t persistent_grid(int32_t num_sms, int* grid) {
+  int device = 0, sm_count = 0;
+  MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MOK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  *grid = num_sms > 0 && num_sms < sm_count ? num_sms : sm_count;
+  return cudaSuccess;
+}
+
+// Enqueue sm90_grouped_gemm_kernel<Gemm> (a grouped GEMM of this header, or Sm90WeightGrad) on `grid` CTAs.
+// Refuses a build without sm_90a machine code (the kernel would only set kStatusNoSm90a).
+template <class Gemm>
+cudaError_t launch_persistent_gemm(const typename Gemm::Params& params, int grid, cudaStream_t stream) {
+  auto* kernel = &sm90_grouped_gemm_kernel<Gemm>;
+  cudaFuncAttributes attr{};
+  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
+  MOK_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Gemm::kSmemBytes));
+  kernel<<<grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
 }
 
 }  // namespace mok::gemm
