@@ -157,14 +157,8 @@ def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array):
     wsgu, wsd = weights.shared_gate_up, weights.shared_down
     f32 = jnp.float32
     mm = functools.partial(jnp.einsum, preferred_element_type=f32)
-    gu = mm("th,hn->tn", x, wsgu)
-    g, u = jnp.split(gu, 2, axis=-1)
-    sig = jax.nn.sigmoid(g)
-    silu = g * sig
-    h = silu * u
-    dh = mm("th,ih->ti", dy, wsd)
-    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-    du = dh * silu
+    g, u = jnp.split(mm("th,hn->tn", x, wsgu), 2, axis=-1)
+    h, dg, du = reference.swiglu_backward(g, u, mm("th,ih->ti", dy, wsd))
     dgu = jnp.concatenate([dg, du], axis=-1).astype(x.dtype)
     dx = mm("tn,hn->th", dgu, wsgu)
     d_wsd = mm("ti,th->ih", h.astype(x.dtype), dy).astype(wsd.dtype)

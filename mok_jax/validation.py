@@ -101,7 +101,8 @@ def check_routing_values(topk_idx, num_experts: int) -> None:
 def check_expert_weights(gate_up, down, num_experts: int, hidden: int, *, max_experts: int | None = None,
                          prefix: str = "") -> int:
     """The routed weights of the grouped ops: gate_up [E, H, 2I] and down [E, I, H] for E experts (from
-    group_sizes) and hidden size H (from x). Returns I; errors name the argument (after ``prefix``)."""
+    group_sizes) and hidden size H (from x), H and I multiples of 8 (16-byte rows for TMA). Returns I; errors
+    name the argument (after ``prefix``)."""
     if gate_up.shape[0] != num_experts or gate_up.shape[1] != hidden or gate_up.shape[2] % 2:
         raise ValueError(f"{prefix}gate_up must be [E, H, 2I] = [{num_experts}, {hidden}, 2I] (E from group_sizes, "
                          f"H from x), got {gate_up.shape}")
@@ -111,7 +112,19 @@ def check_expert_weights(gate_up, down, num_experts: int, hidden: int, *, max_ex
     if num_experts < 1 or (max_experts is not None and num_experts > max_experts):
         raise ValueError(f"{prefix}group_sizes: the number of experts must be in [1, {max_experts or 'inf'}], "
                          f"got {num_experts}")
+    if hidden <= 0 or hidden % 8:
+        raise ValueError(f"{prefix}x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), "
+                         f"got {hidden}")
+    if inter <= 0 or inter % 8:
+        raise ValueError(f"{prefix}gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
     return inter
+
+
+def check_num_sms(num_sms) -> None:
+    """A kernel op's ``num_sms``: None (every SM) or a positive int."""
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))
+                                or num_sms < 1):
+        raise ValueError(f"num_sms must be None (all SMs) or a positive int, got {num_sms!r}")
 
 
 def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, *, where: str,
@@ -152,11 +165,6 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
         raise ValueError(f"{where}: src_slot: the number of rows M must be at least 1, got {m}")
     (num_experts,) = group_sizes.shape
     inter = check_expert_weights(gate_up, down, num_experts, hidden, max_experts=max_experts, prefix=f"{where}: ")
-    if hidden <= 0 or hidden % 8:
-        raise ValueError(f"{where}: x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), "
-                         f"got {hidden}")
-    if inter <= 0 or inter % 8:
-        raise ValueError(f"{where}: gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
     if m >= 2**31:
         raise ValueError(f"{where}: src_slot: rows M must be below 2^31, got {m}")
     if tokens * top_k >= 2**31:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax._native import require_native
-from mok_jax.validation import check_expert_weights
+from mok_jax.validation import check_expert_weights, check_num_sms
 
 __all__ = ["GroupedFfnOutput", "grouped_ffn", "GROUPED_FFN_MAX_EXPERTS", "GROUPED_FFN_STATUS_NEGATIVE_GROUP",
            "GROUPED_FFN_STATUS_ROW_OVERFLOW"]
@@ -57,15 +57,9 @@ def grouped_ffn(
     m, hidden = x.shape
     (num_experts,) = group_sizes.shape
     inter = check_expert_weights(gate_up, down, num_experts, hidden, max_experts=GROUPED_FFN_MAX_EXPERTS)
-    if hidden <= 0 or hidden % 8:
-        raise ValueError(f"x: hidden size H must be a positive multiple of 8 (16-byte rows for TMA), got {hidden}")
-    if inter <= 0 or inter % 8:
-        raise ValueError(f"gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
     if m >= 2**31:
         raise ValueError(f"x: rows M must be below 2^31, got {m}")
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))
-                                or num_sms < 1):
-        raise ValueError(f"num_sms must be None (all SMs) or a positive int, got {num_sms!r}")
+    check_num_sms(num_sms)
     require_native("mok_jax.ops.grouped_ffn")
     out = (
         jax.ShapeDtypeStruct((m, hidden), jnp.bfloat16),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax._native import require_native
-from mok_jax.validation import check_experts_backward_args
+from mok_jax.validation import check_experts_backward_args, check_num_sms
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPERTS_BACKWARD_MAX_TOP_K",
            "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP", "EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW",
@@ -89,9 +89,7 @@ def experts_backward(
     if tokens * hidden >= 2**31:
         raise ValueError(f"{where}: x: tokens T times H must be below 2^31 (the kernel's 32-bit offsets), got "
                          f"T = {tokens}, H = {hidden}")
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer))
-                                or num_sms < 1):
-        raise ValueError(f"num_sms must be None (all SMs) or a positive int, got {num_sms!r}")
+    check_num_sms(num_sms)
     require_native(where)
     bf16, f32 = jnp.bfloat16, jnp.float32
     out = (

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.expert_layout import gather_rows
+from mok_jax.reference.experts import swiglu_backward
 from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_GROUP_ALIGN,
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
@@ -80,14 +81,9 @@ def experts_backward_reference(
             mine = (expert_of_row == e) & (status == 0)
             gu = (x32 @ gate_up[e].astype(_F32)).astype(dtype).astype(_F32)
             g, u = gu[:, :inter], gu[:, inter:]
-            sig = jax.nn.sigmoid(g)
-            silu = g * sig
-            h = silu * u
             dh_raw = dy32 @ down[e].astype(_F32).T
+            h, dg, du = swiglu_backward(g, u, w32[:, None] * dh_raw)
             dw_e = jnp.sum(dh_raw * h, axis=1)
-            dh = w32[:, None] * dh_raw
-            dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-            du = dh * silu
             dgu = jnp.concatenate([dg, du], axis=1).astype(dtype).astype(_F32)
             dgu = jnp.where(mine[:, None], dgu, 0.0)
             hw = jnp.where(mine[:, None], (w32[:, None] * h).astype(dtype).astype(_F32), 0.0)

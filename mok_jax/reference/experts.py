@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from mok_jax.weights import MoEWeights
 
-__all__ = ["grouped_ffn", "moe", "shared_expert", "swiglu_ffn"]
+__all__ = ["grouped_ffn", "moe", "shared_expert", "swiglu_backward", "swiglu_ffn"]
 
 _F32 = jnp.float32
 
@@ -24,6 +24,15 @@ def swiglu_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     gate, up = jnp.split(gu, 2, axis=-1)
     h = (jax.nn.silu(gate) * up).astype(x.dtype)
     return jnp.einsum("...i,ih->...h", h, down, preferred_element_type=_F32)
+
+
+def swiglu_backward(g: jax.Array, u: jax.Array, dh: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The SwiGLU activation h = silu(g) * u and its input gradients for the output gradient dh, elementwise in
+    the inputs' dtype: (h, dg, du) with dg = dh * u * silu'(g), silu'(g) = s (1 + g (1 - s)), s = sigmoid(g), and
+    du = dh * silu(g). The backward of the routed experts' reference and of the shared expert both use it."""
+    sig = jax.nn.sigmoid(g)
+    silu = g * sig
+    return silu * u, dh * u * sig * (1.0 + g * (1.0 - sig)), dh * silu
 
 
 def shared_expert(x: jax.Array, weights: MoEWeights) -> jax.Array:
