@@ -27,15 +27,17 @@ __all__ = ["main", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
 # The op's launches, in order, and how to find each in a trace (kernel names are C++ template names).
-LAUNCHES = (  # CuTe's GMMA::Major: K = 0, MN = 1
-    ("row gather", "gather_rows_kernel"),
-    ("gate/up recompute", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)1>"),
-    ("down dgrad + SwiGLU bwd", "Sm90GroupedGemm<(mok::gemm::Epilogue)2"),
-    ("router-weight sum", "dw_sum_kernel"),
-    ("gate/up dgrad", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)0>"),
-    ("weight grads (2)", "Sm90WeightGrad"),
-    ("slot sum", "slot_sum_kernel"),
+# (label, a substring of the kernel's name, launches per call). CuTe's GMMA::Major: K = 0, MN = 1.
+LAUNCHES = (
+    ("row gather", "gather_rows_kernel", 1),
+    ("gate/up recompute", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)1>", 1),
+    ("down dgrad + SwiGLU bwd", "Sm90GroupedGemm<(mok::gemm::Epilogue)2", 1),
+    ("router-weight sum", "dw_sum_kernel", 1),
+    ("gate/up dgrad", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)0>", 1),
+    ("weight grads (2)", "Sm90WeightGrad", 2),
+    ("slot sum", "slot_sum_kernel", 1),
 )
+_TRACED_CALLS = 5
 
 
 def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None) -> dict:
@@ -43,7 +45,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     import jax.numpy as jnp
 
     from mok_jax import ops, tuning
-    from mok_jax.bench.breakdown import _kernel_times_from_trace, _problem, _timed
+    from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
     from mok_jax.config import MoEConfig
     from mok_jax.expert_layout import padded_layout
     from mok_jax.moe import moe
@@ -58,7 +60,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     grad = jax.jit(jax.grad(lambda x, i, w, W, dy: jnp.sum(moe(x, i, w, W, config=cfg).astype(jnp.float32) * dy),
                             argnums=(0, 2, 3)))
     lay = padded_layout(idx, E, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-    op = jax.jit(lambda *a: ops.experts_backward(*a))
+    op = jax.jit(ops.experts_backward)
     op_args = (x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down)
     status = int(op(*op_args).status)
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "E": E, "H": H, "I": I, "k": k, "fwd_flops": flops,
@@ -71,55 +73,42 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     if trace:
         jax.block_until_ready(op(*op_args))
         with jax.profiler.trace(trace):
-            for _ in range(5):
+            for _ in range(_TRACED_CALLS):
                 out = op(*op_args)
             jax.block_until_ready(out)
+        events = _trace_events(trace)  # read once for every launch
         per = {}
-        for name, key in LAUNCHES:
-            times = _kernel_times_from_trace(trace, key)
-            calls = 10 if name == "weight grads (2)" else 5
-            per[name] = statistics.median(times[-calls:]) * (2 if calls == 10 else 1) if times else None
+        for name, key, launches in LAUNCHES:
+            times = _kernel_times(events, key)[-launches * _TRACED_CALLS:]
+            per[name] = statistics.median(times) * launches if times else None
         res["launch_ms"] = per
-        res["op_kernels"] = _top_kernels(trace, 5)
+        res["op_kernels"] = _top_kernels(events, _TRACED_CALLS)
         jax.block_until_ready(grad(x, idx, w, W, dy))
         with jax.profiler.trace(trace + "/fwd_bwd"):
-            for _ in range(5):
+            for _ in range(_TRACED_CALLS):
                 g = grad(x, idx, w, W, dy)
             jax.block_until_ready(g)
-        res["fwd+bwd_kernels"] = _top_kernels(trace + "/fwd_bwd", 5)
+        res["fwd+bwd_kernels"] = _top_kernels(_trace_events(trace + "/fwd_bwd"), _TRACED_CALLS)
     return res
 
 
-def _top_kernels(trace_dir: str, calls: int, top: int = 14) -> list[tuple[str, float, int]]:
-    """(name, ms per call, launches per call) of the kernels with the most device time in the newest trace
-    under trace_dir, over ``calls`` calls."""
-    import glob
-    import gzip
-    import os
-
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
-    if not files:
-        return []
-    ev = json.load(gzip.open(files[-1]))
-    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    pids = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+def _top_kernels(events: list[dict], calls: int, top: int = 14) -> list[tuple[str, float, int]]:
+    """(name, ms per call, launches per call) of the GPU kernels with the most device time in a trace's events,
+    over ``calls`` calls."""
+    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     tot: dict[str, list[float]] = {}
-    for e in ev:
+    for e in events:
         if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
             tot.setdefault(e["name"], []).append(e["dur"] / 1e3)
     rows = sorted(((n[:160], sum(d) / calls, round(len(d) / calls)) for n, d in tot.items()), key=lambda r: -r[1])
     return rows[:top]
 
 
-def _dense(timing_kw) -> dict:
-    from mok_jax.bench.breakdown import _dense as dense
-
-    return dense(timing_kw)
-
-
 def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 20.0, seed: int = 0,
         trace: str | None = None) -> dict:
+    from mok_jax.bench.breakdown import _dense
+
     timing_kw = {"samples": samples, "target_sample_ms": sample_ms}
     out = {"dense": _dense(timing_kw), "cases": []}
     for name in models:

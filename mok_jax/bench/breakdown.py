@@ -90,14 +90,23 @@ def _timed(fn, args, timing_kw) -> dict:
     return {"ms": t.median_ms, "min_ms": t.min_ms, "max_ms": t.max_ms, "calls": t.calls_per_sample, **clk.summary()}
 
 
-def _kernel_times_from_trace(trace_dir: str, name: str) -> list[float]:
+def _trace_events(trace_dir: str) -> list[dict]:
+    """The events of the newest jax.profiler trace under trace_dir ([] when there is none)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
     if not files:
         return []
     ev = json.load(gzip.open(files[-1]))
-    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    ks = sorted((e for e in ev if e.get("ph") == "X" and name in e.get("name", "")), key=lambda e: e["ts"])
+    return ev["traceEvents"] if isinstance(ev, dict) else ev
+
+
+def _kernel_times(events: list[dict], name: str) -> list[float]:
+    """ms of each complete event whose name contains ``name``, in time order."""
+    ks = sorted((e for e in events if e.get("ph") == "X" and name in e.get("name", "")), key=lambda e: e["ts"])
     return [e["dur"] / 1e3 for e in ks]
+
+
+def _kernel_times_from_trace(trace_dir: str, name: str) -> list[float]:
+    return _kernel_times(_trace_events(trace_dir), name)
 
 
 def _problem(model_name: str, tokens: int, seed: int):
