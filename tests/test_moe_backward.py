@@ -588,7 +588,7 @@ def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
                    f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>)"
         results = f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
                   f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
-                  f"tensor<{M}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
+                  f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
                   f"tensor<{M}x2xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>)"
         assert operands + " -> " + results in call, call
         assert f"num_sms = {attr} : i32" in call, call

@@ -10,7 +10,7 @@ namespace mok {
 namespace {
 
 using KMajor = cute::GMMA::Major;
-using GuGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kBf16>;                                // x @ gate_up
+using GuGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kF32>;                                 // x @ gate_up
 using DhGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kSwiGLUBackward, KMajor::K>;           // dy @ down^T
 using DxGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kBf16, KMajor::K>;                     // dgu @ gate_up^T
 using WGrad = gemm::Sm90WeightGrad;
@@ -159,7 +159,7 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const auto* dy_e = static_cast<const Bf16*>(p.dy_e);
   const auto* gate_up = static_cast<const Bf16*>(p.gate_up);
   const auto* down = static_cast<const Bf16*>(p.down);
-  auto* gu = static_cast<Bf16*>(p.gu);
+  auto* gu = static_cast<float*>(p.gu);
   auto* dgu = static_cast<Bf16*>(p.dgu);
   auto* hw = static_cast<Bf16*>(p.hw);
   const int chunks = H / 8;
@@ -182,12 +182,13 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
         p.num_rows, slots, k, chunks, static_cast<uint4*>(p.x_e), static_cast<uint4*>(p.dy_e), p.w_e);
     MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  // 1: gu = x_e @ gate_up (writes the status word; zero rows past the groups)
+  // 1: gu = x_e @ gate_up in fp32 (writes the status word)
+  // (fp32 g, u: the gradients are those of what the forward computed, which rounds only h)
   MOK_CUDA_RETURN_IF_ERROR(
       launch_persistent_gemm<GuGemm>(grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, gu, 2 * I, 1), grid, stream));
   // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue
   auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, 0);
-  dh.bwd = gemm::SwigluBackwardOut{reinterpret_cast<const __nv_bfloat16*>(gu), p.w_e,
+  dh.bwd = gemm::SwigluBackwardOut{gu, p.w_e,
                                    reinterpret_cast<__nv_bfloat16*>(dgu), reinterpret_cast<__nv_bfloat16*>(hw),
                                    p.dw_part, I, n_blocks};
   MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<DhGemm>(dh, grid, stream));

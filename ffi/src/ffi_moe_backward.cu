@@ -2,7 +2,7 @@
 //   x: bf16[T, H], dy: bf16[T, H], topk_weight: f32[T, k], pos: s32[T, k], src_slot: s32[M], group_sizes: s32[E],
 //   gate_up: bf16[E, H, 2I], down: bf16[E, I, H]
 //   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
-//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: bf16[M, 2I], dgu: bf16[M, 2I], hw: bf16[M, I],
+//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I], dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M]
 //   attrs: {num_sms: s32, 0 = all SMs}
 #include "ffi_common.h"
@@ -28,7 +28,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
                                  ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e,
                                  ffi::ResultBuffer<ffi::BF16> dy_e, ffi::ResultBuffer<ffi::F32> w_e,
-                                 ffi::ResultBuffer<ffi::BF16> gu, ffi::ResultBuffer<ffi::BF16> dgu,
+                                 ffi::ResultBuffer<ffi::F32> gu, ffi::ResultBuffer<ffi::BF16> dgu,
                                  ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
                                  ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
                                  ExpertsBackwardAttrs attrs) {
@@ -133,7 +133,7 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>() // x_e (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // dy_e (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // w_e (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>() // gu (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()  // gu (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // dgu (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // hw (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw_part (scratch)

@@ -102,7 +102,7 @@ def experts_backward(
         jax.ShapeDtypeStruct((m, hidden), bf16),
         jax.ShapeDtypeStruct((m, hidden), bf16),
         jax.ShapeDtypeStruct((m,), f32),
-        jax.ShapeDtypeStruct((m, 2 * inter), bf16),
+        jax.ShapeDtypeStruct((m, 2 * inter), f32),  # g, u in fp32, as the forward's epilogue has them
         jax.ShapeDtypeStruct((m, 2 * inter), bf16),
         jax.ShapeDtypeStruct((m, inter), bf16),
         jax.ShapeDtypeStruct((m, -(-inter // _DW_PART_COLS)), f32),

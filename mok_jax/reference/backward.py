@@ -6,7 +6,7 @@ as the kernel; with f32 inputs nothing is rounded, which makes it comparable wit
 mok_jax.reference.experts.swiglu_ffn to fp32 precision). Row r holds slot s = src_slot[r] (zeros for padding);
 per row r of expert e:
 
-    g, u = split(round(x_r @ gate_up[e]));  h = silu(g) * u                    (h kept in fp32)
+    g, u = split(x_r @ gate_up[e]);  h = silu(g) * u                           (g, u and h in fp32)
     dh' = dy_r @ down[e]^T;  dw_r = <dh', h>;  dh = w_r dh'
     dgu_r = round([dh u silu'(g), dh silu(g)]),  silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
     dx_r = round(dgu_r @ gate_up[e]^T)
@@ -79,7 +79,7 @@ def experts_backward_reference(
     with jax.default_matmul_precision("highest"):
         for e in range(num_experts):
             mine = (expert_of_row == e) & (status == 0)
-            gu = (x32 @ gate_up[e].astype(_F32)).astype(dtype).astype(_F32)
+            gu = x32 @ gate_up[e].astype(_F32)  # fp32, as the forward's epilogue has it
             g, u = gu[:, :inter], gu[:, inter:]
             dh_raw = dy32 @ down[e].astype(_F32).T
             h, dg, du = swiglu_backward(g, u, w32[:, None] * dh_raw)

@@ -6,7 +6,7 @@
 // multiple of 128; row r holds slot s = src_slot[r] (-1: a padding row) and slot (t, j) sits at row
 // pos[t, j] (outside [0, M): a masked slot). Per row r of expert e, token t = s / k, fp32 accumulation:
 //   x_e[r], dy_e[r], w_e[r] = x[t], dy[t], topk_weight[t, j]           gathered; zeros for padding rows
-//   g, u     = bf16(x_e[r] @ gate_up[e])                    recomputed (the forward keeps no activations)
+//   g, u     = x_e[r] @ gate_up[e]                          recomputed in fp32 (the forward keeps no activations)
 //   dh'      = dy_e[r] @ down[e]^T
 //   dw_e[r]  = <dh', silu(g) * u>                           = <dy_t, expert_e(x_t)>: the router-weight gradient
 //   dgu[r]   = bf16(SwiGLU backward of w_e[r] * dh')        (mok/gemm/swiglu_backward.cuh)
@@ -18,7 +18,7 @@
 //
 // Launches, stream-ordered; the GEMMs are persistent TMA + wgmma kernels on num_sms SMs:
 //   0 gather x_e, dy_e, w_e     one warp per row, 16-byte copies
-//   1 gu = x_e @ gate_up        grouped GEMM, plain bf16 epilogue            (sm90_grouped_gemm.cuh)
+//   1 gu = x_e @ gate_up        grouped GEMM, fp32 epilogue                  (sm90_grouped_gemm.cuh)
 //   2 dh' = dy_e @ down^T       grouped GEMM, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
 //   3 dw_e = sum of partials    in ascending n-block order
 //   4 dx_e = dgu @ gate_up^T    grouped GEMM, K-major B, plain bf16 epilogue
@@ -58,7 +58,7 @@ struct ExpertsBackwardParams {
   void* x_e;                   // scratch bf16 [M, H]
   void* dy_e;                  // scratch bf16 [M, H]
   float* w_e;                  // scratch f32 [M]
-  void* gu;                    // scratch bf16 [M, 2I]
+  void* gu;                    // scratch f32 [M, 2I]
   void* dgu;                   // scratch bf16 [M, 2I]
   void* hw;                    // scratch bf16 [M, I]
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]

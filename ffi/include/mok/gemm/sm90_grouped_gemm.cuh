@@ -7,6 +7,7 @@
 //             backward gu = x @ gate_up, M x 2I, and, with K-major B, dx = dgu @ gate_up^T, M x H)
 //   kSwiGLUBackward (K-major B = down[g]^T, so acc = dh' = dy @ down^T over 256 columns of I): the SwiGLU
 //             backward of mok/gemm/swiglu_backward.cuh (dgu, w * h, and the router-weight partials)
+//   kF32:     as kBf16 with fp32 out (`out` points at floats): the backward's g, u at the forward's precision
 // fp32 accumulation in registers, bf16 out with round-to-nearest-even.
 //
 // Built from the tile pieces of sm90_tile.cuh and the static group scheduler of group_scheduler.cuh.
@@ -36,7 +37,7 @@
 
 namespace mok::gemm {
 
-enum class Epilogue { kSwiGLU, kBf16, kSwiGLUBackward };
+enum class Epilogue { kSwiGLU, kBf16, kSwiGLUBackward, kF32 };
 
 template <Epilogue kEpi, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
 struct Sm90GroupedGemm {
@@ -44,6 +45,7 @@ struct Sm90GroupedGemm {
   using Element = typename Tile::Element;
   static constexpr bool kSwiGLU = kEpi == Epilogue::kSwiGLU;
   static constexpr bool kBackward = kEpi == Epilogue::kSwiGLUBackward;
+  static constexpr bool kF32Out = kEpi == Epilogue::kF32;  // out is float (the backward's g, u)
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kHalfN = Tile::kHalfN;
   static constexpr int kOutCols = kSwiGLU ? Tile::kHalfN : Tile::kBlockN;  // output columns per tile
@@ -129,6 +131,9 @@ struct Sm90GroupedGemm {
       if constexpr (kBackward) {
         swiglu_backward_store(acc, p.bwd, tc.row_begin + Tile::kRowsPerConsumer * wg, tc.row_end,
                               tc.n_block * kOutCols, tc.n_block, t);
+      } else if constexpr (kF32Out) {
+        const typename Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
+        Tile::store_f32(acc, st, wg, t);
       } else {
         const typename Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
         Tile::template store_bf16<kSwiGLU>(acc, s.epi[wg], st, wg, t);
@@ -158,7 +163,7 @@ struct Sm90GroupedGemm {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == 0) {
         if (cute::elect_one_sync()) producer(p, s, n_blocks);
-      } else if constexpr (!kBackward) {  // the backward's outputs past the groups are scratch
+      } else if constexpr (!kBackward && !kF32Out) {  // the backward's outputs past the groups are scratch
         zero_padding_rows(p, s, threadIdx.x - 32, 96);
       }
     } else {

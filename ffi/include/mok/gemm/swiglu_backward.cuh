@@ -2,8 +2,9 @@
 //
 // The tile's accumulator holds dh'[r, c] = sum_h dy[r, h] * down[e][c, h] for 256 columns c of I (the
 // gradient of the expert's output before the router weight). With g, u = the gate/up pre-activations of
-// the same row (recomputed, bf16), w = the slot's router weight and s = sigmoid(g):
-//   h        = silu(g) * u                            (fp32, from the bf16 g and u)
+// the same row (recomputed in fp32, as the forward's epilogue has them), w = the slot's router weight and
+// s = sigmoid(g):
+//   h        = silu(g) * u                            (fp32; the forward rounds it to bf16 only after)
 //   dw_part  = sum_c dh'[r, c] * h[r, c]              the router-weight gradient's share of this tile
 //   dh       = w * dh'
 //   dg       = dh * u * s * (1 + g * (1 - s)),   du = dh * silu(g)      -> dgu[r] = bf16([dg | du])
@@ -22,7 +23,7 @@
 namespace mok::gemm {
 
 struct SwigluBackwardOut {
-  const __nv_bfloat16* gu;  // [M, 2I]: g in columns [0, I), u in [I, 2I)
+  const float* gu;          // [M, 2I]: g in columns [0, I), u in [I, 2I)
   const float* w;           // [M]: the router weight of each row's slot (0 for padding rows)
   __nv_bfloat16* dgu;       // [M, 2I]: dg | du
   __nv_bfloat16* hw;        // [M, I]: bf16(w * h)
@@ -33,7 +34,7 @@ struct SwigluBackwardOut {
 
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
 // 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). row0: the warpgroup's first row.
-template <class Accumulator, int kBatch = 4>
+template <class Accumulator, int kBatch = 2>
 __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o, int row0,
                                                       int row_end, int col0, int n_block, int t) {
   const int lane = t % 32, warp = t / 32;
@@ -46,26 +47,25 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
     const bool in = row < row_end;
     const float w = in ? o.w[row] : 0.0f;
     float sum = 0.0f;
-    // Four column pairs at a time (eight spill): their 8 loads are issued before any is used, so the epilogue waits on
-    // memory once per batch rather than once per pair.
+    // Two column pairs at a time (four spill with fp32 g, u): their 4 loads are issued before any is used,
+    // so the epilogue waits on memory once per batch rather than once per pair.
 #pragma unroll
     for (int qb = 0; qb < 32; qb += kBatch) {
-      __nv_bfloat162 g2[kBatch], u2[kBatch];
+      float2 g2[kBatch], u2[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int col = c_base + 8 * (qb + b);
         const bool ok = in && col < o.inter;
-        g2[b] = ok ? *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + col) : __floats2bfloat162_rn(0.f, 0.f);
-        u2[b] = ok ? *reinterpret_cast<const __nv_bfloat162*>(o.gu + row * ld2 + o.inter + col)
-                   : __floats2bfloat162_rn(0.f, 0.f);
+        g2[b] = ok ? *reinterpret_cast<const float2*>(o.gu + row * ld2 + col) : make_float2(0.f, 0.f);
+        u2[b] = ok ? *reinterpret_cast<const float2*>(o.gu + row * ld2 + o.inter + col) : make_float2(0.f, 0.f);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int q = qb + b;
         const int i = 4 * q + 2 * hh;
         const int col = c_base + 8 * q;
-        const float g[2] = {__low2float(g2[b]), __high2float(g2[b])};
-        const float u[2] = {__low2float(u2[b]), __high2float(u2[b])};
+        const float g[2] = {g2[b].x, g2[b].y};
+        const float u[2] = {u2[b].x, u2[b].y};
         float dg[2], du[2], hw[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
