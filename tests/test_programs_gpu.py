@@ -4,8 +4,7 @@ Every case compares ``implementation="mok"`` under a transformation with the sam
 for bit (the math is the same, so the bits must be): ``jax.checkpoint`` with the default and a names-based
 policy, ``lax.scan`` over a stack of 4 layers, two layers of different shapes in one program, donated
 arguments, and ``jax.jit`` callers on meshes of Auto and of Explicit axes. Gradients (EP 1) under
-``jax.checkpoint``: tests/test_moe_backward_gpu.py. (XLA command buffers: the handlers do not declare the trait;
-see ffi/src/ffi_common.h.)
+``jax.checkpoint``: tests/test_moe_backward_gpu.py. XLA command buffers: tests/test_command_buffers_gpu.py.
 """
 
 from __future__ import annotations

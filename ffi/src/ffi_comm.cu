@@ -13,6 +13,7 @@
 // checks shapes, fills Params and launches. No host synchronisation, no device-to-host copy.
 #include <cuda_bf16.h>
 
+
 #include <string>
 
 #include "ffi_common.h"
@@ -44,11 +45,7 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 // Resolve (ws_id, device) to a connected, healthy view, or an error naming the op.
 ffi::Error resolve(const char* op, cudaStream_t stream, int32_t device_ordinal, const CommCallAttrs& attrs,
                    mok::comm::CommView* view) {
-  int device = -1;
-  if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
-    cudaGetLastError();
-    device = device_ordinal;
-  }
+  const int device = device_ordinal;  // XLA's (not cudaStreamGetDevice: ffi_common.h)
   uint64_t host_error = 0;
   const std::string why = mok::comm::lookup_view(attrs.ws_id, device, view, &host_error);
   if (!why.empty()) return invalid(op, why);
@@ -74,6 +71,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAt
                          ffi::ResultBuffer<ffi::BF16> recv_x, ffi::ResultBuffer<ffi::S32> group_sizes,
                          ffi::ResultBuffer<ffi::S32> row_table, ffi::ResultBuffer<ffi::F32> row_weight,
                          ffi::ResultBuffer<ffi::S32> row_source, ffi::ResultBuffer<ffi::S32> status) {
+  mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_comm_dispatch";
   mok::comm::CommView v{};
   if (ffi::Error e = resolve(kOp, stream, device_ordinal, attrs, &v); e.failure()) return e;
@@ -125,6 +123,7 @@ ffi::Error combine_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAtt
                         ffi::Buffer<ffi::BF16> expert_out, ffi::Buffer<ffi::S32> row_table,
                         ffi::Buffer<ffi::F32> row_weight, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> status) {
+  mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_comm_combine";
   mok::comm::CommView v{};
   if (ffi::Error e = resolve(kOp, stream, device_ordinal, attrs, &v); e.failure()) return e;

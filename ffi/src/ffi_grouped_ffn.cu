@@ -20,6 +20,7 @@ ffi::Error grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::
                             ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
                             ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::BF16> h,
                             ffi::ResultBuffer<ffi::S32> status, GroupedFfnAttrs attrs) {
+  mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_grouped_ffn";
   using mok::ffi_util::invalid;
   if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [M, H], got " + dims_str(x.dimensions()));

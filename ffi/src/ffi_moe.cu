@@ -9,7 +9,7 @@
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
 //   combine_pull, num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits)
 //
-// The handler finds the rank(s) of (ws_id, the stream's device), refuses to launch on a poisoned workspace
+// The handler finds the rank(s) of (ws_id, XLA's device ordinal), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the
 // workspace, fills the launch arguments and launches. No host synchronisation, no device-to-host copy.
 #include <cuda_bf16.h>
@@ -62,12 +62,9 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
                         ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
                         ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> status,
                         ffi::ResultBuffer<ffi::U8> scratch) {
+  mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_moe_forward";
-  int device = -1;
-  if (cudaStreamGetDevice(stream, &device) != cudaSuccess) {
-    cudaGetLastError();
-    device = device_ordinal;
-  }
+  const int device = device_ordinal;  // XLA's (not cudaStreamGetDevice: ffi_common.h)
   std::vector<mok::comm::CommView> views;
   uint64_t poison = 0, call_error = 0;
   if (std::string why = mok::comm::lookup_views(attrs.ws_id, device, &views, &poison, &call_error); !why.empty())
@@ -215,4 +212,9 @@ extern "C" __attribute__((visibility("default"))) int32_t mok_moe_unsupported(
   const char* why = mok::moe::forward_unsupported(shape, knobs);
   if (out != nullptr && out_len > 0) std::snprintf(out, size_t(out_len), "%s", why ? why : "");
   return why ? 1 : 0;
+}
+
+// How many times a handler of this library ran in this process (ffi_common.h: the command-buffer tests).
+extern "C" __attribute__((visibility("default"))) int64_t mok_handler_runs() {
+  return mok::ffi_util::handler_runs().load(std::memory_order_relaxed);
 }

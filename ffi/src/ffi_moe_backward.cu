@@ -32,6 +32,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
                                  ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
                                  ExpertsBackwardAttrs attrs) {
+  mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_experts_backward";
   using mok::ffi_util::invalid;
   if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [T, H], got " + dims_str(x.dimensions()));

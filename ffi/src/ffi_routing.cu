@@ -9,6 +9,7 @@ namespace {
 
 ffi::Error expert_counts_impl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                               ffi::ResultBuffer<ffi::S32> counts, ffi::ResultBuffer<ffi::S32> num_invalid) {
+  mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_expert_counts";
   if (topk_idx.dimensions().size() != 2)
     return mok::ffi_util::invalid(kOp, "topk_idx must be rank 2 [tokens, top_k]");
