@@ -144,7 +144,7 @@ class MoEConfig:
     """Static arguments of ``mok_jax.moe``.
 
     implementation: "xla" (pure JAX, runs anywhere; the correctness oracle) or "mok" (the CUDA
-        megakernel: bf16; differentiable at EP size 1 only so far; it never falls back to another
+        megakernel: bf16; differentiable at every EP size; it never falls back to another
         implementation).
     ep_axis: name of the expert-parallel mesh axis when ``moe`` runs inside ``shard_map``; None
         when it runs on one device with every expert local.

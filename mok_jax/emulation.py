@@ -7,11 +7,18 @@ peers' staging buffers, the ring, push/pull combine, the epoch-stamped flags, ti
 replaced by the device's own memory, so this checks correctness at any EP size, not NVLink speed.
 
     y, status = emulated_moe(x, topk_idx, topk_weight, weights, ep=4)   # x: [4 * T, H], weights: all E experts
+    dx, d_topk_weight, d_weights = emulated_moe_backward(x, topk_idx, topk_weight, weights, dy, ep=4)
 
 Rank r holds tokens [r*T, (r+1)*T) and experts [r*E/ep, (r+1)*E/ep), as under ``expert_parallel_moe``.
+
+The backward at EP size > 1 communicates through XLA collectives (mok_jax.moe._backward_mok); its emulation runs
+every rank's part of it (the same functions) in one program on one device, with each collective replaced by what
+it computes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +30,7 @@ from mok_jax.validation import check_moe_args
 from mok_jax.weights import MoEWeights
 from mok_jax.workspace import Workspace, emulated_workspace
 
-__all__ = ["emulated_moe"]
+__all__ = ["emulated_moe", "emulated_moe_backward"]
 
 
 def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights, *, ep: int,
@@ -68,3 +75,54 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         kernel=kernel, identity_experts=identity_experts, skip_rank=skip_rank, num_sms=num_sms,
         timing_mode=timing_mode)
     return y.reshape(ep * tokens, H), status
+
+
+def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights,
+                          dy: jax.Array, *, ep: int, experts_fn=None):
+    """The gradients of implementation='mok' at EP size ``ep``, every rank on one device: (dx, d topk_weight,
+    d weights) of the global arrays (shapes as ``emulated_moe``'s, dy: [ep * T, H]).
+
+    Rank r's routed backward is mok_jax.moe._routed_backward_rank, the function each rank runs under shard_map,
+    over every rank's tokens (the all-gather's result: the global arrays) and its own experts; the reduce-scatter
+    becomes the sum of the ranks' parts (each slot has one owner: the sum adds zeros), the slot-order sum and the
+    shared expert's backward run per rank on its tokens, and the shared weights' psum is the sum over the ranks
+    in rank order. ``experts_fn``: mok_jax.ops.experts_backward when None (tests pass its reference).
+    """
+    from mok_jax.moe import _drop_invalid_tokens, _finish_backward, _routed_backward_rank, _slot_sum
+
+    if not isinstance(ep, int) or not 1 <= ep <= 8:
+        raise ValueError(f"ep must be an int in [1, 8], got {ep!r}")
+    x, topk_idx, topk_weight, dy = (jnp.asarray(a) for a in (x, topk_idx, topk_weight, dy))
+    check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=1)
+    num_experts = weights.num_local_experts
+    if num_experts % ep or x.shape[0] % ep:
+        raise ValueError(f"the experts ({num_experts}) and the tokens ({x.shape[0]}) must be divisible by ep={ep}")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
+    if experts_fn is None:
+        require_native("mok_jax.emulation.emulated_moe_backward")
+        experts_fn = ops.experts_backward
+    weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)
+    tokens, local = x.shape[0] // ep, num_experts // ep
+    dy = _drop_invalid_tokens(dy, topk_idx, num_experts, x.dtype)
+    w32 = topk_weight.astype(jnp.float32)
+    parts = [_routed_backward_rank(x, dy, topk_idx, w32, weights.gate_up[r * local:(r + 1) * local],
+                                           weights.down[r * local:(r + 1) * local], r, experts_fn)
+             for r in range(ep)]
+    dx_slots, dw = parts[0].dx_slots, parts[0].dw
+    for p in parts[1:]:
+        dx_slots, dw = dx_slots + p.dx_slots, dw + p.dw
+    failed = functools.reduce(jnp.logical_or, [p.status != 0 for p in parts])
+    dx_routed = _slot_sum(dx_slots)
+    rows = lambda a, r: a[r * tokens:(r + 1) * tokens]  # noqa: E731
+    per_rank = [_finish_backward(rows(x, r), rows(dy, r), rows(topk_weight, r), weights, rows(dx_routed, r),
+                                         rows(dw, r), failed, parts[r].d_gate_up, parts[r].d_down)
+                for r in range(ep)]
+    dx = jnp.concatenate([g[0] for g in per_rank])
+    d_topk_weight = jnp.concatenate([g[1] for g in per_rank])
+    shared = [g[2] for g in per_rank]
+    total = lambda name: None if getattr(shared[0], name) is None else functools.reduce(  # noqa: E731
+        jnp.add, [getattr(d, name) for d in shared])
+    d_weights = MoEWeights(jnp.concatenate([d.gate_up for d in shared]), jnp.concatenate([d.down for d in shared]),
+                           total("shared_gate_up"), total("shared_down"))
+    return dx, d_topk_weight, d_weights

@@ -4,12 +4,12 @@
 
 ``implementation="xla"`` runs the pure-JAX reference (``mok_jax.reference``); its backward is the
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
-(``mok_jax.ops.moe_forward``). Its backward, at EP size 1 (``ep_axis`` None or an axis of size 1), recomputes
-from the forward's inputs: a padded expert-major layout of the slots (``mok_jax.expert_layout``) goes to one
-native op (``mok_jax.ops.experts_backward``), which gathers the slots' rows, gives the routed experts'
-gradients and sums each token's slot rows of dx in f32 in slot order; the shared expert's backward is bf16
-matmuls (f32 accumulation) in XLA, its dx added in f32. Differentiating ``mok`` at EP size > 1 raises
-NotImplementedError (that backward is not built yet); mok never falls back to another implementation.
+(``mok_jax.ops.moe_forward``). Its backward recomputes from the forward's inputs: a padded expert-major layout of the slots
+(``mok_jax.expert_layout``) goes to one native op (``mok_jax.ops.experts_backward``), which gathers the slots'
+rows, gives the routed experts' gradients and sums each token's slot rows of dx in f32 in slot order; the shared
+expert's backward is bf16 matmuls (f32 accumulation) in XLA, its dx added in f32. At EP size > 1 the backward's
+communication runs over XLA collectives on the mesh axis around the same op (``_backward_mok``); its routed
+gradients are the bits of EP size 1. mok never falls back to another implementation.
 
 Dtypes (checked at trace time, errors name the argument, the expected and the given dtype):
 
@@ -177,52 +177,118 @@ def _vary_like(g: jax.Array, primal: jax.Array) -> jax.Array:
     """g with its primal's manual axes. Inside shard_map a custom_vjp's cotangent must have its primal's type,
     axes included: an ffi_call's outputs vary over none (mark them varying), and the gradient of a replicated
     weight computed from varying tokens is a sum over the ranks (psum; a no-op at EP 1)."""
-    want, have = _manual_axes(primal), _manual_axes(g)
-    if extra := tuple(sorted(have - want)):
+    want = _manual_axes(primal)
+    if extra := tuple(sorted(_manual_axes(g) - want)):
         g = jax.lax.psum(g, extra)
-    if missing := tuple(sorted(want - have)):
-        g = jax.lax.pcast(g, missing, to="varying")
-    return g
+    return _to_varying(g, tuple(want))
+
+
+def _to_varying(a: jax.Array, axes: tuple) -> jax.Array:
+    """a marked varying over ``axes`` (inside shard_map), where it is not already."""
+    if missing := tuple(sorted(set(axes) - _manual_axes(a))):
+        a = jax.lax.pcast(a, missing, to="varying")
+    return a
+
+
+class RoutedBackwardPart(NamedTuple):
+    """One EP rank's share of the routed experts' backward over every rank's tokens (``_routed_backward_rank``):
+    dx_slots: bf16[N, k, H], the dx row of each slot its local experts own (zeros for the others' slots); dw:
+    f32[N, k], likewise; d_gate_up, d_down: the local experts' weight gradients; status: the op's."""
+
+    dx_slots: jax.Array
+    dw: jax.Array
+    d_gate_up: jax.Array
+    d_down: jax.Array
+    status: jax.Array
+
+
+def _routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, experts_fn) -> RoutedBackwardPart:
+    """EP rank ``rank``'s routed backward: x, dy: [N, H], topk_idx (global ids): [N, k], topk_weight: f32[N, k]
+    of every rank's tokens (N = ep * T, rank-major: the global token order); gate_up, down: its L local experts
+    [rank * L, (rank + 1) * L). Its layout keeps its experts' slots in global (t, j) order, as the EP-1 layout
+    does, so each slot's dx row and dw and each expert's weight gradient are the bits of EP size 1."""
+    num_local = gate_up.shape[0]
+    first = rank * num_local
+    mine = (topk_idx >= first) & (topk_idx < first + num_local)
+    layout = padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)
+    out = experts_fn(x, dy, topk_weight, layout.pos, layout.src_slot, layout.group_sizes, gate_up, down)
+    # pos is M (one past the rows) for the other ranks' slots: they pick the appended zero row
+    rows = jnp.concatenate([out.dx_rows, jnp.zeros((1, x.shape[1]), out.dx_rows.dtype)])
+    return RoutedBackwardPart(rows[layout.pos], out.dw, out.d_gate_up, out.d_down, out.status)
+
+
+def _slot_sum(dx_slots: jax.Array) -> jax.Array:
+    """f32[N, H]: each token's slot rows [N, k, H] summed in f32 in slot order j = 0..k-1, as the op's slot sum."""
+    dx = jnp.zeros(dx_slots.shape[::2], jnp.float32)
+    for j in range(dx_slots.shape[1]):
+        dx = dx + dx_slots[:, j].astype(jnp.float32)
+    return dx
+
+
+def _drop_invalid_tokens(dy, topk_idx, num_experts, dtype):
+    """dy in the compute dtype, zero for a token with an invalid id (its output row is NaN and its gradient
+    dropped, as the xla path's jnp.where does)."""
+    bad_token = jnp.any(_invalid_ids(topk_idx, num_experts), axis=1)
+    return jnp.where(bad_token[:, None], jnp.zeros((), dy.dtype), dy).astype(dtype)
+
+
+def _finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, failed, d_gate_up, d_down):
+    """The gradients from the routed experts' parts: the shared expert's backward added (its dx in f32 before
+    the one rounding), NaN where the op failed, every gradient in its primal's dtype."""
+    dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy)
+    dx = dx_routed if dx_shared is None else dx_routed + dx_shared
+    # failed (status != 0) means group sizes the layout never makes (a bug): NaN gradients rather than silently
+    # wrong ones (the op's weight gradients are NaN then already; a jnp.where over them would cost a pass)
+    dx = jnp.where(failed, jnp.nan, dx).astype(x.dtype)
+    d_topk_weight = jnp.where(failed, jnp.nan, dw).astype(topk_weight.dtype)
+    d_weights = MoEWeights(d_gate_up.astype(weights.gate_up.dtype), d_down.astype(weights.down.dtype), d_sgu, d_sdn)
+    return dx, d_topk_weight, d_weights
 
 
 def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
-    """The gradients of implementation='mok' at EP size 1: (dx, d topk_idx (float0), d topk_weight, d weights).
+    """The gradients of implementation='mok': (dx, d topk_idx (float0), d topk_weight, d weights).
 
-    The routed experts' backward runs on the padded expert-major layout of the slots (mok_jax.expert_layout) in
-    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference), which gathers the rows and
-    sums each token's slot rows of dx in f32 in slot order j = 0..k-1; the shared expert's backward runs in XLA
-    (``_shared_backward``) and its dx is added in f32 before the one rounding.
+    The routed experts' backward runs on a padded expert-major layout of the slots (mok_jax.expert_layout) in
+    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference); the shared expert's
+    backward runs in XLA (``_shared_backward``) and its dx is added in f32 before the one rounding.
+
+    EP size 1: the op gathers the rows and sums each token's slot rows of dx in f32 in slot order j = 0..k-1.
+    EP size P > 1, over XLA collectives on the mesh axis (the fused kernel does not run the backward's
+    communication yet): every rank all-gathers the tokens' x, dy, ids and weights (P * T rows), runs the op
+    on the slots of its own experts (``_routed_backward_rank``), and a reduce-scatter brings each token's
+    per-slot dx rows [T, k, H] (bf16) and router-weight gradients home; every slot has exactly one owner, so the
+    sums over ranks only add zeros (exact), and the slot-order f32 sum follows there. The routed gradients are
+    then the bits of EP size 1; the shared expert's weight gradients are sums over the ranks (psum). Memory: the
+    gathered rows (2 P T H bf16) and the slot rows (P T k H bf16) per rank.
     """
-    ep = _ep_size(config)
-    if ep != 1:
-        raise NotImplementedError(
-            f"differentiating implementation='mok' at EP size {ep} (mesh axis {config.ep_axis!r}): the backward is "
-            f"built for EP size 1 only so far (the expert-parallel backward is not built yet), and mok never falls "
-            f"back to another implementation silently; use implementation='xla' to train expert-parallel for now")
     if experts_fn is None:
         from mok_jax import ops
 
         experts_fn = ops.experts_backward
+    ep = _ep_size(config)
     x, topk_idx, topk_weight, weights = residuals
-    num_experts = weights.num_local_experts
-    # A token with an invalid id has a NaN output row (its gradient is dropped, as the xla path's jnp.where does).
-    bad_token = jnp.any(_invalid_ids(topk_idx, num_experts), axis=1)
-    dy = jnp.where(bad_token[:, None], jnp.zeros((), dy.dtype), dy).astype(x.dtype)
-
-    # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
-    layout = padded_layout(topk_idx, num_experts, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-    out = experts_fn(x, dy, topk_weight.astype(jnp.float32), layout.pos, layout.src_slot, layout.group_sizes,
-                     weights.gate_up, weights.down)
-    # status != 0 means group sizes the layout never makes (a bug): NaN gradients rather than silently wrong ones
-    # (the op's weight gradients are NaN then already; a jnp.where over them would cost a pass over E*H*3I)
-    failed = out.status != 0
-
-    dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy)
-    dx = out.dx if dx_shared is None else out.dx + dx_shared
-    dx = jnp.where(failed, jnp.nan, dx).astype(x.dtype)
-    d_topk_weight = jnp.where(failed, jnp.nan, out.dw).astype(topk_weight.dtype)
-    d_gate_up, d_down = out.d_gate_up.astype(weights.gate_up.dtype), out.d_down.astype(weights.down.dtype)
-    d_weights = jax.tree.map(_vary_like, MoEWeights(d_gate_up, d_down, d_sgu, d_sdn), weights)
+    dy = _drop_invalid_tokens(dy, topk_idx, weights.num_local_experts * ep, x.dtype)
+    w32 = topk_weight.astype(jnp.float32)
+    if ep == 1:
+        # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
+        layout = padded_layout(topk_idx, weights.num_local_experts, block=EXPERTS_BACKWARD_GROUP_ALIGN)
+        out = experts_fn(x, dy, w32, layout.pos, layout.src_slot, layout.group_sizes, weights.gate_up, weights.down)
+        dx_routed, dw, failed = out.dx, out.dw, out.status != 0
+        d_gate_up, d_down = out.d_gate_up, out.d_down
+    else:
+        axis = config.ep_axis
+        gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
+        part = _routed_backward_rank(gather(x), gather(dy), gather(topk_idx), gather(w32), weights.gate_up,
+                                     weights.down, jax.lax.axis_index(axis), experts_fn)
+        # the op's outputs differ per rank: mark them varying before the collectives sum them
+        part = jax.tree.map(lambda a: _to_varying(a, (axis,)), part)
+        home = lambda a: jax.lax.psum_scatter(a, axis, scatter_dimension=0, tiled=True)  # noqa: E731
+        dx_routed, dw = _slot_sum(home(part.dx_slots)), home(part.dw)
+        failed = jax.lax.psum((part.status != 0).astype(jnp.int32), axis) > 0
+        d_gate_up, d_down = part.d_gate_up, part.d_down
+    dx, d_topk_weight, d_weights = _finish_backward(x, dy, topk_weight, weights, dx_routed, dw, failed, d_gate_up,
+                                                    d_down)
+    d_weights = jax.tree.map(_vary_like, d_weights, weights)
     d_idx = np.zeros(topk_idx.shape, jax.dtypes.float0)
     return _vary_like(dx, x), d_idx, _vary_like(d_topk_weight, topk_weight), d_weights
 
@@ -255,8 +321,8 @@ def moe(
     x: bf16|f32[T, H]; topk_idx: int32[T, k] (global expert ids; -1 = masked slot); topk_weight: f32[T, k]
     (bf16 accepted); weights: MoEWeights in x's dtype, or f32 with bf16 x (routed weights are this rank's
     local experts when ``config.ep_axis`` is set). Returns [T, H] in x.dtype; NaN rows for tokens with an
-    invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight (``mok``: at EP
-    size 1 only so far; at EP size > 1 differentiating it raises NotImplementedError).
+    invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight, at every EP
+    size.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")

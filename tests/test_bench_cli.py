@@ -282,7 +282,7 @@ def test_experts_per_gpu_run_json(tmp_path, cpu_devices):
 
 def _fake_mok_build(built):
     """baselines.build with 'mok' replaced by xla's forward under a custom_vjp whose backward raises
-    NotImplementedError at trace time, as mok's does at EP > 1; records the kernel each mok build gets."""
+    NotImplementedError at trace time (a pass an implementation lacks); records the kernel each mok build gets."""
     import jax
 
     from mok_jax.bench import baselines

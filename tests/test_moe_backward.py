@@ -1,7 +1,7 @@
-"""The backward of implementation="mok" at EP size 1, on CPU: the padded expert layout, the experts' backward
-reference, and the layer's backward glue (mok_jax.moe._backward_mok) with the reference standing in for the
-native op, all in f32 against autodiff of mok_jax.reference. Also: the op's trace-time argument errors, and
-differentiating mok at EP size > 1 raising NotImplementedError.
+"""The backward of implementation="mok" on CPU: the padded expert layout, the experts' backward reference, and
+the layer's backward glue (mok_jax.moe._backward_mok) with the reference standing in for the native op, in f32
+against autodiff of mok_jax.reference; at EP 2/4/8 under shard_map on host devices (and its one-device
+emulation) against EP 1, bit for bit for the routed gradients. Also: the op's trace-time argument errors.
 """
 
 from __future__ import annotations
@@ -540,27 +540,91 @@ def test_shared_backward_bf16_matches_f32_autodiff():
 # ----------------------------------------------------------------------------- EP sizes
 
 
-def test_ep_axis_of_size_one_and_ep_two_raises(cpu_devices):
-    shape = _shape(8, 16, 16, 2)
-    x, idx, w, W = random_problem(shape, 16, seed=2)
-    dy = jax.random.normal(jax.random.key(4), x.shape)
-    want = _glue_grads(x, idx, w, W, dy)
+def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True):
+    """jax.grad of mj.moe(implementation='mok') inside shard_map over mesh axis 'ep' (tokens and experts split
+    over it, the shared expert replicated), with the xla forward and the reference experts' backward patched in
+    (this machine has no GPU): the expert-parallel backward's collectives and layouts, as on the GPU."""
+    import mok_jax.ops
 
-    def under(mesh, config):
-        spec = jax.sharding.PartitionSpec()
-        body = functools.partial(moe_mod._backward_mok, config, experts_fn=experts_backward_reference)
-        with HI():
-            return jax.jit(jax.shard_map(lambda r, dy: body(r, dy), mesh=mesh, in_specs=(spec, spec),
-                                         out_specs=spec, check_vma=False))(moe_mod.MoEResiduals(x, idx, w, W), dy)
+    monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
+    monkeypatch.setattr(moe_mod, "_forward_mok", moe_mod._forward_xla)
+    monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
+    spec = jax.sharding.PartitionSpec
+    cfg = mj.MoEConfig(implementation="mok", ep_axis="ep")
+    wspec = MoEWeights(spec("ep"), spec("ep"), spec(), spec())
+    specs = (spec("ep"), spec("ep"), spec("ep"), wspec, spec("ep"))
 
-    got = under(jax.make_mesh((1,), ("ep",), devices=cpu_devices[:1]), mj.MoEConfig(implementation="mok",
-                                                                                     ep_axis="ep"))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        if a.dtype != jax.dtypes.float0:
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=TOL_F32_ROW, atol=1e-6)
-    mesh2 = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
-    with pytest.raises(NotImplementedError, match="EP size 2.*not built yet"):
-        under(mesh2, mj.MoEConfig(implementation="mok", ep_axis="ep"))
+    def loss(x, idx, w, W, dy):
+        y = jax.shard_map(lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg), mesh=mesh, in_specs=specs[:4],
+                          out_specs=spec("ep"), check_vma=check_vma)(x, idx, w, W)
+        return jnp.sum(y.astype(jnp.float32) * dy)
+
+    args = jax.tree.map(lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), (x, idx, w, W, dy),
+                        specs)
+    with HI():
+        return jax.jit(jax.grad(loss, argnums=(0, 2, 3)))(*args)
+
+
+@pytest.mark.parametrize("ep,check_vma", [(1, True), (2, True), (4, False), (8, True)])
+def test_ep_backward_gives_the_routed_bits_of_ep_one(monkeypatch, cpu_devices, ep, check_vma):
+    """The expert-parallel backward (all-gather, each rank's op on its experts' slots, reduce-scatter home, slot
+    sum there) against EP size 1 in bf16: dx, the router-weight and the routed weights' gradients bit for bit
+    (every slot has one owner, the layouts keep global slot order); the shared expert's weight gradients are
+    sums of per-rank bf16 gradients, within a few bf16 roundings of the one-rank gradient."""
+    shape = _shape(8, 32, 24, 3, 16)
+    x, _, w, W = random_problem(shape, 64, seed=ep)
+    x, W = x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
+    idx = _routing_case("masked", 64, 8, 3, seed=ep + 1)
+    dy = jax.random.normal(jax.random.key(ep), x.shape).astype(jnp.bfloat16)
+    one = _ep_grads(monkeypatch, jax.make_mesh((1,), ("ep",), devices=cpu_devices[:1]), x, idx, w, W, dy)
+    got = _ep_grads(monkeypatch, jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep]), x, idx, w, W, dy,
+                    check_vma=check_vma)
+    (dx, dw, dW), (dx1, dw1, dW1) = got, one
+    for name, a, b in (("dx", dx, dx1), ("d topk_weight", dw, dw1), ("d gate_up", dW.gate_up, dW1.gate_up),
+                       ("d down", dW.down, dW1.down)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"EP {ep}: {name}")
+    assert not np.asarray(dw)[np.asarray(idx) < 0].any()
+    for name, a, b in (("d shared_gate_up", dW.shared_gate_up, dW1.shared_gate_up),
+                       ("d shared_down", dW.shared_down, dW1.shared_down)):
+        # ep per-rank roundings to bf16 and one more of their sum: at most (ep + 1) half-ulps of the sum, and
+        # 2^-8 relative per half-ulp; per row
+        _assert_rows_close(f"EP {ep}: {name}", a, b, (ep + 1) * 2.0**-8)
+
+
+@pytest.mark.parametrize("ep", [2, 8])
+def test_emulated_ep_backward_equals_shard_map(monkeypatch, cpu_devices, ep):
+    """mok_jax.emulation.emulated_moe_backward (every rank on one device) with the reference op gives the bits of
+    the shard_map backward over ep devices for the routed gradients, and its shared ones within the same bound."""
+    from mok_jax.emulation import emulated_moe_backward
+
+    shape = _shape(8, 32, 24, 3, 16)
+    x, _, w, W = random_problem(shape, 48, seed=ep + 3)
+    x, W = x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
+    idx = _routing_case("masked", 48, 8, 3, seed=ep)
+    dy = jax.random.normal(jax.random.key(ep), x.shape).astype(jnp.bfloat16)
+    want = _ep_grads(monkeypatch, jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep]), x, idx, w, W, dy)
+    with HI():
+        got = jax.jit(functools.partial(emulated_moe_backward, ep=ep, experts_fn=experts_backward_reference))(
+            x, idx, w, W, dy)
+    (dx, dw, dW), (dx1, dw1, dW1) = got, want
+    for name, a, b in (("dx", dx, dx1), ("d topk_weight", dw, dw1), ("d gate_up", dW.gate_up, dW1.gate_up),
+                       ("d down", dW.down, dW1.down)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    for name, a, b in (("d shared_gate_up", dW.shared_gate_up, dW1.shared_gate_up),
+                       ("d shared_down", dW.shared_down, dW1.shared_down)):
+        _assert_rows_close(f"EP {ep}: {name}", a, b, (ep + 1) * 2.0**-8)
+
+
+def test_emulated_ep_backward_rejects_bad_arguments():
+    from mok_jax.emulation import emulated_moe_backward
+
+    x, idx, w, W = random_problem(_shape(8, 32, 24, 2), 12, seed=0)
+    with pytest.raises(ValueError, match="ep must be"):
+        emulated_moe_backward(x, idx, w, W, x, ep=0, experts_fn=experts_backward_reference)
+    with pytest.raises(ValueError, match="divisible by ep=5"):
+        emulated_moe_backward(x, idx, w, W, x, ep=5, experts_fn=experts_backward_reference)
+    with pytest.raises(ValueError, match="dy must have x's shape"):
+        emulated_moe_backward(x, idx, w, W, x[:4], ep=2, experts_fn=experts_backward_reference)
 
 
 # ----------------------------------------------------------------------------- what reaches the handler

@@ -357,3 +357,27 @@ def test_layer_gradients_bitwise_repeatable_and_under_checkpoint():
         np.testing.assert_array_equal(_bits(b), _bits(a), f"a second run changed {name}")
         np.testing.assert_array_equal(_bits(c), _bits(a), f"jax.checkpoint changed {name}")
     _check_layer("grad:remat", x, idx, w, W, dy, got=first)
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+@pytest.mark.parametrize("Is", [0, 192])
+def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is):
+    """The expert-parallel backward at EP 2/4/8, every rank on this GPU (mok_jax.emulation.emulated_moe_backward:
+    each rank's op on its experts' slots of every rank's tokens, the collectives replaced by what they compute),
+    against jax.grad of mok at EP 1. Without a shared expert every gradient is the bits of EP 1 (each slot has one
+    owner; the layouts keep global slot order, so the weight gradients' K order is EP 1's); with one, the shared
+    expert's XLA matmuls run per rank on T instead of ep * T rows, so dx and its weight gradients are compared
+    with the f32 reference instead (as the EP-1 layer is), and the routed weights' gradients still bit for bit."""
+    from mok_jax.emulation import emulated_moe_backward
+
+    E, H, I, k, T = 16, 256, 384, 4, 96 * ep
+    x, idx, w, W, dy = _problem(f"ep{ep}:{Is}", _shape(E, H, I, k, Is), T, "masked")
+    one = _mok_grads(x, w, W, idx, dy)
+    got = jax.jit(functools.partial(emulated_moe_backward, ep=ep))(x, idx, w, W, dy)
+    names = ["dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down"]
+    exact = names if not Is else ["d topk_weight", "d gate_up", "d down"]
+    for name, a, b in zip(names, jax.tree.leaves(got), jax.tree.leaves(one)):
+        if name in exact:
+            np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep}: {name}")
+    if Is:
+        _check_layer(f"grad:emulated_ep{ep}", x, idx, w, W, dy, got=got)

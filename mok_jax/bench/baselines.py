@@ -28,8 +28,7 @@ weighted sum over a token's k slots runs in fp32 in slot order before the final 
   equivalent (for CPU tests of the offset logic only).
 - ``reference``: ``mok_jax.expert_parallel_moe`` with implementation="xla" (dense; small shapes only).
 - ``mok``: the same with implementation="mok" and ``kernel`` (a KernelConfig, or None: mok_jax.tuning picks);
-  differentiable on one GPU (EP size 1); on a mesh of several GPUs differentiating it raises
-  NotImplementedError at trace time (the expert-parallel backward is not built yet).
+  differentiable at every EP size (at EP > 1 the backward's communication runs over XLA collectives).
 
 Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
 ``/shared``) so profiler traces read by name.

@@ -675,7 +675,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
             except _Interrupted as e:
                 stop_reason = str(e)
                 r.update(status="skipped", error=stop_reason)
-            except NotImplementedError as e:  # e.g. mok's backward at EP > 1 (raised at trace time): this pass only
+            except NotImplementedError as e:  # a pass an implementation lacks (raised at trace time): this pass only
                 r.update(status="unsupported", error=_error_text(e))
                 say(f"{label}: unsupported ({_error_text(e).splitlines()[0][:300]})")
             except Exception as e:  # noqa: BLE001 - recorded; the other runs go on

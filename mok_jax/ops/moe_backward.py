@@ -4,7 +4,8 @@ From the tokens' x and dy, the router weights and a padded expert-major layout o
 (mok_jax.expert_layout.padded_layout: every group padded to a multiple of 128 rows) it gathers each row's token
 and weight, recomputes the SwiGLU forward, and returns the gradients of x (each token's slot rows summed), of
 each slot's router weight and of the routed weights. The gathered rows and the kernel's scratch (gu, dgu, hw, the
-dw partials, the per-row dx and dw) are extra outputs that XLA allocates and this wrapper drops.
+dw partials, the per-row dx and dw) are extra outputs that XLA allocates and this wrapper drops, except the
+per-row dx (``dx_rows``, for the expert-parallel backward).
 mok_jax.reference.experts_backward_reference has the same signature and semantics in pure JAX.
 """
 
@@ -36,13 +37,15 @@ _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate
 class ExpertsBackwardOutput(NamedTuple):
     """dx: f32[T, H] (the routed experts' part of d loss / d x); dw: f32[T, k] (d loss / d topk_weight, 0 for a
     slot without a row); d_gate_up: bf16[E, H, 2I]; d_down: bf16[E, I, H]; status: int32[] (0, or a bit mask of
-    EXPERTS_BACKWARD_STATUS_*)."""
+    EXPERTS_BACKWARD_STATUS_*); dx_rows: bf16[M, H], each row's dx_r before the per-token sum (zeros past
+    sum(group_sizes) and for padding rows): what the expert-parallel backward sends back to the tokens' ranks."""
 
     dx: jax.Array
     dw: jax.Array
     d_gate_up: jax.Array
     d_down: jax.Array
     status: jax.Array
+    dx_rows: jax.Array
 
 
 def experts_backward(
@@ -111,7 +114,8 @@ def experts_backward(
     )
     # vmap: "sequential", as mok_grouped_ffn (ops/grouped_ffn.py): the op is pure and the handler takes one
     # problem's rank-2 tokens and rank-1 rows and group sizes.
-    dx, dw, d_gate_up, d_down, status, *_ = jax.ffi.ffi_call("mok_experts_backward", out, vmap_method="sequential")(
+    dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call("mok_experts_backward", out,
+                                                                    vmap_method="sequential")(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
         num_sms=np.int32(0 if num_sms is None else num_sms))
-    return ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status)
+    return ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[-2])

@@ -103,4 +103,5 @@ def experts_backward_reference(
         dx = dx + jnp.where(row_ok[:, j, None], dx_rows[row[:, j]], 0.0)
     dw = jnp.where(row_ok, dw_rows[row], 0.0)
     poison = lambda g: jnp.where(status == 0, g, jnp.nan).astype(dtype)  # noqa: E731
-    return ExpertsBackwardOutput(dx, dw, poison(jnp.stack(d_gate_up)), poison(jnp.stack(d_down)), status)
+    return ExpertsBackwardOutput(dx, dw, poison(jnp.stack(d_gate_up)), poison(jnp.stack(d_down)), status,
+                                 dx_rows=dx_rows.astype(dtype))
