@@ -338,11 +338,12 @@ def test_nnx_training_step():
     for name, g, gx in zip(names, grads, grads_x):
         _assert_rows_near(f"d{name}: mok against xla", g, gx, NNX_GRAD_TOL)
 
-    # nnx.remat: the same loss, and the same bits of every gradient that mok computes (the experts'), so of their
-    # updated parameters; the router's gradient is XLA's f32 softmax VJP, whose cotangent sums JAX orders and XLA
-    # fuses differently when the routing is recomputed: a few f32 ulps (TOL_F32_REORDER).
+    # nnx.remat: the same bits of every gradient that mok computes (the experts'), so of their updated parameters;
+    # the router's gradient is XLA's f32 softmax VJP, whose cotangent sums JAX orders and XLA fuses differently
+    # when the routing is recomputed, and so is the loss's f32 sum over the rows (one ulp apart on the H200, jax
+    # 0.11.2): a few f32 ulps (TOL_F32_REORDER).
     loss_r, grads_r, after_r = results["mok under nnx.remat"]
-    assert np.float32(loss_r).view(np.uint32) == np.float32(loss).view(np.uint32), f"loss {loss_r} != {loss}"
+    assert abs(loss_r - loss) <= TOL_F32_REORDER * abs(loss), f"loss {loss_r} != {loss}"
     router = ["router" in name for name in names]
     pick = lambda leaves, want: [a for a, r in zip(leaves, router) if r == want]
     _assert_same_bits(pick(grads_r, False), pick(grads, False), "nnx.remat: the experts' gradients",

@@ -30,7 +30,7 @@ MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
 # (label, a substring of the kernel's name, launches per call). CuTe's GMMA::Major: K = 0, MN = 1.
 LAUNCHES = (
     ("row gather", "gather_rows_kernel", 1),
-    ("gate/up recompute", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)1>", 1),
+    ("gate/up recompute", "Sm90GroupedGemm<(mok::gemm::Epilogue)3", 1),  # kF32: g, u in fp32
     ("down dgrad + SwiGLU bwd", "Sm90GroupedGemm<(mok::gemm::Epilogue)2", 1),
     ("router-weight sum", "dw_sum_kernel", 1),
     ("gate/up dgrad", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)0>", 1),
