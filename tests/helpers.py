@@ -80,3 +80,29 @@ def record_metrics(case: str, seed: int, **metrics) -> None:
     if path := os.environ.get("MOK_TEST_METRICS"):
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def program_problem(seed: int, tag: str, E=16, H=512, I=256, k=4, Is=256, T=600, layers=None):
+    """The GPU program tests' problem (tests/test_programs*_gpu.py), fresh for (seed, tag): x: bf16[T, H];
+    topk_idx int32 and topk_weight f32 ([T, k], or [layers, T, k]: a routing per layer); bf16 weights (with a
+    leading layer axis when ``layers`` is given) scaled so every stage is O(1); dy: bf16[T, H] (an output
+    gradient)."""
+    import zlib
+
+    from mok_jax.bench.routing import make_routing
+
+    keys = jax.random.split(seeded_key(seed, tag), 6)
+    lead = () if layers is None else (layers,)
+    normal = lambda key, s, fan_in: (jax.random.normal(key, lead + s) * fan_in**-0.5).astype(jnp.bfloat16)  # noqa: E731
+    W = MoEWeights(normal(keys[0], (E, H, 2 * I), H), normal(keys[1], (E, I, H), I),
+                   normal(keys[2], (H, 2 * Is), H), normal(keys[3], (Is, H), Is))
+    x = jax.random.normal(keys[4], (T, H), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[5], (T, H), jnp.float32).astype(jnp.bfloat16)
+    route_seed = zlib.crc32(f"{seed}{tag}".encode())
+    routes = [make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=route_seed + layer)
+              for layer in range(layers or 1)]
+    idx = np.stack([r[0] for r in routes]).astype(np.int32)
+    w = np.stack([r[1] for r in routes]).astype(np.float32)
+    if layers is None:
+        idx, w = idx[0], w[0]
+    return x, jnp.asarray(idx), jnp.asarray(w), W, dy

@@ -15,12 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import seeded_key
+from helpers import program_problem, seeded_key
 
 import mok_jax as mj
-from mok_jax.bench.routing import make_routing
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
-from mok_jax.weights import MoEWeights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
@@ -29,15 +27,10 @@ print(f"test_programs_gpu: seed {_SEED}")
 MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
 
 
-def _problem(tag: str, E=16, H=512, I=256, k=4, Is=256, T=600, layers=None):
-    keys = jax.random.split(seeded_key(_SEED, tag), 5)
-    lead = () if layers is None else (layers,)
-    normal = lambda key, s, fan_in: (jax.random.normal(key, lead + s) * fan_in**-0.5).astype(jnp.bfloat16)
-    W = MoEWeights(normal(keys[0], (E, H, 2 * I), H), normal(keys[1], (E, I, H), I),
-                   normal(keys[2], (H, 2 * Is), H), normal(keys[3], (Is, H), Is))
-    x = jax.random.normal(keys[4], (T, H), jnp.float32).astype(jnp.bfloat16)
-    idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=_SEED % 1000)
-    return x, jnp.asarray(idx, jnp.int32), jnp.asarray(w, jnp.float32), W
+def _problem(tag: str, **shape):
+    """x, topk_idx, topk_weight, weights of tests/helpers.py's program_problem (a routing per layer when
+    ``layers`` is given)."""
+    return program_problem(_SEED, tag, **shape)[:4]
 
 
 def _bits(a) -> np.ndarray:
@@ -59,13 +52,14 @@ def test_checkpoint_policies_give_the_same_bits():
 def test_scan_over_four_layers_equals_the_loop():
     x, idx, w, Ws = _problem("scan", layers=4)
 
-    def body(h, W):
-        return (_layer(h, idx, w, W).astype(jnp.float32) * 0.5).astype(jnp.bfloat16), None
+    def body(h, layer):
+        i, w, W = layer
+        return (_layer(h, i, w, W).astype(jnp.float32) * 0.5).astype(jnp.bfloat16), None
 
-    scanned = jax.jit(lambda x, Ws: jax.lax.scan(body, x, Ws)[0])(x, Ws)
+    scanned = jax.jit(lambda x, layers: jax.lax.scan(body, x, layers)[0])(x, (idx, w, Ws))
     h = x
     for layer in range(4):
-        h = jax.jit(body)(h, jax.tree.map(lambda a: a[layer], Ws))[0]
+        h = jax.jit(body)(h, jax.tree.map(lambda a: a[layer], (idx, w, Ws)))[0]
     assert np.isfinite(np.asarray(h, np.float32)).all()
     np.testing.assert_array_equal(_bits(scanned), _bits(h))
 

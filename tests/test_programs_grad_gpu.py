@@ -17,19 +17,16 @@ tests/test_moe_backward_gpu.py.
 from __future__ import annotations
 
 import os
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TOL_F32_REORDER, seeded_key
+from helpers import TOL_F32_REORDER, program_problem, seeded_key
 from jax.ad_checkpoint import checkpoint_name
 
 import mok_jax as mj
-from mok_jax.bench.routing import make_routing
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
-from mok_jax.weights import MoEWeights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
@@ -57,25 +54,8 @@ _BF16 = jnp.bfloat16
 _GRAD_NAMES = ("dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down")
 
 
-def _problem(tag: str, E=16, H=512, I=256, k=4, Is=256, T=600, layers=None):
-    """x: bf16[T, H]; topk_idx int32 and topk_weight f32 ([T, k], or [layers, T, k]: a routing per layer);
-    bf16 weights (with a leading layer axis when ``layers`` is given) scaled so every stage is O(1); dy: bf16[T, H]
-    (the output gradient)."""
-    keys = jax.random.split(seeded_key(_SEED, tag), 6)
-    lead = () if layers is None else (layers,)
-    normal = lambda key, s, fan_in: (jax.random.normal(key, lead + s) * fan_in**-0.5).astype(_BF16)
-    W = MoEWeights(normal(keys[0], (E, H, 2 * I), H), normal(keys[1], (E, I, H), I),
-                   normal(keys[2], (H, 2 * Is), H), normal(keys[3], (Is, H), Is))
-    x = jax.random.normal(keys[4], (T, H), _F32).astype(_BF16)
-    dy = jax.random.normal(keys[5], (T, H), _F32).astype(_BF16)
-    seed = zlib.crc32(f"{_SEED}{tag}".encode())
-    routes = [make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=seed + layer)
-              for layer in range(layers or 1)]
-    idx = np.stack([r[0] for r in routes]).astype(np.int32)
-    w = np.stack([r[1] for r in routes]).astype(np.float32)
-    if layers is None:
-        idx, w = idx[0], w[0]
-    return x, jnp.asarray(idx), jnp.asarray(w), W, dy
+def _problem(tag: str, **shape):
+    return program_problem(_SEED, tag, **shape)
 
 
 def _bits(a) -> np.ndarray:
