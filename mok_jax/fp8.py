@@ -10,9 +10,11 @@ Hopper has no hardware block scaling, so the scales are fp32 and applied in soft
   its two scales into an fp32 accumulator (``block_scaled_matmul``, the reference the FP8 kernels are checked
   against).
 
-A scale is amax / 448 (448 = the largest finite E4M3 value), so every scaled value lies in [-448, 448] and
-rounds to a finite E4M3 number; an all-zero block gets scale 1 (its values are exact zeros). Rounding is to
-nearest even (XLA's convert).
+A scale is amax * (1/448) in f32 (448 = the largest finite E4M3 value; the product, not a division, because
+XLA rewrites a division by a constant into it), so every scaled value lies in [-448, 448] up to an f32 ulp
+(clipped there) and rounds to a finite E4M3 number; an all-zero block gets scale 1 (its values are exact
+zeros). A value v is quantised as v * (1 / scale): one division per scale, then products, the form the kernels
+compute too, bit for bit. Rounding is to nearest even (XLA's convert).
 
 Error of one quantised value v = q * scale (E4M3: 3 mantissa bits, smallest normal 2^-6, subnormal spacing
 2^-9): for |v| >= 2^-6 scale the relative error is at most 2^-4 (half an ulp of 3 mantissa bits); below that
@@ -20,17 +22,23 @@ the absolute error is at most 2^-10 scale (half the subnormal spacing). So |v - 
 for every element, up to the f32 roundings of w / scale and q * scale; ``quantization_error_bound`` gives that
 bound.
 
-This module is pure JAX: it runs anywhere, and it is the oracle of the FP8 kernels to come. The FP8 grouped
-GEMMs and the FP8 layer are not built yet.
+This module is pure JAX: it runs anywhere, and it is the oracle of the FP8 kernels
+(``mok_jax.ops.fp8_grouped_ffn``): ``quantize_expert_weights`` makes the weights in the kernels' layout,
+``grouped_ffn_reference`` runs the same pipeline, and ``ffn_error_sigma`` estimates its distance from the
+unquantised FFN.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["BLOCK", "E4M3_MAX", "block_scaled_matmul", "dequantize_rows", "dequantize_weight_blocks",
-           "quantization_error_bound", "quantize_rows", "quantize_weight_blocks"]
+__all__ = ["BLOCK", "E4M3_MAX", "Fp8ExpertWeights", "Fp8FfnReference", "block_scaled_matmul", "dequantize_rows",
+           "dequantize_weight_blocks", "ffn_error_sigma", "grouped_ffn_reference", "quantization_error_bound",
+           "quantize_expert_weights", "quantize_rows", "quantize_weight_blocks", "reference_layout"]
 
 BLOCK = 128  # the scale block: 1 x 128 for activations, 128 x 128 for weights
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -49,8 +57,13 @@ def _pad_to_blocks(a: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return jnp.pad(a, pad)
 
 
+_INV_E4M3_MAX = 1.0 / E4M3_MAX  # rounded to f32 once where it meets the f32 amax
+
+
 def _scale_of(amax: jax.Array) -> jax.Array:
-    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(_F32)
+    # amax * (1/448), not amax / 448: XLA rewrites a division by a constant into this product, so the product is
+    # what any XLA build computes, and the kernels compute the same (bit for bit, the test of the row quantiser)
+    return jnp.where(amax > 0, amax * jnp.float32(_INV_E4M3_MAX), 1.0).astype(_F32)
 
 
 def _check(name: str, a, min_ndim: int) -> jax.Array:
@@ -71,7 +84,7 @@ def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     kb, nb = _blocks(k), _blocks(n)
     blocks = wp.reshape(*lead, kb, BLOCK, nb, BLOCK)
     scale = _scale_of(jnp.max(jnp.abs(blocks), axis=(-3, -1)))  # [..., kb, nb]
-    q = jnp.clip(blocks / scale[..., :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(_F8)
+    q = jnp.clip(blocks * (1.0 / scale)[..., :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(_F8)
     return q.reshape(*lead, kb * BLOCK, nb * BLOCK)[..., :k, :n], scale
 
 
@@ -89,7 +102,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     kb = _blocks(k)
     tiles = _pad_to_blocks(x.astype(_F32), (x.ndim - 1,)).reshape(*lead, kb, BLOCK)
     scale = _scale_of(jnp.max(jnp.abs(tiles), axis=-1))
-    q = jnp.clip(tiles / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(_F8)
+    q = jnp.clip(tiles * (1.0 / scale)[..., None], -E4M3_MAX, E4M3_MAX).astype(_F8)
     return q.reshape(*lead, kb * BLOCK)[..., :k], scale
 
 
@@ -123,3 +136,165 @@ def block_scaled_matmul(xq: jax.Array, x_scale: jax.Array, wq: jax.Array, w_scal
         part = jnp.einsum("mk,kn->mn", xp[:, b], wp[b], precision=jax.lax.Precision.HIGHEST)
         acc = acc + part * x_scale[:, b, None] * ws[b][None, :]
     return acc
+
+
+# --- the routed experts' weights in the FP8 kernels' layout -------------------------------------------------------
+
+
+class Fp8ExpertWeights(NamedTuple):
+    """Routed expert weights quantised for ``mok_jax.ops.fp8_grouped_ffn`` (``quantize_expert_weights``).
+
+    FP8 wgmma reads both operands K-major (the reduction dimension contiguous), so each matrix is stored
+    transposed relative to the bf16 weights, with its 128 x 128 block scales transposed the same way:
+
+    * gate_up: float8_e4m3fn [E, 2I, H]; gate_up[e, n, k] ~= bf16 gate_up[e, k, n] (rows [0, I) gate, [I, 2I) up)
+    * gate_up_scale: f32 [E, 2I/128, H/128]; gate_up_scale[e, nb, kb] scales the block of rows
+      [128 nb, 128 nb + 128) and columns [128 kb, 128 kb + 128) of gate_up[e]
+    * down: float8_e4m3fn [E, H, I]; down[e, n, k] ~= bf16 down[e, k, n]
+    * down_scale: f32 [E, H/128, I/128]
+    """
+
+    gate_up: jax.Array
+    gate_up_scale: jax.Array
+    down: jax.Array
+    down_scale: jax.Array
+
+
+def quantize_expert_weights(gate_up: jax.Array, down: jax.Array) -> Fp8ExpertWeights:
+    """gate_up [E, H, 2I], down [E, I, H] (bf16 or f32; H and I multiples of 128) -> Fp8ExpertWeights: E4M3
+    values with one fp32 scale per 128 x 128 block (``quantize_weight_blocks``), each matrix transposed to
+    the K-major layout of the FP8 kernels (``Fp8ExpertWeights``). Pure JAX, jit-able; done once per
+    optimizer step. A block never straddles gate and up because I is a multiple of 128."""
+    gate_up = _check("gate_up", gate_up, 3)
+    down = _check("down", down, 3)
+    if gate_up.ndim != 3 or gate_up.shape[2] % 2:
+        raise ValueError(f"gate_up must be [E, H, 2I], got shape {gate_up.shape}")
+    e, hidden, two_i = gate_up.shape
+    inter = two_i // 2
+    if down.shape != (e, inter, hidden):
+        raise ValueError(f"down must be [E, I, H] = {(e, inter, hidden)}, got shape {down.shape}")
+    if hidden % BLOCK or hidden == 0:
+        raise ValueError(f"gate_up: hidden size H must be a positive multiple of {BLOCK}, got {hidden}")
+    if inter % BLOCK or inter == 0:
+        raise ValueError(f"gate_up: intermediate size I must be a positive multiple of {BLOCK}, got {inter}")
+    gq, gs = quantize_weight_blocks(gate_up)
+    dq, ds = quantize_weight_blocks(down)
+    t = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
+    return Fp8ExpertWeights(t(gq), t(gs), t(dq), t(ds))
+
+
+def reference_layout(w: Fp8ExpertWeights) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(gate_up_q [E, H, 2I], gate_up_scale [E, H/128, 2I/128], down_q [E, I, H], down_scale [E, I/128, H/128]):
+    the weights back in the bf16 layout (K x N), as ``block_scaled_matmul`` takes them."""
+    t = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
+    return t(w.gate_up), t(w.gate_up_scale), t(w.down), t(w.down_scale)
+
+
+# --- the FP8 grouped FFN, as the kernels compute it -------------------------------------------------------------
+
+
+class Fp8FfnReference(NamedTuple):
+    """The FP8 expert FFN's pipeline in f32 (``grouped_ffn_reference``); row-major scales ([rows, blocks])."""
+
+    y: jax.Array        # f32 [M, H]
+    h: jax.Array        # f32 [M, I]: silu(gate) * up before quantisation
+    h_q: jax.Array      # e4m3 [M, I]
+    h_scale: jax.Array  # f32 [M, I/128]
+    x_q: jax.Array      # e4m3 [M, H]
+    x_scale: jax.Array  # f32 [M, H/128]
+    gate: jax.Array     # f32 [M, I]
+    up: jax.Array       # f32 [M, I]
+
+
+def grouped_ffn_reference(x: jax.Array, group_sizes: Sequence[int], w: Fp8ExpertWeights) -> Fp8FfnReference:
+    """The FP8 grouped FFN of ``mok_jax.ops.fp8_grouped_ffn`` in f32, group by group (group_sizes are host
+    ints here: rows [offset_e, offset_e + group_sizes[e]) are expert e's): x quantised in 1 x 128 tiles,
+    gate/up by ``block_scaled_matmul``, h = silu(gate) * up quantised in 1 x 128 tiles, y by
+    ``block_scaled_matmul``. Padding rows (past sum(group_sizes)): y = h = h_q = 0, h_scale = 1, gate = up = 0;
+    x_q of every row is quantised."""
+    sizes = [int(s) for s in np.asarray(group_sizes).reshape(-1)]
+    m, hidden = x.shape
+    gu_q, gu_s, dn_q, dn_s = reference_layout(w)
+    inter = dn_q.shape[1]
+    x_q, x_scale = quantize_rows(x)
+    ys, gates, ups = [], [], []
+    off = 0
+    for e, n in enumerate(sizes):
+        if n == 0:
+            continue
+        gu = block_scaled_matmul(x_q[off:off + n], x_scale[off:off + n], gu_q[e], gu_s[e])
+        gates.append(gu[:, :inter])
+        ups.append(gu[:, inter:])
+        off += n
+    pad = m - off
+    zeros = jnp.zeros((pad, inter), _F32)
+    gate = jnp.concatenate(gates + [zeros], axis=0) if gates else zeros
+    up = jnp.concatenate(ups + [zeros], axis=0) if ups else zeros
+    h = jax.nn.silu(gate) * up
+    h_q, h_scale = quantize_rows(h)
+    off = 0
+    for e, n in enumerate(sizes):
+        if n == 0:
+            continue
+        ys.append(block_scaled_matmul(h_q[off:off + n], h_scale[off:off + n], dn_q[e], dn_s[e]))
+        off += n
+    yz = jnp.zeros((pad, hidden), _F32)
+    y = jnp.concatenate(ys + [yz], axis=0) if ys else yz
+    return Fp8FfnReference(y, h, h_q, h_scale, x_q, x_scale, gate, up)
+
+
+def ffn_error_sigma(x: jax.Array, group_sizes: Sequence[int], gate_up: jax.Array, down: jax.Array,
+                    w: Fp8ExpertWeights, *, accumulation_rel: float | None = None) -> jax.Array:
+    """f32 [M, H]: per element, the standard deviation that E4M3 rounding gives y_fp8 - y, where y is the
+    unquantised FFN of the f32 values of x, gate_up [E, H, 2I], down [E, I, H] and y_fp8 the FP8 pipeline of
+    ``grouped_ffn_reference`` with w = quantize_expert_weights(gate_up, down). Padding rows get 0.
+
+    The model (the standard one of probabilistic rounding-error analysis): each quantised value's error is
+    zero-mean, independent of the others, and bounded by B(v) = quantization_error_bound(v, scale), so its
+    variance is at most B(v)^2 (a uniform error would have B^2 / 3: a factor sqrt(3) of margin). Propagated
+    to first order, with squares elementwise:
+
+      gate/up:  Var g = B(x)^2 @ W^2 + x^2 @ B(W)^2 (+ accumulation, below)
+      h = silu(g) u:  Var h = (silu'(g) u)^2 Var g + silu(g)^2 Var u + B(h)^2     (h's own quantisation)
+      y:  Var y = Var h @ D^2 + h^2 @ B(D)^2
+
+    plus, for each GEMM, (accumulation_rel * block magnitude sum)^2 per 128-long block, at most
+    accumulation_rel^2 * 128 * (x^2 @ W^2) (Cauchy-Schwarz): None means f32 sums, 2^-24 K. The worst case
+    (absolute values instead of squares) is a useless ~100 |y| for random data because it ignores the
+    cancellation that makes y small; the sigma is ~the actual error. A test compares a row's error norm with
+    the root of the row's summed variances (a sum of H >= 128 near-independent terms: it concentrates)."""
+    sizes = [int(s) for s in np.asarray(group_sizes).reshape(-1)]
+    x = x.astype(_F32)
+    m, hidden = x.shape
+    _, gu_s, _, dn_s = reference_layout(w)
+    inter = gate_up.shape[2] // 2
+    _, x_scale = quantize_rows(x)
+    bx2 = quantization_error_bound(x, jnp.repeat(x_scale, BLOCK, axis=-1)[:, :hidden]) ** 2
+    hi = jax.lax.Precision.HIGHEST
+    mm = lambda a, b: jnp.matmul(a, b, precision=hi)  # noqa: E731
+    out, off = [], 0
+    for e, n in enumerate(sizes):
+        if n == 0:
+            continue
+        rows = slice(off, off + n)
+        wg = gate_up[e].astype(_F32)
+        bw2 = quantization_error_bound(wg, jnp.repeat(jnp.repeat(gu_s[e], BLOCK, 0), BLOCK, 1)) ** 2
+        x2 = x[rows] ** 2
+        acc_gu = hidden * 2.0**-24 if accumulation_rel is None else accumulation_rel
+        var_gu = mm(bx2[rows], wg**2) + mm(x2, bw2) + acc_gu**2 * BLOCK * mm(x2, wg**2)
+        gu = mm(x[rows], wg)
+        g, u = gu[:, :inter], gu[:, inter:]
+        sig = jax.nn.sigmoid(g)
+        dsilu = sig * (1.0 + g * (1.0 - sig))
+        h = g * sig * u
+        var_h = (dsilu * u) ** 2 * var_gu[:, :inter] + (g * sig) ** 2 * var_gu[:, inter:]
+        _, h_scale = quantize_rows(h)
+        var_h = var_h + quantization_error_bound(h, jnp.repeat(h_scale, BLOCK, axis=-1)) ** 2
+        wd = down[e].astype(_F32)
+        bd2 = quantization_error_bound(wd, jnp.repeat(jnp.repeat(dn_s[e], BLOCK, 0), BLOCK, 1)) ** 2
+        acc_dn = inter * 2.0**-24 if accumulation_rel is None else accumulation_rel
+        var_y = mm(var_h, wd**2) + mm(h**2, bd2) + acc_dn**2 * BLOCK * mm(h**2, wd**2)
+        out.append(jnp.sqrt(var_y))
+        off += n
+    out.append(jnp.zeros((m - off, hidden), _F32))
+    return jnp.concatenate(out, axis=0)

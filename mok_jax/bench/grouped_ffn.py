@@ -11,7 +11,10 @@ Settings (the benchmark problems of the H200 machines), 2048 tokens per GPU, M =
         4.8 TB/s nominal HBM rate. (The in-run XLA elementwise `v + 1` over 4 GiB, read + write, is also
         recorded as `copy_bandwidth_bytes_per_s`, but it reached only 3.2 TB/s on 2026-11-30, below the
         kernel's own weight-read rate, so it is not used as the ceiling.)
-The kernel runs with every SM and with 108 SMs (the rest left to communication in the megakernel).
+The kernel runs with every SM and with 108 SMs (the rest left to communication in the megakernel); the FP8
+kernel (mok_jax.ops.fp8_grouped_ffn, E4M3 with DeepSeek-V3 block scales, weights quantised once outside the
+timing) with every SM in the same process, reported beside bf16 as TFLOP/s and as the bf16 time over the FP8
+time (--no-fp8 leaves it out).
 Times: median of device-synchronised samples (mok_jax.bench.timing.time_fn). A short table is printed last.
 Without a CUDA GPU (or the native library) it says so in one line and exits 1.
 """
@@ -31,6 +34,8 @@ import numpy as np
 
 from mok_jax.bench.timing import kernels_unavailable, time_fn
 from mok_jax.config import load_model
+from mok_jax.fp8 import quantize_expert_weights
+from mok_jax.ops.fp8_grouped_ffn import fp8_grouped_ffn
 from mok_jax.ops.grouped_ffn import grouped_ffn
 
 __all__ = ["main", "run"]
@@ -70,7 +75,7 @@ def _batched_einsum(xb, gate_up, down):
     return jnp.einsum("eci,eih->ech", h, down)
 
 
-def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int) -> dict:
+def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int, fp8: bool = True) -> dict:
     shape = load_model(model)
     hidden, inter = shape.hidden_size, shape.intermediate_size
     experts = shape.num_experts // EP_DEGREE[setting]
@@ -96,6 +101,18 @@ def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int) -> dict:
                       "timing": t.as_dict(), "num_sms": n or num_sms_full}
         del y, h
 
+    if fp8:  # the FP8 kernel, every SM; the weights are quantised once, outside the timing
+        w8 = jax.block_until_ready(jax.jit(quantize_expert_weights)(gate_up, down))
+        f = jax.jit(lambda a, g, w: fp8_grouped_ffn(a, g, w).y)
+        y = jax.block_until_ready(f(x, group_sizes, w8))
+        status = int(jax.jit(lambda a, g, w: fp8_grouped_ffn(a, g, w).status)(x, group_sizes, w8))
+        ok = status == 0 and bool(jnp.isfinite(y.astype(jnp.float32)).all())
+        t = time_fn(f, x, group_sizes, w8, **timing_kw)
+        out["fp8_all_sms"] = {"ms": t.median_ms, "tflops": flops / (t.median_ms * 1e-3) / 1e12, "sane_output": ok,
+                              "timing": t.as_dict(), "num_sms": num_sms_full,
+                              "speedup_over_bf16": out["kernel_all_sms"]["ms"] / t.median_ms}
+        del y, w8
+
     # Dense GEMM pair of the same FLOPs: all M rows against one expert's weights (XLA -> cuBLAS).
     f = jax.jit(_dense_pair)
     t = time_fn(f, x, gate_up[0], down[0], **timing_kw)
@@ -115,7 +132,7 @@ def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int) -> dict:
     return out
 
 
-def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10) -> dict:
+def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10, fp8: bool = True) -> dict:
     dev = jax.devices()[0]
     num_sms = getattr(dev, "core_count", None) or 132
     timing_kw = dict(warmup=2, samples=samples, target_sample_ms=15.0)
@@ -124,7 +141,7 @@ def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10) -> dict:
     cases = []
     for setting in settings:
         for model in models:
-            c = _bench_case(model, setting, timing_kw, num_sms)
+            c = _bench_case(model, setting, timing_kw, num_sms, fp8)
             dense = c["dense_same_flops"]["ms"]
             for label in ("kernel_all_sms", f"kernel_{REDUCED_SMS}_sms"):
                 k = c[label]
@@ -161,6 +178,15 @@ def table(result: dict) -> str:
             f"{k['weight_bandwidth_bytes_per_s'] / 1e12:.2f} / {k2['weight_bandwidth_bytes_per_s'] / 1e12:.2f} | "
             f"{k['weight_bandwidth_bytes_per_s'] / copy:.0%} | "
             f"{k['fraction_of_nominal_hbm']:.0%} / {k2['fraction_of_nominal_hbm']:.0%} |")
+    fp8_cases = [c for c in result["cases"] if "fp8_all_sms" in c]
+    if fp8_cases:
+        lines += ["", "| setting | model | bf16 all SMs ms (TF/s) | fp8 all SMs ms (TF/s) | fp8 speedup | fp8 sane |",
+                  "|" + " --- |" * 6]
+        for c in fp8_cases:
+            k, f8 = c["kernel_all_sms"], c["fp8_all_sms"]
+            lines.append(f"| {c['setting']} | {c['model']} | {k['ms']:.3f} ({k['tflops']:.0f}) | "
+                         f"{f8['ms']:.3f} ({f8['tflops']:.0f}) | {f8['speedup_over_bf16']:.2f}x | "
+                         f"{f8['sane_output']} |")
     return "\n".join(lines)
 
 
@@ -170,11 +196,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--settings", nargs="+", default=["ep64", "ep2"], choices=sorted(EP_DEGREE))
     ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--no-fp8", action="store_true", help="leave out the FP8 kernel")
     args = ap.parse_args(argv)
     if why := kernels_unavailable():
         print(f"python -m mok_jax.bench.grouped_ffn: {why}", file=sys.stderr, flush=True)
         return 1
-    result = run(args.models, args.settings, samples=args.samples)
+    result = run(args.models, args.settings, samples=args.samples, fp8=not args.no_fp8)
     text = table(result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,131 @@
+// XLA FFI handler for mok/fp8_grouped_ffn.cuh: mok_fp8_grouped_ffn.
+//   x: bf16[M, H], group_sizes: s32[E],
+//   gate_up: f8e4m3fn[E, 2I, H], gate_up_scale: f32[E, 2I/128, H/128],
+//   down: f8e4m3fn[E, H, I], down_scale: f32[E, H/128, I/128]
+//   -> y: bf16[M, H], h: f8e4m3fn[M, I], h_scale: f32[I/128, M], x_q: f8e4m3fn[M, H], x_scale: f32[H/128, M],
+//      status: s32[]                                         attrs: {num_sms: s32, 0 = all SMs}
+#include "ffi_common.h"
+#include "mok/fp8_grouped_ffn.cuh"
+
+namespace ffi = xla::ffi;
+
+struct Fp8GroupedFfnAttrs {
+  int32_t num_sms;
+};
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(Fp8GroupedFfnAttrs, ::xla::ffi::StructMember<int32_t>("num_sms"));
+
+namespace {
+
+using mok::ffi_util::dims_are;
+using mok::ffi_util::dims_str;
+
+std::string shape_str(std::initializer_list<int64_t> d) {
+  std::string s = "[";
+  size_t i = 0;
+  for (int64_t v : d) s += (i++ ? ", " : "") + std::to_string(v);
+  return s + "]";
+}
+
+ffi::Error fp8_grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> group_sizes,
+                                ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> gate_up_scale,
+                                ffi::AnyBuffer down, ffi::Buffer<ffi::F32> down_scale,
+                                ffi::ResultBuffer<ffi::BF16> y, ffi::Result<ffi::AnyBuffer> h,
+                                ffi::ResultBuffer<ffi::F32> h_scale, ffi::Result<ffi::AnyBuffer> x_q,
+                                ffi::ResultBuffer<ffi::F32> x_scale, ffi::ResultBuffer<ffi::S32> status,
+                                Fp8GroupedFfnAttrs attrs) {
+  mok::ffi_util::count_handler_run();
+  constexpr const char* kOp = "mok_fp8_grouped_ffn";
+  using mok::ffi_util::invalid;
+  // The FFI has no native type for float8 buffers: they arrive untyped and their dtype is checked here.
+  for (auto [name, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"gate_up", &gate_up}, {"down", &down},
+                           {"h", &*h}, {"x_q", &*x_q}})
+    if (buf->element_type() != ffi::DataType::F8E4M3FN)
+      return invalid(kOp, std::string(name) + " must be float8_e4m3fn");
+  if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [M, H], got " + dims_str(x.dimensions()));
+  if (group_sizes.dimensions().size() != 1)
+    return invalid(kOp, "group_sizes must be rank 1 [E], got " + dims_str(group_sizes.dimensions()));
+  if (gate_up.dimensions().size() != 3)
+    return invalid(kOp, "gate_up must be rank 3 [E, 2I, H], got " + dims_str(gate_up.dimensions()));
+  const int64_t m = x.dimensions()[0], hidden = x.dimensions()[1], e = group_sizes.dimensions()[0];
+  const auto gu = gate_up.dimensions();
+  if (gu[0] != e || gu[1] % 2 != 0 || gu[2] != hidden)
+    return invalid(kOp, "gate_up must be [E, 2I, H] = [" + std::to_string(e) + ", 2I, " + std::to_string(hidden) +
+                            "], got " + dims_str(gu));
+  const int64_t inter = gu[1] / 2;
+  if (hidden % 128 != 0 || hidden <= 0) return invalid(kOp, "x: hidden size H must be a positive multiple of 128");
+  if (inter % 128 != 0 || inter <= 0)
+    return invalid(kOp, "gate_up: intermediate size I must be a positive multiple of 128");
+  const int64_t hb = hidden / 128, ib = inter / 128;
+  if (!dims_are(gate_up_scale.dimensions(), {e, 2 * ib, hb}))
+    return invalid(kOp, "gate_up_scale must be [E, 2I/128, H/128] = " + shape_str({e, 2 * ib, hb}) + ", got " +
+                            dims_str(gate_up_scale.dimensions()));
+  if (!dims_are(down.dimensions(), {e, hidden, inter}))
+    return invalid(kOp, "down must be [E, H, I] = " + shape_str({e, hidden, inter}) + ", got " +
+                            dims_str(down.dimensions()));
+  if (!dims_are(down_scale.dimensions(), {e, hb, ib}))
+    return invalid(kOp, "down_scale must be [E, H/128, I/128] = " + shape_str({e, hb, ib}) + ", got " +
+                            dims_str(down_scale.dimensions()));
+  if (!dims_are(y->dimensions(), {m, hidden}))
+    return invalid(kOp, "y must be [M, H], got " + dims_str(y->dimensions()));
+  if (!dims_are(h->dimensions(), {m, inter})) return invalid(kOp, "h must be [M, I], got " + dims_str(h->dimensions()));
+  if (!dims_are(h_scale->dimensions(), {ib, m}))
+    return invalid(kOp, "h_scale must be [I/128, M], got " + dims_str(h_scale->dimensions()));
+  if (!dims_are(x_q->dimensions(), {m, hidden}))
+    return invalid(kOp, "x_q must be [M, H], got " + dims_str(x_q->dimensions()));
+  if (!dims_are(x_scale->dimensions(), {hb, m}))
+    return invalid(kOp, "x_scale must be [H/128, M], got " + dims_str(x_scale->dimensions()));
+  if (status->element_count() != 1) return invalid(kOp, "status must be a scalar s32");
+
+  mok::Fp8GroupedFfnParams p{};
+  p.x = x.untyped_data();
+  p.group_sizes = group_sizes.typed_data();
+  p.gate_up = gate_up.untyped_data();
+  p.gate_up_scale = gate_up_scale.typed_data();
+  p.down = down.untyped_data();
+  p.down_scale = down_scale.typed_data();
+  p.y = y->untyped_data();
+  p.h = h->untyped_data();
+  p.h_scale = h_scale->typed_data();
+  p.x_q = x_q->untyped_data();
+  p.x_scale = x_scale->typed_data();
+  p.status = status->typed_data();
+  p.num_rows = m;
+  p.hidden = hidden;
+  p.intermediate = inter;
+  p.num_experts = e;
+  p.num_sms = attrs.num_sms;
+  if (const char* why = mok::fp8_grouped_ffn_unsupported(p)) return invalid(kOp, why);
+  return mok::ffi_util::cuda_error(kOp, mok::launch_fp8_grouped_ffn(p, stream));
+}
+
+}  // namespace
+
+MOK_FFI_HANDLER(MokFp8GroupedFfn, fp8_grouped_ffn_impl,
+                ffi::Ffi::Bind()
+                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                    .Arg<ffi::Buffer<ffi::BF16>>()       // x
+                    .Arg<ffi::Buffer<ffi::S32>>()        // group_sizes
+                    .Arg<ffi::AnyBuffer>()              // gate_up (f8e4m3fn)
+                    .Arg<ffi::Buffer<ffi::F32>>()        // gate_up_scale
+                    .Arg<ffi::AnyBuffer>()              // down (f8e4m3fn)
+                    .Arg<ffi::Buffer<ffi::F32>>()        // down_scale
+                    .Ret<ffi::Buffer<ffi::BF16>>()       // y
+                    .Ret<ffi::AnyBuffer>()              // h (f8e4m3fn)
+                    .Ret<ffi::Buffer<ffi::F32>>()        // h_scale
+                    .Ret<ffi::AnyBuffer>()              // x_q (f8e4m3fn)
+                    .Ret<ffi::Buffer<ffi::F32>>()        // x_scale
+                    .Ret<ffi::Buffer<ffi::S32>>()        // status
+                    .Attrs<Fp8GroupedFfnAttrs>());
+
+// Raw entry point (C ABI) on device pointers, for benchmarks and tests outside XLA. Returns a cudaError_t
+// value; -1 for unsupported shapes.
+extern "C" __attribute__((visibility("default"))) int MokFp8GroupedFfnRaw(
+    const void* x, const int32_t* group_sizes, const void* gate_up, const float* gate_up_scale, const void* down,
+    const float* down_scale, void* y, void* h, float* h_scale, void* x_q, float* x_scale, int32_t* status,
+    int64_t num_rows, int64_t hidden, int64_t intermediate, int64_t num_experts, int32_t num_sms, void* stream) {
+  mok::Fp8GroupedFfnParams p{x,      group_sizes, gate_up, gate_up_scale, down,     down_scale,   y,           h,
+                             h_scale, x_q,        x_scale, status,        num_rows, hidden,       intermediate,
+                             num_experts, num_sms};
+  if (mok::fp8_grouped_ffn_unsupported(p)) return -1;
+  return int(mok::launch_fp8_grouped_ffn(p, static_cast<cudaStream_t>(stream)));
+}
