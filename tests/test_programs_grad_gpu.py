@@ -45,6 +45,12 @@ NNX_LOSS_TOL = 2.0**-6
 # bound was exceeded on the H200 by 4 of 4M elements (lr's own rounding); a missed or doubled update is off by
 # lr |g|.
 SGD_TOL = 4 * 2.0**-24
+# A gradient under nnx.remat against the plain one, per row (times the row's norm plus the rms row norm): a few
+# bf16 roundings turned the other way (each 2^-8 of an element); a wrong or missing slot is O(1).
+REMAT_GRAD_TOL = 4 * 2.0**-8
+# The router's gradient (f32) under nnx.remat: XLA's softmax VJP of cotangents that carry those bf16 roundings;
+# on the H200 it came within 1.1x of 2e-5 (f32 reordering alone) per row: 2^-12 leaves room, a wrong row is O(1).
+REMAT_ROUTER_TOL = 2.0**-12
 
 _SEED = int.from_bytes(os.urandom(4), "little")
 print(f"test_programs_grad_gpu: seed {_SEED}")
@@ -256,7 +262,8 @@ def _assert_rows_near(what: str, got, want, tol: float):
 def test_nnx_training_step():
     """MoELayer(implementation="mok") in nnx.value_and_grad + an optax.sgd update under nnx.jit: a finite loss
     and gradients near the same module's with implementation="xla"; the update is p - lr g; under nnx.remat
-    the same loss and experts' gradients and updates, bit for bit, and the router's within f32 reordering."""
+    (the routing recomputed by XLA) the loss within f32 reordering, every gradient within a few roundings of the
+    plain one per row, and the update p - lr g of its own gradient."""
     import optax
     from flax import nnx
 
@@ -318,19 +325,16 @@ def test_nnx_training_step():
     for name, g, gx in zip(names, grads, grads_x):
         _assert_rows_near(f"d{name}: mok against xla", g, gx, NNX_GRAD_TOL)
 
-    # nnx.remat: the same bits of every gradient that mok computes (the experts'), so of their updated parameters;
-    # the router's gradient is XLA's f32 softmax VJP, whose cotangent sums JAX orders and XLA fuses differently
-    # when the routing is recomputed, and so is the loss's f32 sum over the rows (one ulp apart on the H200, jax
-    # 0.11.2): a few f32 ulps (TOL_F32_REORDER).
+    # nnx.remat recomputes the routing in XLA, in another program: its f32 softmax may fuse differently, and so
+    # may the loss's f32 sum over the rows (one ulp apart on the H200, jax 0.11.2). A topk_weight an f32 ulp
+    # away turns some bf16 roundings of the experts' gradients the other way (seen: up to 2% of the elements, by
+    # one bf16 ulp), so those are compared per row within REMAT_GRAD_TOL, the router's within REMAT_ROUTER_TOL,
+    # and each update must be p - lr g of its own gradient. (Under jax.checkpoint with the routing given, the
+    # gradients are the plain ones bit for bit: tests/test_moe_backward_gpu.py.)
     loss_r, grads_r, after_r = results["mok under nnx.remat"]
     assert abs(loss_r - loss) <= TOL_F32_REORDER * abs(loss), f"loss {loss_r} != {loss}"
-    router = ["router" in name for name in names]
-    pick = lambda leaves, want: [a for a, r in zip(leaves, router) if r == want]
-    _assert_same_bits(pick(grads_r, False), pick(grads, False), "nnx.remat: the experts' gradients",
-                      names=[f"d{n}" for n in pick(names, False)])
-    _assert_same_bits(pick(after_r, False), pick(after, False), "nnx.remat: the experts' updated parameters",
-                      names=pick(names, False))
-    for name, g_r, g, p_r, p in zip(pick(names, True), pick(grads_r, True), pick(grads, True), pick(after_r, True),
-                                    pick(after, True)):
-        _assert_rows_near(f"nnx.remat: d{name}", g_r, g, TOL_F32_REORDER)
-        _assert_rows_near(f"nnx.remat: {name} updated", p_r, p, TOL_F32_REORDER)
+    for name, g_r, g, p0, p_r in zip(names, grads_r, grads, before, after_r):
+        _assert_rows_near(f"nnx.remat: d{name}", g_r, g, REMAT_ROUTER_TOL if "router" in name else REMAT_GRAD_TOL)
+        p0, g_r, p_r = (a.astype(np.float64) for a in (p0, g_r, p_r))
+        err = np.abs(p_r - (p0 - lr * g_r))
+        assert (err <= SGD_TOL * (np.abs(p0) + lr * np.abs(g_r))).all(), f"nnx.remat: {name}: not p - lr g"
