@@ -159,7 +159,8 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const auto* dy_e = static_cast<const Bf16*>(p.dy_e);
   const auto* gate_up = static_cast<const Bf16*>(p.gate_up);
   const auto* down = static_cast<const Bf16*>(p.down);
-  auto* gu = static_cast<float*>(p.gu);
+  const bool kept = p.gu_in != nullptr;  // the forward's g, u: no launch 1
+  const float* gu = kept ? p.gu_in : static_cast<const float*>(p.gu);
   auto* dgu = static_cast<Bf16*>(p.dgu);
   auto* hw = static_cast<Bf16*>(p.hw);
   const int chunks = H / 8;
@@ -182,12 +183,13 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
         p.num_rows, slots, k, chunks, static_cast<uint4*>(p.x_e), static_cast<uint4*>(p.dy_e), p.w_e);
     MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  // 1: gu = x_e @ gate_up in fp32 (writes the status word)
+  // 1: gu = x_e @ gate_up in fp32 (writes the status word), unless the forward kept g, u
   // (fp32 g, u: the gradients are those of what the forward computed, which rounds only h)
-  MOK_CUDA_RETURN_IF_ERROR(
-      launch_persistent_gemm<GuGemm>(grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, gu, 2 * I, 1), grid, stream));
-  // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue
-  auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, 0);
+  if (!kept)
+    MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<GuGemm>(
+        grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, p.gu, 2 * I, 1), grid, stream));
+  // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue (the first GEMM when kept: it writes the status)
+  auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, kept ? 1 : 0);
   dh.bwd = gemm::SwigluBackwardOut{gu, p.w_e,
                                    reinterpret_cast<__nv_bfloat16*>(dgu), reinterpret_cast<__nv_bfloat16*>(hw),
                                    p.dw_part, I, n_blocks};
