@@ -107,6 +107,9 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
     rp.shared_h = reinterpret_cast<__nv_bfloat16*>(base + sl.shared_h);
     rp.shared_out = reinterpret_cast<float*>(base + sl.shared_out);
     rp.sync = reinterpret_cast<int32_t*>(base + sl.sync);
+    rp.keep_pos = in.keep_pos;
+    rp.keep_gu = in.keep_pos != nullptr ? in.keep_gu : nullptr;
+    rp.keep_rows = in.keep_rows;
     const auto* x = static_cast<const Bf16*>(in.x);
     const auto* gate_up = static_cast<const Bf16*>(in.gate_up);
     const auto* down = static_cast<const Bf16*>(in.down);
@@ -125,6 +128,9 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
       rp.b_sdn = rp.b_dn;
     }
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
+    if (rp.keep_gu != nullptr)  // rows no slot names stay zeros (the backward reads every row of its layout)
+      MOK_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(rp.keep_gu, 0, size_t(in.keep_rows) * 2 * size_t(I) * sizeof(float), stream));
   }
   auto* kernel = &forward_kernel;
   cudaFuncAttributes attr{};

@@ -76,6 +76,12 @@ struct ForwardRank {
   void* y;                       // bf16 [T][H], fully written
   int32_t* status;               // int32[4]: {error code, op, rank that saw it, peer or token}; 0s when fine
   void* scratch;                 // forward_scratch_layout(...).total bytes, 256-byte aligned
+  // Kept g, u for the backward (nullptr: none kept). keep_pos[(s T + t) k + j]: the row of slot (s, t, j) (source
+  // rank s, its token t, slot j) in keep_gu, or any value outside [0, keep_rows) for none; keep_gu: f32
+  // [keep_rows][2I], the fp32 gate/up accumulators of every kept slot (g | u), zeros in rows no slot names.
+  const int32_t* keep_pos;       // [ep T k]
+  float* keep_gu;
+  int32_t keep_rows;
 };
 
 // Byte offsets inside one rank's scratch buffer, and the counts behind them.
