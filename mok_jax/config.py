@@ -158,9 +158,11 @@ class MoEConfig:
         still records them for ``Workspace.check()``).
     keep: what ``implementation="mok"``'s forward keeps for its backward beyond the inputs, trading memory for
         recompute: "nothing" (the backward recomputes the routed experts' gate/up GEMM) or "everything" (the
-        forward also writes its fp32 gate/up accumulators g | u of every slot, f32 [T k + 128 L, 2I] per rank,
-        and the backward skips that GEMM, a third of the routed experts' forward FLOPs). The gradients are
-        the same bits either way. Ignored by ``implementation="xla"``.
+        forward also writes its fp32 gate/up accumulators g | u of every slot into its backward's rows, and
+        the backward skips that GEMM: two thirds of the routed experts' forward FLOPs, a quarter of their
+        backward's). Kept per rank and layer: f32 [M, 2I] with M = ep T k + 128 L rows (the static bound of a
+        dropless layout, ep times the rows a uniform routing uses at EP > 1). The gradients are the same bits
+        either way. Ignored by ``implementation="xla"``.
     """
 
     implementation: Implementation = "xla"

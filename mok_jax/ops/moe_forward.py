@@ -136,6 +136,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
     if keep_pos is None:
         keep_pos, keep_rows = jnp.zeros((R, 0), jnp.int32), 0
+    elif identity_experts:
+        raise ValueError("mok_jax.ops.moe_forward: keep_pos with identity_experts: the test mode runs no gate/up "
+                         "GEMM, so there is nothing to keep")
     else:
         if keep_pos.dtype != jnp.int32 or keep_pos.shape != (R, cfg.ep * T * k):
             raise ValueError(f"mok_jax.ops.moe_forward: keep_pos must be int32[{R}, {cfg.ep * T * k}] (ep * T * k), "

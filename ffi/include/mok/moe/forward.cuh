@@ -89,7 +89,7 @@ struct ScratchLayout {
   int32_t microbatches;   // M = ceil(T / G)
   int32_t slots;          // min(S, M)
   int32_t slot_rows;      // rows of one ring slot: ep * min(G, T) * min(k, L) (the dropless worst case)
-  size_t recv, h, shared_h, shared_out, sync;
+  size_t recv, h, shared_h, shared_out, row_slot, sync;
   size_t sync_bytes;      // zeroed before every call
   size_t total;
 };

@@ -90,6 +90,7 @@ struct RankParams {
   __nv_bfloat16* shared_h;  // [T][Is]
   float* shared_out;     // [T][H]
   int32_t* sync;         // Plan::sync_words
+  int32_t* row_slot;        // [M][slot_rows]: the slot (s T + t) k + j of each ring row (written with keep only)
   const int32_t* keep_pos;  // ForwardRank::keep_pos (nullptr: nothing kept)
   float* keep_gu;           // [keep_rows][2I]
   int32_t keep_rows;
@@ -557,7 +558,7 @@ __device__ inline void run_place(const Plan& p, const RankParams& R, const Item&
       row_table[n] = le < 0 ? -1 : (pos < p.slot_rows ? pos : -2);  // -2: past the slot (overflow)
       row_w[n] = w;
       if (R.keep_gu != nullptr && le >= 0 && pos < p.slot_rows)  // the ring row's slot, for the kept g, u
-        R.sync[p.o_row_slot + int64_t(n / k / p.G) * p.slot_rows + pos] = int32_t(int64_t(s) * p.T * k + n);
+        R.row_slot[int64_t(n / k / p.G) * p.slot_rows + pos] = int32_t(int64_t(s) * p.T * k + n);
     }
   }
 }
@@ -787,7 +788,7 @@ __device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const T
   const int r_base = it.row0 + Tile::kRowsPerConsumer * wg + 16 * warp + lane / 4;
   const int c_base = it.n_block * kGuCols + 2 * (lane % 4);
   const int ring_row0 = (it.mb % p.S) * p.slot_rows;
-  const int32_t* row_slot = R.sync + p.o_row_slot + int64_t(it.mb) * p.slot_rows;
+  const int32_t* row_slot = R.row_slot + int64_t(it.mb) * p.slot_rows;
   CUTE_UNROLL
   for (int hh = 0; hh < 2; ++hh) {
     const int row = r_base + 8 * hh;

@@ -65,7 +65,6 @@ struct Plan {
   // word offsets in the sync region (int32 words)
   int64_t o_disp, o_send, o_reduce, o_dn, o_sgu, o_gu, o_cnt, o_base, o_row, o_w;
   int64_t o_row_start, o_tile_gu, o_tile_dn, o_mblock, o_seg_begin, o_seg_kind, o_seg_mb;
-  int64_t o_row_slot;               // [M][slot_rows]: the slot (s, t, j) of each ring row, (s T + t) k + j
   int64_t sync_words;
 };
 
@@ -132,7 +131,6 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
   p.o_seg_begin = take(p.max_segments + 1);
   p.o_seg_kind = take(p.max_segments);
   p.o_seg_mb = take(p.max_segments);
-  p.o_row_slot = take(int64_t(p.M) * p.slot_rows);
   p.sync_words = o;
   return p;
 }
