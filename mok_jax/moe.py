@@ -56,7 +56,8 @@ __all__ = ["moe"]
 class KeptGateUp(NamedTuple):
     """What implementation='mok' keeps with MoEConfig(keep="everything"): gu f32[M, 2I], the forward's fp32
     gate/up accumulators (g | u) of every slot of this rank's experts, in the rows of ``layout`` (the padded
-    expert-major layout its backward runs on; zeros in rows no slot takes)."""
+    expert-major layout its backward runs on; rows no slot takes are not written: the backward op zeroes the
+    padding rows it reads)."""
 
     gu: jax.Array
     layout: PaddedLayout

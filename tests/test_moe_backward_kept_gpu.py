@@ -89,6 +89,9 @@ def test_op_fed_its_own_gu_gives_its_bits(T, E, k, H, I, routing):
     past = jnp.arange(gu.shape[0]) >= jnp.sum(args[5])
     assert bool(past.any())
     _assert_same_bits(f"{case}: NaN past the groups", kept(*args, jnp.where(past[:, None], jnp.nan, gu)), want)
+    # padding rows inside the groups: the op zeroes them itself (the forward leaves them unwritten)
+    pad = (args[4] < 0) & ~past
+    _assert_same_bits(f"{case}: NaN in padding rows", kept(*args, jnp.where(pad[:, None], jnp.nan, gu)), want)
     # what return_gu gives is the forward's g, u: XLA's matmul of the same rows, zeros where no slot is
     ref = _xla_gu(args[0], args[4], args[5], args[6], top_k=k)
     _check_rows(f"{case}: gu", gu, ref, GU_ROW_TOL, GU_ROW_TOL)

@@ -3,9 +3,9 @@
 //   gate_up: bf16[E, H, 2I], down: bf16[E, I, H], gu_in: f32[M, 2I] (the forward's kept g | u) or f32[0, 2I]
 //   (none kept: the op recomputes them into its scratch gu)
 //   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
-//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (f32[0, 2I] when gu_in is
-//      kept: nothing to allocate), dgu: bf16[M, 2I], hw: bf16[M, I], dw_part: f32[M, ceil(I / 256)],
-//      dx_e: bf16[M, H], dw_e: f32[M]
+//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
+//      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
+//      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M]
 //   attrs: {num_sms: s32, 0 = all SMs}
 #include "ffi_common.h"
 #include "mok/experts_backward.cuh"
@@ -57,7 +57,6 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                             std::to_string(2 * inter) + "] or f32[0, 2I] (none kept), got " +
                             dims_str(gu_in.dimensions()));
   const bool kept = m > 0 && gu_in.dimensions()[0] == m;
-  const int64_t gu_rows = kept ? 0 : m;
   struct Want {
     const char* name;
     ffi::Span<const int64_t> got;
@@ -77,8 +76,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"x_e", x_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dy_e", dy_e->dimensions(), {m, hidden}, "[M, H]"},
       {"w_e", w_e->dimensions(), {m}, "[M]"},
-      {"gu", gu->dimensions(), {gu_rows, 2 * inter},
-       kept ? "[0, 2I] (scratch: the kept gu operand is given)" : "[M, 2I] (scratch: no gu operand kept)"},
+      {"gu", gu->dimensions(), {m, 2 * inter}, "[M, 2I]"},
       {"dgu", dgu->dimensions(), {m, 2 * inter}, "[M, 2I]"},
       {"hw", hw->dimensions(), {m, inter}, "[M, I]"},
       {"dw_part", dw_part->dimensions(), {m, n_blocks}, "[M, ceil(I / 256)]"},
@@ -99,7 +97,14 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.group_sizes = group_sizes.typed_data();
   p.gate_up = gate_up.untyped_data();
   p.down = down.untyped_data();
-  p.gu_in = kept ? gu_in.typed_data() : nullptr;
+  // Kept: the result gu is the kept buffer (XLA aliases it to gu_in; a caller that does not gets a copy here),
+  // whose padding rows the gather zeroes in place.
+  if (kept && gu->untyped_data() != gu_in.untyped_data())
+    if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(), size_t(m) * 2 * inter * 4,
+                                          cudaMemcpyDeviceToDevice, stream);
+        err != cudaSuccess)
+      return mok::ffi_util::cuda_error(kOp, err);
+  p.gu_kept = kept ? gu->typed_data() : nullptr;
   p.dx = dx->typed_data();
   p.dw = dw->typed_data();
   p.d_gate_up = d_gate_up->untyped_data();
@@ -108,7 +113,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.x_e = x_e->untyped_data();
   p.dy_e = dy_e->untyped_data();
   p.w_e = w_e->typed_data();
-  p.gu = kept ? nullptr : gu->untyped_data();
+  p.gu = gu->untyped_data();
   p.dgu = dgu->untyped_data();
   p.hw = hw->untyped_data();
   p.dw_part = dw_part->typed_data();

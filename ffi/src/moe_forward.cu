@@ -132,9 +132,6 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
       rp.b_sdn = rp.b_dn;
     }
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
-    if (rp.keep_gu != nullptr)  // rows no slot names are zeros (the backward reads the padding rows of its groups)
-      MOK_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(rp.keep_gu, 0, size_t(in.keep_rows) * 2 * size_t(I) * sizeof(float), stream));
   }
   auto* kernel = &forward_kernel;
   cudaFuncAttributes attr{};

@@ -85,9 +85,11 @@ def experts_backward(
     on it.
 
     gu: None (the op recomputes g, u = x_r @ gate_up[e] in fp32 itself), or f32[M, 2I], the forward's kept fp32
-    gate/up accumulators in this layout: row r holds g in columns [0, I) and u in [I, 2I) of row r's slot, and
-    rows that hold no slot (padding rows, rows past sum(group_sizes)) are zeros. The op then skips its recompute
-    and reads these; the outputs are the bits it gives when its recompute equals gu (nothing else changes).
+    gate/up accumulators in this layout: row r holds g in columns [0, I) and u in [I, 2I) of row r's slot; rows
+    that hold no slot may hold anything (the op zeroes the padding rows inside the groups, in place: XLA hands
+    the op gu's buffer, and copies it first only if gu is still needed elsewhere). The op then skips its
+    recompute and reads these; the outputs are the bits it gives when its recompute equals gu on the slots'
+    rows (nothing else changes).
 
     return_gu: a test and benchmark hook: also return the f32[M, 2I] g, u that the op used: its own recompute
     (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
@@ -121,7 +123,7 @@ def experts_backward(
         jax.ShapeDtypeStruct((m, hidden), bf16),
         jax.ShapeDtypeStruct((m, hidden), bf16),
         jax.ShapeDtypeStruct((m,), f32),
-        jax.ShapeDtypeStruct((0 if kept else m, 2 * inter), f32),  # g, u in fp32, as the forward has them
+        jax.ShapeDtypeStruct((m, 2 * inter), f32),  # g, u in fp32, as the forward has them (kept: aliases gu)
         jax.ShapeDtypeStruct((m, 2 * inter), bf16),
         jax.ShapeDtypeStruct((m, inter), bf16),
         jax.ShapeDtypeStruct((m, -(-inter // _DW_PART_COLS)), f32),
@@ -130,8 +132,9 @@ def experts_backward(
     )
     # vmap: "sequential", as mok_grouped_ffn (ops/grouped_ffn.py): the op is pure and the handler takes one
     # problem's rank-2 tokens and rank-1 rows and group sizes.
-    dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call("mok_experts_backward", out,
-                                                                    vmap_method="sequential")(
+    # kept: the scratch gu (result 8) is the kept buffer itself (operand 8), whose padding rows the op zeroes
+    dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
+        "mok_experts_backward", out, vmap_method="sequential", input_output_aliases={8: 8} if kept else None)(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in,
         num_sms=np.int32(0 if num_sms is None else num_sms))
     result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[-2])

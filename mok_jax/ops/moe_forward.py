@@ -75,7 +75,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     keep_pos (the backward's "keep everything" residual): int32[R, ep * T * k], the row that each slot (s, t, j) of
     the EP group (source rank s, its token t, slot j; flat (s T + t) k + j) takes in a kept f32[keep_rows, 2I]
     buffer of rank r's experts' g | u (its fp32 gate/up accumulators), or any value outside [0, keep_rows) for
-    none. Then the call also returns keep_gu: f32[R, keep_rows, 2I], zeros in the rows no slot names:
+    none. Then the call also returns keep_gu: f32[R, keep_rows, 2I] (rows no slot names are not written):
     (y, status, keep_gu). The other outputs do not change.
     """
     from mok_jax.workspace import Workspace

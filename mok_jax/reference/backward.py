@@ -14,7 +14,8 @@ per row r of expert e:
 
 and per token t: dx[t] = sum_j dx_{pos[t, j]} in fp32 in slot order, dw[t, j] = dw_{pos[t, j]} (a slot whose pos
 is outside [0, M) adds nothing and gets 0). Given the forward's kept g, u (``gu``, f32[M, 2I]), row r of expert e
-takes its g, u from gu[r] instead of x_r @ gate_up[e]; everything else is the same.
+takes its g, u from gu[r] instead of x_r @ gate_up[e] (a row without a slot: zeros, whatever gu holds there);
+everything else is the same.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def experts_backward_reference(
     x32 = gather_rows(x, jnp.where(slot_ok, slot // k, -1)).astype(_F32)
     dy32 = gather_rows(dy, jnp.where(slot_ok, slot // k, -1)).astype(_F32)
     w32 = gather_rows(topk_weight.reshape(-1), slot).astype(_F32)
+    if gu is not None:  # a row without a slot may hold anything: zeros, as the op's gather makes them
+        gu = jnp.where(slot_ok[:, None], gu.astype(_F32), 0.0)
 
     ends = jnp.cumsum(group_sizes)
     expert_of_row = jnp.searchsorted(ends, jnp.arange(m), side="right")  # == E past sum(group_sizes)

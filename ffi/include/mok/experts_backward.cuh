@@ -19,7 +19,7 @@
 // Launches, stream-ordered; the GEMMs are persistent TMA + wgmma kernels on num_sms SMs:
 //   0 gather x_e, dy_e, w_e     one warp per row, 16-byte copies
 //   1 gu = x_e @ gate_up        grouped GEMM, fp32 epilogue                  (sm90_grouped_gemm.cuh)
-//                               skipped when gu_in is given: launch 2 reads gu_in instead
+//                               skipped when g, u are kept: launch 2 reads them, launch 0 zeroes their padding rows
 //   2 dh' = dy_e @ down^T       grouped GEMM, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
 //   3 dw_e = sum of partials    in ascending n-block order
 //   4 dx_e = dgu @ gate_up^T    grouped GEMM, K-major B, plain bf16 epilogue
@@ -29,9 +29,10 @@
 // Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
 // for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
 //
-// Kept g, u (gu_in): f32 [M, 2I] in this row layout, row r = x_e[r] @ gate_up[e] as the forward's fp32
-// accumulators, zeros for padding rows (only rows inside the groups are read). The outputs are then the bits
-// the op gives when its own recompute equals gu_in: launch 2 reads the same values, nothing else changes.
+// Kept g, u (gu_kept): f32 [M, 2I] in this row layout, row r = x_e[r] @ gate_up[e] as the forward's fp32
+// accumulators; rows that hold no slot may hold anything: launch 0 zeroes the padding rows inside the groups
+// (what the recompute gives them), and rows past the groups are never read. The outputs are then the bits the
+// op gives when its own recompute equals the kept rows: launch 2 reads the same values, nothing else changes.
 //
 // status (written every call, by the first grouped GEMM: launch 1, or launch 2 when 1 is skipped): 0, or
 // kGroupedFfnStatus* bits (bad sizes: every group is then empty, dx and dw are zero and the weight gradients
@@ -55,7 +56,7 @@ struct ExpertsBackwardParams {
   const int32_t* group_sizes;  // s32 [E], device
   const void* gate_up;         // bf16 [E, H, 2I]
   const void* down;            // bf16 [E, I, H]
-  const float* gu_in;          // f32 [M, 2I]: the forward's kept g | u, or nullptr (launch 1 recomputes into gu)
+  float* gu_kept;              // f32 [M, 2I]: the forward's kept g | u (== gu), or nullptr (launch 1 recomputes)
   float* dx;                   // f32 [T, H]
   float* dw;                   // f32 [T, k]
   void* d_gate_up;             // bf16 [E, H, 2I]
@@ -64,7 +65,7 @@ struct ExpertsBackwardParams {
   void* x_e;                   // scratch bf16 [M, H]
   void* dy_e;                  // scratch bf16 [M, H]
   float* w_e;                  // scratch f32 [M]
-  void* gu;                    // scratch f32 [M, 2I]; unused (may be null) when gu_in is given
+  void* gu;                    // scratch f32 [M, 2I]: the recompute, or the kept g | u
   void* dgu;                   // scratch bf16 [M, 2I]
   void* hw;                    // scratch bf16 [M, I]
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]
