@@ -2,10 +2,11 @@
 process per GPU (issue 13, item 1). Needs 2 GPUs; skipped with the reason otherwise (not a pass).
 
 The emulation (mok_jax.emulation) runs the same protocol with both ranks on one GPU, so the real EP 2 layer must
-give its bits: the forward's y, and the gradients (the EP > 1 backward over XLA collectives against
-emulated_moe_backward, which runs the same per-rank functions with the collectives replaced by what they
-compute): bit for bit for the routed experts' gradients and dx; the shared expert's weight gradients are a psum
-of two bf16 per-rank gradients (one rounding of a + b either way) and are compared per row within a rounding.
+give its bits: the forward's y (the megakernel, shared expert included), and of the gradients (the EP > 1
+backward over XLA collectives against emulated_moe_backward, which runs the same per-rank functions with the
+collectives replaced by what they compute) the router weights' and the routed experts' weights', bit for bit.
+The shared expert's backward is XLA matmuls, which XLA may compile differently in the two programs: dx (which
+adds the shared expert's) and the shared weights' gradients are compared per row within bf16 roundings.
 The same file is the worker of the one-process-per-GPU case: ``python tests/test_moe_multigpu_gpu.py PID PORT``.
 """
 
@@ -104,15 +105,19 @@ def _compare(y, grads, y_ref, grads_ref, rows=slice(None)):
     bits = lambda a: np.asarray(a).view(np.uint16 if np.asarray(a).dtype.itemsize == 2 else np.uint32)  # noqa: E731
     np.testing.assert_array_equal(bits(y), bits(y_ref[rows]), "y")
     (dx, dw, dW), (dx_r, dw_r, dW_r) = grads, grads_ref
-    np.testing.assert_array_equal(bits(dx), bits(dx_r[rows]), "dx")
     np.testing.assert_array_equal(bits(dw), bits(dw_r[rows]), "d topk_weight")
     dW, dW_r = MoEWeights(*dW), MoEWeights(*dW_r)
     for name in ("gate_up", "down"):
         np.testing.assert_array_equal(bits(getattr(dW, name)), bits(getattr(dW_r, name)), f"d {name}")
-    for name in ("shared_gate_up", "shared_down"):
-        a, b = (np.asarray(v, np.float64).reshape(-1, np.shape(v)[-1]) for v in (getattr(dW, name), getattr(dW_r, name)))
+
+    def near(name, got, want):  # per row: 2 bf16 roundings (2^-8 each) of the row and of a typical row
+        a, b = (np.asarray(v, np.float64).reshape(-1, np.shape(v)[-1]) for v in (got, want))
         err, ref = np.linalg.norm(a - b, axis=1), np.linalg.norm(b, axis=1)
-        assert (err <= 2.0**-7 * (ref + np.sqrt(np.mean(ref**2)))).all(), f"d {name}: rows off by {err.max()}"
+        assert (err <= 2.0**-7 * (ref + np.sqrt(np.mean(ref**2)))).all(), f"{name}: rows off by {err.max()}"
+
+    near("dx", dx, dx_r[rows])
+    for name in ("shared_gate_up", "shared_down"):
+        near(f"d {name}", getattr(dW, name), getattr(dW_r, name))
 
 
 def test_ep2_one_process_driving_both_gpus(two_gpus):
