@@ -17,6 +17,10 @@ TOL_F32_REORDER = 2e-5
 TOL_BF16_REORDER = 4 * 2.0**-8
 
 
+# The MoE layer's gradients, in jax.tree.leaves order of (dx, d topk_weight, d MoEWeights).
+GRAD_NAMES = ("dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down")
+
+
 def random_problem(shape: ModelShape, num_tokens: int, *, dtype=jnp.float32, seed: int = 0, scale: float = 1.0):
     """x, topk_idx, topk_weight, weights for ``shape`` with fresh random values."""
     ks = jax.random.split(jax.random.key(seed), 7)
