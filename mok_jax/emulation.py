@@ -33,6 +33,20 @@ from mok_jax.workspace import Workspace, emulated_workspace
 __all__ = ["emulated_moe", "emulated_moe_backward"]
 
 
+def _check_emulated_args(x, topk_idx, topk_weight, weights: MoEWeights, ep: int):
+    """The global arrays of an emulated call (as jax arrays), checked: ep in [1, 8] (the ranks one emulated launch
+    carries), the layer's arguments, and experts and tokens divisible by ep."""
+    if not isinstance(ep, int) or not 1 <= ep <= 8:
+        raise ValueError(f"ep must be an int in [1, 8] (ranks one emulated launch carries), got {ep!r}")
+    x, topk_idx, topk_weight = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weight)
+    check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=1)
+    if weights.num_local_experts % ep:
+        raise ValueError(f"the number of experts ({weights.num_local_experts}) must be divisible by ep={ep}")
+    if x.shape[0] % ep:
+        raise ValueError(f"x must hold ep * T tokens: {x.shape[0]} is not divisible by ep={ep}")
+    return x, topk_idx, topk_weight
+
+
 def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights, *, ep: int,
                  kernel: KernelConfig | None = None, workspace: Workspace | None = None, device: jax.Device | None = None,
                  identity_experts: bool = False, skip_rank: int = -1, timeout_s: float = 10.0,
@@ -48,15 +62,8 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
     ``emulated_moe_backward(..., kept=...)``.
     Jit-compatible when ``workspace`` is given or the shapes are static (the workspace is set up at trace time).
     """
-    if not isinstance(ep, int) or not 1 <= ep <= 8:
-        raise ValueError(f"ep must be an int in [1, 8] (ranks one emulated launch carries), got {ep!r}")
-    x, topk_idx, topk_weight = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weight)
-    check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=1)
+    x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
     num_experts = weights.num_local_experts
-    if num_experts % ep:
-        raise ValueError(f"the number of experts ({num_experts}) must be divisible by ep ({ep})")
-    if x.shape[0] % ep:
-        raise ValueError(f"x must hold ep * T tokens: {x.shape[0]} is not divisible by ep={ep}")
     if not -1 <= skip_rank < ep:
         raise ValueError(f"skip_rank must be -1 (none) or in [0, {ep}), got {skip_rank}")
     require_native("mok_jax.emulation.emulated_moe")
@@ -103,13 +110,9 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     """
     from mok_jax.moe import _drop_invalid_tokens, _finish_backward, _routed_backward_rank, _slot_sum
 
-    if not isinstance(ep, int) or not 1 <= ep <= 8:
-        raise ValueError(f"ep must be an int in [1, 8], got {ep!r}")
-    x, topk_idx, topk_weight, dy = (jnp.asarray(a) for a in (x, topk_idx, topk_weight, dy))
-    check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=1)
+    x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
+    dy = jnp.asarray(dy)
     num_experts = weights.num_local_experts
-    if num_experts % ep or x.shape[0] % ep:
-        raise ValueError(f"the experts ({num_experts}) and the tokens ({x.shape[0]}) must be divisible by ep={ep}")
     if dy.shape != x.shape:
         raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
     if experts_fn is None:

@@ -17,6 +17,10 @@ TOL_F32_REORDER = 2e-5
 TOL_BF16_REORDER = 4 * 2.0**-8
 
 
+# The MoE layer's gradients, in jax.tree.leaves order of (dx, d topk_weight, d MoEWeights).
+GRAD_NAMES = ("dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down")
+
+
 def random_problem(shape: ModelShape, num_tokens: int, *, dtype=jnp.float32, seed: int = 0, scale: float = 1.0):
     """x, topk_idx, topk_weight, weights for ``shape`` with fresh random values."""
     ks = jax.random.split(jax.random.key(seed), 7)
@@ -106,3 +110,31 @@ def program_problem(seed: int, tag: str, E=16, H=512, I=256, k=4, Is=256, T=600,
     if layers is None:
         idx, w = idx[0], w[0]
     return x, jnp.asarray(idx), jnp.asarray(w), W, dy
+
+
+def free_port() -> int:
+    """A TCP port of localhost that is free now: for a jax.distributed coordinator of the test's processes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(argvs: list[list[str]], *, env: dict, cwd, timeout: float) -> list[tuple[int, str]]:
+    """Start one process per argv at once (they meet each other, e.g. under jax.distributed), wait for all, and
+    return each one's (return code, stdout and stderr together). A process still running after ``timeout`` s
+    has every process killed (the others would wait on it) and its output so far returned."""
+    import subprocess
+
+    procs = [subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv in argvs]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outs.append(p.communicate()[0])
+    return [(p.returncode, out) for p, out in zip(procs, outs)]

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -56,23 +54,15 @@ def test_processes_one_gpu_each(num_procs):
         pytest.skip(f"{num_procs} ranks do not divide the test's {EXPERTS} experts (not a pass)")
     if library() is None:
         pytest.skip(f"native library unavailable: {native_status()} (not a pass)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from helpers import free_port, run_processes  # not at the top: the workers import this file before JAX starts
+
+    port = free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(num_procs)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(num_procs)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outs.append(p.communicate()[0])
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed (rc {p.returncode}):\n{out[-4000:]}"
+    runs = run_processes([[sys.executable, __file__, str(i), str(port), str(num_procs)] for i in range(num_procs)],
+                         env=env, cwd=REPO, timeout=WORKER_TIMEOUT_S)
+    for i, (rc, out) in enumerate(runs):
+        assert rc == 0, f"process {i} failed (rc {rc}):\n{out[-4000:]}"
         assert f"MP_OK process {i}" in out, out[-4000:]
 
 

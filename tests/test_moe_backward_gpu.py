@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import record_metrics, seeded_key
+from helpers import GRAD_NAMES, record_metrics, seeded_key
 
 import mok_jax as mj
 from mok_jax import ops
@@ -297,10 +297,9 @@ def _check_layer(case, x, idx, w, W, dy, got=None):
     got = _mok_grads(x, w, W, idx, dy) if got is None else got
     ref = _reference_grads_f32(x, w, W, idx, dy)
     naive = _xla_grads(x, w, W, idx, dy)
-    names = ["dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down"]
     leaves = [jax.tree.leaves(t) for t in (got, ref, naive)]
     worst = {}
-    for name, g, r, n in zip(names, *leaves):
+    for name, g, r, n in zip(GRAD_NAMES, *leaves):
         g, r, n = _rows(np.asarray(g, np.float32)), _rows(r), _rows(np.asarray(n, np.float32))
         assert np.isfinite(g).all(), f"{case}: {name} has NaN/Inf"
         err, err_nv = np.linalg.norm(g - r, axis=1), np.linalg.norm(n - r, axis=1)
@@ -352,8 +351,7 @@ def test_layer_gradients_bitwise_repeatable_and_under_checkpoint():
 
     plain_layer = functools.partial(mj.moe, config=_MOK)
     remat = jax.jit(jax.grad(loss(jax.checkpoint(plain_layer)), argnums=(0, 1, 2)))(x, w, W)
-    for name, a, b, c in zip(["dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down"],
-                             *(jax.tree.leaves(t) for t in (first, second, remat))):
+    for name, a, b, c in zip(GRAD_NAMES, *(jax.tree.leaves(t) for t in (first, second, remat))):
         np.testing.assert_array_equal(_bits(b), _bits(a), f"a second run changed {name}")
         np.testing.assert_array_equal(_bits(c), _bits(a), f"jax.checkpoint changed {name}")
     _check_layer("grad:remat", x, idx, w, W, dy, got=first)
@@ -374,9 +372,8 @@ def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is):
     x, idx, w, W, dy = _problem(f"ep{ep}:{Is}", _shape(E, H, I, k, Is), T, "masked")
     one = _mok_grads(x, w, W, idx, dy)
     got = jax.jit(functools.partial(emulated_moe_backward, ep=ep))(x, idx, w, W, dy)
-    names = ["dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down"]
-    exact = names if not Is else ["d topk_weight", "d gate_up", "d down"]
-    for name, a, b in zip(names, jax.tree.leaves(got), jax.tree.leaves(one)):
+    exact = GRAD_NAMES if not Is else ("d topk_weight", "d gate_up", "d down")
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
         if name in exact:
             np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep}: {name}")
     if Is:

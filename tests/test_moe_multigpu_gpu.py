@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -134,23 +132,15 @@ def test_ep2_one_process_driving_both_gpus(two_gpus):
 
 
 def test_ep2_one_process_per_gpu(two_gpus):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from helpers import free_port, run_processes  # not at the top: the workers import this file before JAX starts
+
+    port = free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(EP)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outs.append(p.communicate()[0])
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"MOK_EP2_OK process {i}" in out, f"process {i} (rc {p.returncode}):\n{out[-4000:]}"
+    runs = run_processes([[sys.executable, __file__, str(i), str(port)] for i in range(EP)], env=env, cwd=REPO,
+                         timeout=WORKER_TIMEOUT_S)
+    for i, (rc, out) in enumerate(runs):
+        assert rc == 0 and f"MOK_EP2_OK process {i}" in out, f"process {i} (rc {rc}):\n{out[-4000:]}"
 
 
 def _worker(pid: int, port: int) -> None:
@@ -186,5 +176,4 @@ def _worker(pid: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "tests"))
     _worker(int(sys.argv[1]), int(sys.argv[2]))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TOL_F32_REORDER, program_problem, seeded_key
+from helpers import GRAD_NAMES, TOL_F32_REORDER, program_problem, seeded_key
 from jax.ad_checkpoint import checkpoint_name
 
 import mok_jax as mj
@@ -57,7 +57,6 @@ print(f"test_programs_grad_gpu: seed {_SEED}")
 MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
-_GRAD_NAMES = ("dx", "d topk_weight", "d gate_up", "d down", "d shared_gate_up", "d shared_down")
 
 
 def _problem(tag: str, **shape):
@@ -69,7 +68,7 @@ def _bits(a) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-def _assert_same_bits(got, want, what: str, names=_GRAD_NAMES):
+def _assert_same_bits(got, want, what: str, names=GRAD_NAMES):
     """Leaf by leaf: the same dtype, shape and bits; the wanted leaf finite and not all zeros (two NaN or two
     zero gradients would agree and prove nothing). A failure names every leaf that differs, how many elements
     and how far."""
@@ -195,9 +194,9 @@ def test_gradient_accumulation_in_one_jit_equals_separate_steps():
     for m, (x, idx, w, _, dy) in enumerate(micro):
         dW, dx, dw = one(W32, x, w, idx, dy)
         want = jax.tree.map(jnp.add, want, dW)  # f32, microbatch order
-        _assert_same_bits((dxs[m], dws[m]), (dx, dw), f"microbatch {m} in one jit", names=_GRAD_NAMES[:2])
+        _assert_same_bits((dxs[m], dws[m]), (dx, dw), f"microbatch {m} in one jit", names=GRAD_NAMES[:2])
     assert all(a.dtype == _F32 for a in jax.tree.leaves(acc))
-    _assert_same_bits(acc, want, "the f32 sum over 3 microbatches", names=_GRAD_NAMES[2:])
+    _assert_same_bits(acc, want, "the f32 sum over 3 microbatches", names=GRAD_NAMES[2:])
 
 
 def test_two_shapes_in_one_program():

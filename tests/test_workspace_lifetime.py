@@ -18,12 +18,12 @@ import ctypes
 import itertools
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from helpers import free_port, run_processes
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SUBPROCESS_TIMEOUT_S = 240
@@ -127,26 +127,15 @@ jax.distributed.shutdown()
 
 def test_processes_agree_on_process0_id():
     """A workspace spanning processes takes process 0's id on every process (its barriers are named by it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # CPU processes: on a one-GPU machine two GPU processes would share the device (NCCL refuses that)
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_WORKER, str(i), str(port)], env=_env(JAX_PLATFORMS="cpu"),
-                              cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outs.append(p.communicate()[0])
-    if any("gloo" in o.lower() and p.returncode != 0 for p, o in zip(procs, outs)):
-        pytest.skip(f"CPU collectives (gloo) unavailable here (not a pass): {outs[0][-1000:]}")
+    runs = run_processes([[sys.executable, "-c", _AGREE_WORKER, str(i), str(port)] for i in range(2)],
+                         env=_env(JAX_PLATFORMS="cpu"), cwd=REPO, timeout=SUBPROCESS_TIMEOUT_S)
+    if any("gloo" in out.lower() and rc != 0 for rc, out in runs):
+        pytest.skip(f"CPU collectives (gloo) unavailable here (not a pass): {runs[0][1][-1000:]}")
     ids = []
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for rc, out in runs:
+        assert rc == 0, out[-3000:]
         line = next(line for line in out.splitlines() if line.startswith("IDS"))
         ids.append([int(t) for t in line.split()[1:]])
     (own0, agreed0), (own1, agreed1) = ids
