@@ -156,6 +156,13 @@ class MoEConfig:
         ``checkify.debug_check``, free unless the caller checkifies). Its effect cannot be serialized by
         ``jax.export``: set False to export the layer (invalid ids still give NaN rows, and the megakernel
         still records them for ``Workspace.check()``).
+    keep: what ``implementation="mok"``'s forward keeps for its backward beyond the inputs, trading memory for
+        recompute: "nothing" (the backward recomputes the routed experts' gate/up GEMM) or "everything" (the
+        forward also writes its fp32 gate/up accumulators g | u of every slot into its backward's rows, and
+        the backward skips that GEMM: two thirds of the routed experts' forward FLOPs, a quarter of their
+        backward's). Kept per rank and layer: f32 [M, 2I] with M = ep T k + 128 L rows (the static bound of a
+        dropless layout, ep times the rows a uniform routing uses at EP > 1). The gradients are the same bits
+        either way. Ignored by ``implementation="xla"``.
     """
 
     implementation: Implementation = "xla"
@@ -163,12 +170,16 @@ class MoEConfig:
     kernel: KernelConfig | None = None
     workspace: object | None = None
     checkify_ids: bool = True
+    keep: str = "nothing"
 
     def __post_init__(self):
         _require(self.implementation in ("xla", "mok"),
                  f"MoEConfig.implementation must be 'xla' or 'mok', got {self.implementation!r}")
         _require(self.ep_axis is None or (isinstance(self.ep_axis, str) and self.ep_axis),
                  f"MoEConfig.ep_axis must be a mesh axis name or None, got {self.ep_axis!r}", TypeError)
+        _require(self.keep in ("nothing", "everything"),
+                 f"MoEConfig.keep must be 'nothing' or 'everything' (keeping only what the ring kept is not built "
+                 f"yet), got {self.keep!r}")
         _require(isinstance(self.checkify_ids, bool),
                  f"MoEConfig.checkify_ids must be a bool, got {self.checkify_ids!r}", TypeError)
         _require(self.kernel is None or isinstance(self.kernel, KernelConfig),

@@ -50,14 +50,16 @@ def _check_emulated_args(x, topk_idx, topk_weight, weights: MoEWeights, ep: int)
 def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights, *, ep: int,
                  kernel: KernelConfig | None = None, workspace: Workspace | None = None, device: jax.Device | None = None,
                  identity_experts: bool = False, skip_rank: int = -1, timeout_s: float = 10.0,
-                 num_sms: int = 0, timing_mode: int = 0) -> tuple[jax.Array, jax.Array]:
+                 num_sms: int = 0, timing_mode: int = 0, keep: bool = False) -> tuple:
     """The layer forward at EP size ``ep``, every rank on one GPU (``device``, default the first GPU).
 
     x: bf16[ep * T, H]; topk_idx: int32[ep * T, k] (global ids, -1 = masked); topk_weight: f32[ep * T, k];
     weights: the global MoEWeights (gate_up [E, H, 2I] with E divisible by ep). Returns (y: bf16[ep * T, H],
     status: int32[ep, 4]) where rank r's tokens are rows [r*T, (r+1)*T). ``workspace``: an emulated one
     (default: cached per device, ep and shape); identity_experts, skip_rank: the kernel's test modes;
-    timing_mode: its bench-only timing mode (ops.moe_forward).
+    timing_mode: its bench-only timing mode (ops.moe_forward). keep: also return each rank's kept g, u
+    (MoEConfig(keep="everything")): (y, status, [mok_jax.moe.KeptGateUp of rank r for r in range(ep)]), for
+    ``emulated_moe_backward(..., kept=...)``.
     Jit-compatible when ``workspace`` is given or the shapes are static (the workspace is set up at trace time).
     """
     x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
@@ -74,18 +76,28 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
     if not ws.emulated or ws.config.ep != ep:
         raise ValueError(f"workspace must be an emulated workspace of {ep} ranks, got {ws}")
     per_rank = lambda a: a.reshape(ep, a.shape[0] // ep, *a.shape[1:])
-    y, status = ops.moe_forward(
+    layouts, kept = None, {}
+    if keep:
+        from mok_jax.moe import _rank_layout
+
+        layouts = [_rank_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
+        kept = dict(keep_pos=jnp.stack([lay.pos.reshape(-1) for lay in layouts]), keep_rows=layouts[0].num_rows)
+    y, status, *gu = ops.moe_forward(
         ws, per_rank(x).astype(jnp.bfloat16), per_rank(topk_idx), per_rank(topk_weight.astype(jnp.float32)),
         per_rank(weights.gate_up.astype(jnp.bfloat16)), per_rank(weights.down.astype(jnp.bfloat16)),
         None if weights.shared_gate_up is None else weights.shared_gate_up.astype(jnp.bfloat16),
         None if weights.shared_down is None else weights.shared_down.astype(jnp.bfloat16),
         kernel=kernel, identity_experts=identity_experts, skip_rank=skip_rank, num_sms=num_sms,
-        timing_mode=timing_mode)
-    return y.reshape(ep * tokens, H), status
+        timing_mode=timing_mode, **kept)
+    if not keep:
+        return y.reshape(ep * tokens, H), status
+    from mok_jax.moe import KeptGateUp
+
+    return y.reshape(ep * tokens, H), status, [KeptGateUp(gu[0][r], layouts[r]) for r in range(ep)]
 
 
 def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights,
-                          dy: jax.Array, *, ep: int, experts_fn=None):
+                          dy: jax.Array, *, ep: int, experts_fn=None, kept=None):
     """The gradients of implementation='mok' at EP size ``ep``, every rank on one device: (dx, d topk_weight,
     d weights) of the global arrays (shapes as ``emulated_moe``'s, dy: [ep * T, H]).
 
@@ -93,7 +105,8 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     over every rank's tokens (the all-gather's result: the global arrays) and its own experts; the reduce-scatter
     becomes the sum of the ranks' parts (each slot has one owner: the sum adds zeros), the slot-order sum and the
     shared expert's backward run per rank on its tokens, and the shared weights' psum is the sum over the ranks
-    in rank order. ``experts_fn``: mok_jax.ops.experts_backward when None (tests pass its reference).
+    in rank order. ``experts_fn``: mok_jax.ops.experts_backward when None (tests pass its reference). ``kept``:
+    the ranks' kept g, u from ``emulated_moe(..., keep=True)`` (MoEConfig(keep="everything")), or None.
     """
     from mok_jax.moe import _drop_invalid_tokens, _finish_backward, _routed_backward_rank, _slot_sum
 
@@ -109,8 +122,11 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     tokens, local = x.shape[0] // ep, num_experts // ep
     dy = _drop_invalid_tokens(dy, topk_idx, num_experts, x.dtype)
     w32 = topk_weight.astype(jnp.float32)
+    if kept is not None and len(kept) != ep:
+        raise ValueError(f"kept must hold the kept g, u of each of the {ep} ranks, got {len(kept)}")
     parts = [_routed_backward_rank(x, dy, topk_idx, w32, weights.gate_up[r * local:(r + 1) * local],
-                                           weights.down[r * local:(r + 1) * local], r, experts_fn)
+                                   weights.down[r * local:(r + 1) * local], r, experts_fn,
+                                   None if kept is None else kept[r])
              for r in range(ep)]
     dx_slots, dw = parts[0].dx_slots, parts[0].dw
     for p in parts[1:]:

@@ -45,7 +45,7 @@ from jax.experimental import checkify
 from mok_jax import reference
 from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
-from mok_jax.expert_layout import padded_layout
+from mok_jax.expert_layout import PaddedLayout, padded_layout
 from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.validation import check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
@@ -53,13 +53,25 @@ from mok_jax.weights import MoEWeights
 __all__ = ["moe"]
 
 
+class KeptGateUp(NamedTuple):
+    """What implementation='mok' keeps with MoEConfig(keep="everything"): gu f32[M, 2I], the forward's fp32
+    gate/up accumulators (g | u) of every slot of this rank's experts, in the rows of ``layout`` (the padded
+    expert-major layout its backward runs on; rows no slot takes are not written: the backward op zeroes the
+    padding rows it reads)."""
+
+    gu: jax.Array
+    layout: PaddedLayout
+
+
 class MoEResiduals(NamedTuple):
-    """What the backward pass keeps from the forward pass: its inputs (both backwards recompute the rest)."""
+    """What the backward pass keeps from the forward pass: its inputs, and with MoEConfig(keep="everything") on
+    the mok path the forward's g, u (``kept``); the backwards recompute the rest."""
 
     x: jax.Array
     topk_idx: jax.Array
     topk_weight: jax.Array
     weights: MoEWeights
+    kept: KeptGateUp | None = None
 
 
 def _ep_size(config: MoEConfig) -> int:
@@ -101,8 +113,9 @@ def _report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
         + ") nor -1 (masked); that token's output row is NaN", first // k, first % k, topk_idx.reshape(-1)[first])
 
 
-def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig):
-    """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here."""
+def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig, keep: PaddedLayout | None = None):
+    """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
+    ``keep`` (this rank's backward layout, ``_rank_layout``) it returns (y, the kept g | u in its rows)."""
     from mok_jax import ops
     from mok_jax.workspace import local_workspace
 
@@ -119,9 +132,11 @@ def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfi
         ws = local_workspace(max_tokens=tokens, hidden_size=x.shape[1], top_k=k, num_experts=num_experts)
     if ws.config.ep != ep:
         raise ValueError(f"MoEConfig.workspace spans {ws.config.ep} EP ranks, the mesh axis {config.ep_axis!r} {ep}")
-    y, _ = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
-                           weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=config.kernel)
-    return y[0]
+    kept = {} if keep is None else dict(keep_pos=keep.pos.reshape(1, -1), keep_rows=keep.num_rows)
+    y, _, *gu = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
+                                weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=config.kernel,
+                                **kept)
+    return y[0] if keep is None else (y[0], gu[0][0])
 
 
 def _forward(x, topk_idx, topk_weight, weights, config: MoEConfig):
@@ -135,7 +150,25 @@ def _moe(x, topk_idx, topk_weight, weights, config):
     return _forward(x, topk_idx, topk_weight, weights, config)
 
 
+def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
+    """The padded layout of the slots of EP rank ``rank``'s experts [rank * L, (rank + 1) * L) among topk_idx
+    (global ids of every rank's tokens, rank-major; every other slot masked): the rows its backward runs on,
+    in global (t, j) order within each expert, as the EP-1 layout has them."""
+    first = rank * num_local
+    mine = (topk_idx >= first) & (topk_idx < first + num_local)
+    return padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)
+
+
 def _moe_fwd(x, topk_idx, topk_weight, weights, config):
+    if config.implementation == "mok" and config.keep == "everything":
+        ep, num_local = _ep_size(config), weights.num_local_experts
+        if ep == 1:
+            layout = _rank_layout(topk_idx, num_local, 0)
+        else:
+            layout = _rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
+                                  jax.lax.axis_index(config.ep_axis))
+        y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=layout)
+        return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout))
     y = _forward(x, topk_idx, topk_weight, weights, config)
     return y, MoEResiduals(x, topk_idx, topk_weight, weights)
 
@@ -202,16 +235,16 @@ class RoutedBackwardPart(NamedTuple):
     status: jax.Array
 
 
-def _routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, experts_fn) -> RoutedBackwardPart:
+def _routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, experts_fn,
+                          kept: KeptGateUp | None = None) -> RoutedBackwardPart:
     """EP rank ``rank``'s routed backward: x, dy: [N, H], topk_idx (global ids): [N, k], topk_weight: f32[N, k]
     of every rank's tokens (N = ep * T, rank-major: the global token order); gate_up, down: its L local experts
-    [rank * L, (rank + 1) * L). Its layout keeps its experts' slots in global (t, j) order, as the EP-1 layout
-    does, so each slot's dx row and dw and each expert's weight gradient are the bits of EP size 1."""
-    num_local = gate_up.shape[0]
-    first = rank * num_local
-    mine = (topk_idx >= first) & (topk_idx < first + num_local)
-    layout = padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-    out = experts_fn(x, dy, topk_weight, layout.pos, layout.src_slot, layout.group_sizes, gate_up, down)
+    [rank * L, (rank + 1) * L). Its layout (``_rank_layout``, or the kept one with its g, u) keeps its experts'
+    slots in global (t, j) order, as the EP-1 layout does, so each slot's dx row and dw and each expert's weight
+    gradient are the bits of EP size 1."""
+    layout = _rank_layout(topk_idx, gate_up.shape[0], rank) if kept is None else kept.layout
+    gu = {} if kept is None else dict(gu=kept.gu)
+    out = experts_fn(x, dy, topk_weight, layout.pos, layout.src_slot, layout.group_sizes, gate_up, down, **gu)
     # pos is M (one past the rows) for the other ranks' slots: they pick the appended zero row
     rows = jnp.concatenate([out.dx_rows, jnp.zeros((1, x.shape[1]), out.dx_rows.dtype)])
     return RoutedBackwardPart(rows[layout.pos], out.dw, out.d_gate_up, out.d_down, out.status)
@@ -266,20 +299,22 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
 
         experts_fn = ops.experts_backward
     ep = _ep_size(config)
-    x, topk_idx, topk_weight, weights = residuals
+    x, topk_idx, topk_weight, weights, kept = residuals
     dy = _drop_invalid_tokens(dy, topk_idx, weights.num_local_experts * ep, x.dtype)
     w32 = topk_weight.astype(jnp.float32)
     if ep == 1:
         # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
-        layout = padded_layout(topk_idx, weights.num_local_experts, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-        out = experts_fn(x, dy, w32, layout.pos, layout.src_slot, layout.group_sizes, weights.gate_up, weights.down)
+        layout = _rank_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
+        gu = {} if kept is None else dict(gu=kept.gu)
+        out = experts_fn(x, dy, w32, layout.pos, layout.src_slot, layout.group_sizes, weights.gate_up, weights.down,
+                         **gu)
         dx_routed, dw, failed = out.dx, out.dw, out.status != 0
         d_gate_up, d_down = out.d_gate_up, out.d_down
     else:
         axis = config.ep_axis
         gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
         part = _routed_backward_rank(gather(x), gather(dy), gather(topk_idx), gather(w32), weights.gate_up,
-                                     weights.down, jax.lax.axis_index(axis), experts_fn)
+                                     weights.down, jax.lax.axis_index(axis), experts_fn, kept)
         # the op's outputs differ per rank: mark them varying before the collectives sum them
         part = jax.tree.map(lambda a: _to_varying(a, (axis,)), part)
         home = lambda a: jax.lax.psum_scatter(a, axis, scatter_dimension=0, tiled=True)  # noqa: E731

@@ -128,12 +128,13 @@ def check_num_sms(num_sms) -> None:
 
 
 def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, *, where: str,
-                                dtypes=(jnp.bfloat16,), max_experts: int | None = None
+                                dtypes=(jnp.bfloat16,), max_experts: int | None = None, gu=None
                                 ) -> tuple[int, int, int, int, int, int]:
     """Shapes and dtypes of the experts' backward arguments (mok_jax.ops.experts_backward and its reference);
     returns (T, k, M, H, I, E). ``where`` opens each message; ``dtypes``: the floating dtypes allowed for x (dy
-    and the weights must be x's); ``max_experts``: the most experts the caller takes (None: no limit). The values
-    of pos, src_slot and group_sizes are not checked (they are device values)."""
+    and the weights must be x's); ``max_experts``: the most experts the caller takes (None: no limit); ``gu``:
+    None, or the forward's kept g, u, which must be float32[M, 2I] whatever x's dtype. The values of pos,
+    src_slot, group_sizes and gu are not checked (they are device values)."""
     for name, a, rank, shape in (("x", x, 2, "[T, H]"), ("dy", dy, 2, "[T, H]"),
                                  ("topk_weight", topk_weight, 2, "[T, k]"), ("pos", pos, 2, "[T, k]"),
                                  ("src_slot", src_slot, 1, "[M]"),
@@ -170,4 +171,12 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
     if tokens * top_k >= 2**31:
         raise ValueError(f"{where}: topk_weight: slots T * k must be below 2^31 (int32 slot ids in src_slot), got "
                          f"{tokens} * {top_k}")
+    if gu is not None:
+        want = (m, 2 * inter)
+        if getattr(gu, "dtype", None) != jnp.float32:
+            raise TypeError(f"{where}: gu (the kept g, u) must be float32[M, 2I] = float32{list(want)}, got "
+                            f"{getattr(gu, 'dtype', type(gu).__name__)}{list(getattr(gu, 'shape', ()))}")
+        if tuple(gu.shape) != want:
+            raise ValueError(f"{where}: gu (the kept g, u) must be [M, 2I] = {want} (src_slot's rows, twice "
+                             f"gate_up's I), got {tuple(gu.shape)}")
     return tokens, top_k, m, hidden, inter, num_experts

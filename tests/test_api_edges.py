@@ -169,7 +169,7 @@ def test_linen_forwards_every_argument(cpu_devices, monkeypatch):
     """Every argument, at a non-default value, reaches MoELayer as given (recorded before anything runs)."""
     mesh = jax.make_mesh((2, 4), ("dp", "expert"))
     values = dict(mesh=mesh, ep_axis="expert", token_axes=("expert",), implementation="mok",
-                  kernel=mj.KernelConfig(granularity=1024), max_tokens=64, dtype=jnp.float32,
+                  kernel=mj.KernelConfig(granularity=1024), keep="everything", max_tokens=64, dtype=jnp.float32,
                   param_dtype=jnp.bfloat16, use_selection_bias=True)
     assert set(values) == {p.name for p in _nnx_init_args()} - {"shape"}
     seen = {}

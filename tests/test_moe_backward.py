@@ -635,9 +635,10 @@ def _custom_call_lines(text, target):
 
 
 def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
-    """Operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down; results dx, dw, d_gate_up, d_down,
-    status and the nine scratch buffers x_e, dy_e, w_e, gu, dgu, hw, dw partials, dx_e, dw_e
-    (ffi/src/ffi_moe_backward.cu); num_sms as an int32 attribute (0 = every SM)."""
+    """Operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down and gu_in (no gu kept: f32[0, 2I]);
+    results dx, dw, d_gate_up, d_down, status and the nine scratch buffers x_e, dy_e, w_e, gu (f32[M, 2I]: the
+    op recomputes g, u), dgu, hw, dw partials, dx_e, dw_e (ffi/src/ffi_moe_backward.cu); num_sms as an int32
+    attribute (0 = every SM). With a kept gu: tests/test_moe_backward_kept.py."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
     T, k, M, H, I, E = 100, 3, 812, 64, 384, 4
@@ -649,7 +650,8 @@ def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
         text = jax.jit(functools.partial(mb.experts_backward, num_sms=num_sms)).lower(*args).as_text()
         [call] = _custom_call_lines(text, "mok_experts_backward")
         operands = f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
-                   f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>)"
+                   f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
+                   f"tensor<0x{2 * I}xf32>)"
         results = f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
                   f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
                   f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
@@ -660,7 +662,8 @@ def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
 
 def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
     """jax.grad of mj.moe(implementation='mok') at EP 1: the forward megakernel and one experts' backward call
-    on the tokens and a layout of T * k + 128 * E padded rows, nothing of the xla path's dense experts, and no
+    on the tokens and a layout of T * k + 128 * E padded rows, in the contract's operand order (no gu kept here:
+    gu_in is f32[0, 2I] and the op's scratch gu f32[M, 2I]), nothing of the xla path's dense experts, and no
     [M, H] array outside the call (the op gathers the rows and sums the slots itself)."""
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
     mb = importlib.import_module("mok_jax.ops.moe_backward")
@@ -678,7 +681,11 @@ def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
     text = f.lower(x, w, W).as_text()
     [call] = _custom_call_lines(text, "mok_experts_backward")
     assert f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
-           f"tensor<{M}xi32>, tensor<{E}xi32>" in call, call
+           f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
+           f"tensor<0x{2 * I}xf32>) -> (tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
+           f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, " \
+           f"tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, tensor<{M}x1xf32>, " \
+           f"tensor<{M}x{H}xbf16>, tensor<{M}xf32>)" in call, call
     elsewhere = [line for line in text.splitlines() if f"tensor<{M}x{H}x" in line and line != call]
     assert not elsewhere, "\n".join(elsewhere[:4])
     dots = [re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", line) for line in text.splitlines()

@@ -378,3 +378,46 @@ def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is):
             np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep}: {name}")
     if Is:
         _check_layer(f"grad:emulated_ep{ep}", x, idx, w, W, dy, got=got)
+
+
+# ----------------------------------------------------------------------------- MoEConfig(keep="everything")
+
+_MOK_KEEP = mj.MoEConfig(implementation="mok", keep="everything")
+_mok_keep_grads = jax.jit(_grad_fn(_MOK_KEEP))
+
+
+@pytest.mark.parametrize("case,I,T", [("uniform", 256, 300), ("masked", 384, 300), ("empty_experts", 256, 200),
+                                      ("one_expert", 256, 130), ("uniform", 256, 1)])
+def test_keep_everything_gives_the_bits_of_recompute(case, I, T):
+    """The forward keeps its fp32 g, u (the megakernel writes them into the backward's rows) and the backward
+    skips the gate/up recompute: every gradient and the layer's output are the bits of keep="nothing" (the
+    forward's gate/up tile and the recompute run the same wgmma chain over the same K order)."""
+    E, H, k, Is = 16, 512, 4, 256
+    x, idx, w, W, dy = _problem(f"keep:{case}:{T}", _shape(E, H, I, k, Is), T, case)
+    want = _mok_grads(x, w, W, idx, dy)
+    got = _mok_keep_grads(x, w, W, idx, dy)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(_bits(a), _bits(b), f"{case}: keep='everything' changed {name}")
+    y_keep = jax.jit(lambda x: jax.vjp(lambda x: mj.moe(x, idx, w, W, config=_MOK_KEEP), x)[0])(x)
+    y = jax.jit(lambda x: mj.moe(x, idx, w, W, config=_MOK))(x)
+    np.testing.assert_array_equal(_bits(y_keep), _bits(y), f"{case}: keep='everything' changed the output")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_emulated_ep_keep_everything_gives_the_bits_of_ep_one(ep):
+    """At EP 2/4 on this GPU: the emulated forward keeps each rank's g, u in that rank's layout over every rank's
+    tokens (mok_jax.emulation.emulated_moe(keep=True)), the emulated backward uses them: every gradient (no
+    shared expert) the bits of EP 1's."""
+    from mok_jax.emulation import emulated_moe, emulated_moe_backward
+
+    E, H, I, k, T = 16, 256, 384, 4, 96 * ep
+    x, idx, w, W, dy = _problem(f"keep_ep{ep}", _shape(E, H, I, k, 0), T, "masked")
+    one = _mok_grads(x, w, W, idx, dy)
+
+    def grads(x, idx, w, W, dy):
+        _, _, kept = emulated_moe(x, idx, w, W, ep=ep, keep=True)
+        return emulated_moe_backward(x, idx, w, W, dy, ep=ep, kept=kept)
+
+    got = jax.jit(grads)(x, idx, w, W, dy)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
+        np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep} with keep: {name}")

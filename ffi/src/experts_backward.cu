@@ -29,12 +29,14 @@ __device__ int64_t rows_in_use(const int32_t* __restrict__ sizes, int num_groups
 }
 
 // Rows r < rows in use: x_e[r] = x[s / k], dy_e[r] = dy[s / k], w_e[r] = topk_weight[s] for the row's slot s,
-// zeros for a padding row (or a slot id out of range). One warp per row, 16-byte copies (H % 8 == 0).
+// zeros for a padding row (or a slot id out of range), and with kept g, u (gu_kept, gu_vecs float4 per row)
+// zeros in a padding row's g | u. One warp per row, 16-byte copies (H % 8 == 0).
 __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint4* __restrict__ dy,
                                    const float* __restrict__ topk_weight, const int32_t* __restrict__ src_slot,
                                    const int32_t* __restrict__ sizes, int num_groups, int64_t num_rows,
                                    int64_t num_slots, int top_k, int chunks, uint4* __restrict__ x_e,
-                                   uint4* __restrict__ dy_e, float* __restrict__ w_e) {
+                                   uint4* __restrict__ dy_e, float* __restrict__ w_e, float4* __restrict__ gu_kept,
+                                   int gu_vecs) {
   __shared__ int64_t used_s;
   if (threadIdx.x == 0) used_s = rows_in_use(sizes, num_groups, num_rows);
   __syncthreads();
@@ -50,6 +52,8 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint4* __r
       dy_e[r * chunks + c] = valid ? dy[t * chunks + c] : make_uint4(0, 0, 0, 0);
     }
     if (lane == 0) w_e[r] = valid ? topk_weight[slot] : 0.0f;
+    if (gu_kept != nullptr && !valid)
+      for (int c = lane; c < gu_vecs; c += 32) gu_kept[r * gu_vecs + c] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
@@ -159,7 +163,8 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const auto* dy_e = static_cast<const Bf16*>(p.dy_e);
   const auto* gate_up = static_cast<const Bf16*>(p.gate_up);
   const auto* down = static_cast<const Bf16*>(p.down);
-  auto* gu = static_cast<float*>(p.gu);
+  const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no launch 1
+  const float* gu = kept ? p.gu_kept : static_cast<const float*>(p.gu);
   auto* dgu = static_cast<Bf16*>(p.dgu);
   auto* hw = static_cast<Bf16*>(p.hw);
   const int chunks = H / 8;
@@ -179,15 +184,17 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
     const int64_t blocks = (p.num_rows + 7) / 8;
     gather_rows_kernel<<<int(blocks < 8 * int64_t(sm_count) ? blocks : 8 * int64_t(sm_count)), 256, 0, stream>>>(
         static_cast<const uint4*>(p.x), static_cast<const uint4*>(p.dy), p.topk_weight, p.src_slot, p.group_sizes, E,
-        p.num_rows, slots, k, chunks, static_cast<uint4*>(p.x_e), static_cast<uint4*>(p.dy_e), p.w_e);
+        p.num_rows, slots, k, chunks, static_cast<uint4*>(p.x_e), static_cast<uint4*>(p.dy_e), p.w_e,
+        reinterpret_cast<float4*>(p.gu_kept), I / 2);
     MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  // 1: gu = x_e @ gate_up in fp32 (writes the status word)
+  // 1: gu = x_e @ gate_up in fp32 (writes the status word), unless the forward kept g, u
   // (fp32 g, u: the gradients are those of what the forward computed, which rounds only h)
-  MOK_CUDA_RETURN_IF_ERROR(
-      launch_persistent_gemm<GuGemm>(grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, gu, 2 * I, 1), grid, stream));
-  // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue
-  auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, 0);
+  if (!kept)
+    MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<GuGemm>(
+        grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, p.gu, 2 * I, 1), grid, stream));
+  // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue (the first GEMM when kept: it writes the status)
+  auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, kept ? 1 : 0);
   dh.bwd = gemm::SwigluBackwardOut{gu, p.w_e,
                                    reinterpret_cast<__nv_bfloat16*>(dgu), reinterpret_cast<__nv_bfloat16*>(hw),
                                    p.dw_part, I, n_blocks};

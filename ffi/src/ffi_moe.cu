@@ -3,8 +3,10 @@
 //
 //   mok_moe_forward(x: bf16[R, T, H], topk_idx: s32[R, T, k], topk_weight: f32[R, T, k],
 //                   gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H],
-//                   shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H])        (Is = 0: no shared expert)
-//     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes]
+//                   shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H],       (Is = 0: no shared expert)
+//                   keep_pos: s32[R, ep T k] or s32[R, 0])
+//     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes], keep_gu: f32[R, rows, 2I] (rows = 0 with
+//        keep_pos [R, 0]: nothing kept; else the kept g, u of mok/moe/forward.cuh's ForwardRank::keep_gu)
 //   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device).
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
 //   combine_pull, num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits)
@@ -60,8 +62,9 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
                         ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weight,
                         ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
                         ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
-                        ffi::ResultBuffer<ffi::BF16> y, ffi::ResultBuffer<ffi::S32> status,
-                        ffi::ResultBuffer<ffi::U8> scratch) {
+                        ffi::Buffer<ffi::S32> keep_pos, ffi::ResultBuffer<ffi::BF16> y,
+                        ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::U8> scratch,
+                        ffi::ResultBuffer<ffi::F32> keep_gu) {
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_moe_forward";
   const int device = device_ordinal;  // XLA's (not cudaStreamGetDevice: ffi_common.h)
@@ -127,6 +130,16 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
     return invalid(kOp, "scratch must be u8[ranks, mok_moe_scratch_bytes(...)], got " +
                             dims_str(scratch->dimensions()));
   const size_t bytes = size_t(scratch->dimensions()[1]);
+  // Kept g, u: keep_pos [R, ep T k] and keep_gu [R, rows, 2I], or keep_pos [R, 0] and keep_gu [R, 0, 2I] (none).
+  const auto kp = keep_pos.dimensions(), kg = keep_gu->dimensions();
+  const int64_t slots_all = int64_t(ws.ep) * T * k;
+  if (kp.size() != 2 || kp[0] != R || (kp[1] != 0 && kp[1] != slots_all))
+    return invalid(kOp, "keep_pos must be [ranks, 0] or [ranks, ep * tokens * top_k = " + std::to_string(slots_all) +
+                            "], got " + dims_str(kp));
+  if (kg.size() != 3 || kg[0] != R || kg[2] != 2 * I || (kp[1] == 0) != (kg[1] == 0) || kg[1] >= (int64_t(1) << 31))
+    return invalid(kOp, "keep_gu must be [ranks, rows, 2I] with rows > 0 exactly when keep_pos is given, got " +
+                            dims_str(kg));
+  const bool keep = kp[1] != 0;
   std::vector<mok::moe::ForwardRank> ranks(R);
   const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
   const auto* ip = topk_idx.typed_data();
@@ -148,6 +161,9 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
     fr.y = yp + r * T * H * 2;
     fr.status = status->typed_data() + r * 4;
     fr.scratch = sp + r * bytes;
+    fr.keep_pos = keep ? keep_pos.typed_data() + r * slots_all : nullptr;
+    fr.keep_gu = keep ? keep_gu->typed_data() + r * kg[1] * 2 * I : nullptr;
+    fr.keep_rows = keep ? int32_t(kg[1]) : 0;
     if (views[r].rank != (R == 1 ? views[r].rank : r)) return invalid(kOp, "emulated ranks out of order");
   }
   return cuda_error(kOp, mok::moe::launch_forward(shape, knobs, ranks.data(), int(R), stream));
@@ -167,9 +183,11 @@ MOK_FFI_HANDLER(MokMoeForward, forward_impl,
                     .Arg<ffi::Buffer<ffi::BF16>>()   // down
                     .Arg<ffi::Buffer<ffi::BF16>>()   // shared_gate_up
                     .Arg<ffi::Buffer<ffi::BF16>>()   // shared_down
+                    .Arg<ffi::Buffer<ffi::S32>>()    // keep_pos
                     .Ret<ffi::Buffer<ffi::BF16>>()   // y
                     .Ret<ffi::Buffer<ffi::S32>>()    // status
-                    .Ret<ffi::Buffer<ffi::U8>>());   // scratch
+                    .Ret<ffi::Buffer<ffi::U8>>()     // scratch
+                    .Ret<ffi::Buffer<ffi::F32>>());  // keep_gu
 
 namespace {
 

@@ -1,8 +1,10 @@
 // XLA FFI handler for mok/experts_backward.cuh: mok_experts_backward.
 //   x: bf16[T, H], dy: bf16[T, H], topk_weight: f32[T, k], pos: s32[T, k], src_slot: s32[M], group_sizes: s32[E],
-//   gate_up: bf16[E, H, 2I], down: bf16[E, I, H]
+//   gate_up: bf16[E, H, 2I], down: bf16[E, I, H], gu_in: f32[M, 2I] (the forward's kept g | u) or f32[0, 2I]
+//   (none kept: the op recomputes them into its scratch gu)
 //   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
-//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I], dgu: bf16[M, 2I], hw: bf16[M, I],
+//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
+//      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M]
 //   attrs: {num_sms: s32, 0 = all SMs}
 #include "ffi_common.h"
@@ -24,6 +26,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
+                                 ffi::Buffer<ffi::F32> gu_in,
                                  ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw,
                                  ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
                                  ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e,
@@ -48,6 +51,12 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   const int64_t m = src_slot.dimensions()[0], e = group_sizes.dimensions()[0];
   const int64_t inter = gate_up.dimensions()[2] / 2;
   const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
+  // gu: kept (the operand has the rows, the scratch result none) or recomputed (the other way round)
+  if (!dims_are(gu_in.dimensions(), {m, 2 * inter}) && !dims_are(gu_in.dimensions(), {0, 2 * inter}))
+    return invalid(kOp, "gu (the kept g, u operand) must be f32[M, 2I] = [" + std::to_string(m) + ", " +
+                            std::to_string(2 * inter) + "] or f32[0, 2I] (none kept), got " +
+                            dims_str(gu_in.dimensions()));
+  const bool kept = m > 0 && gu_in.dimensions()[0] == m;
   struct Want {
     const char* name;
     ffi::Span<const int64_t> got;
@@ -88,6 +97,14 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.group_sizes = group_sizes.typed_data();
   p.gate_up = gate_up.untyped_data();
   p.down = down.untyped_data();
+  // Kept: the result gu is the kept buffer (XLA aliases it to gu_in; a caller that does not gets a copy here),
+  // whose padding rows the gather zeroes in place.
+  if (kept && gu->untyped_data() != gu_in.untyped_data())
+    if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(), size_t(m) * 2 * inter * 4,
+                                          cudaMemcpyDeviceToDevice, stream);
+        err != cudaSuccess)
+      return mok::ffi_util::cuda_error(kOp, err);
+  p.gu_kept = kept ? gu->typed_data() : nullptr;
   p.dx = dx->typed_data();
   p.dw = dw->typed_data();
   p.d_gate_up = d_gate_up->untyped_data();
@@ -126,6 +143,7 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
                     .Arg<ffi::Buffer<ffi::BF16>>() // gate_up
                     .Arg<ffi::Buffer<ffi::BF16>>() // down
+                    .Arg<ffi::Buffer<ffi::F32>>()  // gu_in: kept g | u, or [0, 2I]
                     .Ret<ffi::Buffer<ffi::F32>>()  // dx
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_gate_up
@@ -134,7 +152,7 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>() // x_e (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // dy_e (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // w_e (scratch)
-                    .Ret<ffi::Buffer<ffi::F32>>()  // gu (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()  // gu (scratch; [0, 2I] when gu_in is kept)
                     .Ret<ffi::Buffer<ffi::BF16>>() // dgu (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // hw (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw_part (scratch)

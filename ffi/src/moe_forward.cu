@@ -63,6 +63,9 @@ ScratchLayout forward_scratch_layout(const ForwardShape& s, const ForwardKnobs& 
   l.h = take(rows * s.inter * 2);
   l.shared_h = take(size_t(s.tokens) * p.Is * 2);
   l.shared_out = take(p.Is ? size_t(s.tokens) * s.hidden * 4 : 0);
+  // The slot of each ring row, for the kept g, u: outside the zeroed sync words (PLACE writes every entry a
+  // gate/up tile reads before that tile runs).
+  l.row_slot = take(size_t(p.M) * p.slot_rows * 4);
   l.sync_bytes = size_t(p.sync_words) * 4;
   l.sync = take(l.sync_bytes);
   l.total = off;
@@ -107,6 +110,10 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
     rp.shared_h = reinterpret_cast<__nv_bfloat16*>(base + sl.shared_h);
     rp.shared_out = reinterpret_cast<float*>(base + sl.shared_out);
     rp.sync = reinterpret_cast<int32_t*>(base + sl.sync);
+    rp.row_slot = reinterpret_cast<int32_t*>(base + sl.row_slot);
+    rp.keep_pos = in.keep_pos;
+    rp.keep_gu = in.keep_pos != nullptr ? in.keep_gu : nullptr;
+    rp.keep_rows = in.keep_rows;
     const auto* x = static_cast<const Bf16*>(in.x);
     const auto* gate_up = static_cast<const Bf16*>(in.gate_up);
     const auto* down = static_cast<const Bf16*>(in.down);

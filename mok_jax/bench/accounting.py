@@ -245,9 +245,10 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel) -> dict[str, int
         sized for this call (max_tokens = tokens); it lives as long as the layer.
     scratch_bytes_per_rank: the per-call scratch XLA allocates for the kernel (mok_jax.ops.moe_forward.scratch_bytes:
         the ring of kernel.ring_slots microbatches dominates); freed when the call ends.
-    residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs. Today 0: mok's
-        custom_vjp saves only x, the routing and the weights (MoEResiduals, all inputs), and its backward (EP 1)
-        recomputes the experts from them; a backward that saves activations will change this.
+    residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs: 0 with
+        MoEConfig(keep="nothing"), which mok-bench runs (mok's custom_vjp saves only x, the routing and the
+        weights, and its backward recomputes the experts from them); keep="everything" also keeps the fp32
+        g, u (mok_jax.bench.backward measures that setting).
     """
     from mok_jax.ops.moe_forward import scratch_bytes
     from mok_jax.workspace import CommConfig

@@ -6,6 +6,8 @@ For each model (the one-GPU ep64-slice problem: E/32 experts, uniform routing, b
 ms of back-to-back calls (mok_jax.bench.timing):
 - ``fwd``: the layer forward with ``implementation="mok"`` (the megakernel);
 - ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it;
+- ``fwd+bwd keep``: the same with MoEConfig(keep="everything") (the forward keeps its fp32 g, u, the backward
+  skips the gate/up recompute), and the kept bytes (``kept_bytes``, f32 [T k + 128 E, 2I]);
 - ``experts op``: ``ops.experts_backward`` alone on the tokens, dy and the padded expert-major layout of the same
   routing (it gathers the rows, gives the routed experts' gradients and sums each token's slot rows of dx; the
   layer's backward adds the layout and the shared expert's bf16 XLA backward);
@@ -19,6 +21,7 @@ process (the floor mok-bench and the issue use: ``fwd+bwd floor``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -57,8 +60,12 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     cfg = MoEConfig(implementation="mok", kernel=tuning.resolve(None, key, jax.devices()[0].device_kind))
     dy = jax.random.normal(jax.random.key(seed + 1), x.shape, jnp.float32).astype(jnp.bfloat16)
     fwd = jax.jit(lambda x, i, w, W: moe(x, i, w, W, config=cfg))
-    grad = jax.jit(jax.grad(lambda x, i, w, W, dy: jnp.sum(moe(x, i, w, W, config=cfg).astype(jnp.float32) * dy),
-                            argnums=(0, 2, 3)))
+    def grad_of(config):
+        return jax.jit(jax.grad(lambda x, i, w, W, dy: jnp.sum(moe(x, i, w, W, config=config).astype(jnp.float32)
+                                                               * dy), argnums=(0, 2, 3)))
+
+    grad = grad_of(cfg)
+    grad_keep = grad_of(dataclasses.replace(cfg, keep="everything"))
     lay = padded_layout(idx, E, block=EXPERTS_BACKWARD_GROUP_ALIGN)
     op = jax.jit(ops.experts_backward)
     op_args = (x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down)
@@ -67,6 +74,8 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
            "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
            "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
            "fwd+bwd": _timed(grad, (x, idx, w, W, dy), timing_kw),
+           "fwd+bwd keep": _timed(grad_keep, (x, idx, w, W, dy), timing_kw),
+           "kept_bytes": lay.num_rows * 2 * I * 4,
            "experts op": _timed(op, op_args, timing_kw)}
     # FLOPs the op executes (gate/up twice: the recompute and its dgrad) over the slots' rows.
     res["op_flops"] = 2 * res["slots"] * H * I * (2 + 1 + 1 + 2 + 2)
@@ -120,13 +129,14 @@ def table(res: dict) -> str:
     rate = res["dense"]["tflops"] if "tflops" in res["dense"] else None
     lines = [f"dense bf16 8192^3 GEMM: {rate:.0f} TFLOP/s" if rate else "dense GEMM: not measured"]
     lines.append(f"{'model':<18} {'fwd ms':>8} {'fwd+bwd':>8} {'floor':>7} {'x floor':>8} {'bwd':>7} {'op ms':>7} "
-                 f"{'op TF/s':>8}")
+                 f"{'op TF/s':>8} {'keep':>8} {'x floor':>8} {'kept MB':>8}")
     for c in res["cases"]:
         floor = 3 * c["fwd_flops"] / (rate * 1e12) * 1e3 if rate else float("nan")
         fb = c["fwd+bwd"]["ms"]
         lines.append(f"{c['model']:<18} {c['fwd']['ms']:>8.3f} {fb:>8.3f} {floor:>7.3f} {fb / floor:>7.2f}x "
                      f"{fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
-                     f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f}")
+                     f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f} {c['fwd+bwd keep']['ms']:>8.3f} "
+                     f"{c['fwd+bwd keep']['ms'] / floor:>7.2f}x {c['kept_bytes'] / 1e6:>8.0f}")
         if c.get("launch_ms"):
             parts = ", ".join(f"{n} {v:.3f}" for n, v in c["launch_ms"].items() if v is not None)
             lines.append(f"{'':<18} launches (ms): {parts}")

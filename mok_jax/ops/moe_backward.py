@@ -2,11 +2,15 @@
 
 From the tokens' x and dy, the router weights and a padded expert-major layout of the slots
 (mok_jax.expert_layout.padded_layout: every group padded to a multiple of 128 rows) it gathers each row's token
-and weight, recomputes the SwiGLU forward, and returns the gradients of x (each token's slot rows summed), of
-each slot's router weight and of the routed weights. The gathered rows and the kernel's scratch (gu, dgu, hw, the
-dw partials, the per-row dx and dw) are extra outputs that XLA allocates and this wrapper drops, except the
-per-row dx (``dx_rows``, for the expert-parallel backward).
+and weight, recomputes the SwiGLU forward's fp32 gate/up (or takes the forward's kept copy, ``gu``), and returns
+the gradients of x (each token's slot rows summed), of each slot's router weight and of the routed weights. The
+gathered rows and the kernel's scratch (gu, dgu, hw, the dw partials, the per-row dx and dw) are extra outputs that
+XLA allocates and this wrapper drops, except the per-row dx (``dx_rows``, for the expert-parallel backward).
 mok_jax.reference.experts_backward_reference has the same signature and semantics in pure JAX.
+
+The call's operands: x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in (f32[M, 2I] when ``gu``
+is given, else f32[0, 2I]); results: dx, dw, d_gate_up, d_down, status, then the scratch x_e, dy_e, w_e, gu
+(f32[0, 2I] when gu_in has the rows: XLA allocates nothing), dgu, hw, dw partials, dx_e, dw_e.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class ExpertsBackwardOutput(NamedTuple):
 def experts_backward(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
-) -> ExpertsBackwardOutput:
+    gu: jax.Array | None = None, return_gu: bool = False,
+) -> ExpertsBackwardOutput | tuple[ExpertsBackwardOutput, jax.Array]:
     """The routed SwiGLU experts' backward over padded expert-major rows, on the GPU.
 
     x: bf16[T, H]; dy: bf16[T, H] (the output gradient); topk_weight: f32[T, k] (k <= 32,
@@ -64,7 +69,7 @@ def experts_backward(
     topk_weight.reshape(-1)[s]; a padding row (s = -1, or any s outside [0, T k)) holds zeros (w_r = 0).
     Per row r of expert e, fp32 accumulation throughout:
 
-        g, u = split(bf16(x_r @ gate_up[e]));  h = silu(g) * u;  dh' = dy_r @ down[e]^T
+        g, u = split(x_r @ gate_up[e]) (fp32, or gu[r]);  h = silu(g) * u;  dh' = dy_r @ down[e]^T
         dw_r = <dh', h>;  dh = w_r dh';  dgu_r = bf16([dh u silu'(g), dh silu(g)]);  dx_r = bf16(dgu_r @ gate_up[e]^T)
         d_down[e] = bf16(sum_r bf16(w_r h_r)^T dy_r);  d_gate_up[e] = bf16(sum_r x_r^T dgu_r)  (zeros if empty)
 
@@ -78,11 +83,22 @@ def experts_backward(
     are then NaN (written by the kernel, so no caller needs a pass over them to flag it); dx and dw are not
     specified. num_sms: persistent CTAs (one per SM) to use; None uses every SM. The result does not depend
     on it.
+
+    gu: None (the op recomputes g, u = x_r @ gate_up[e] in fp32 itself), or f32[M, 2I], the forward's kept fp32
+    gate/up accumulators in this layout: row r holds g in columns [0, I) and u in [I, 2I) of row r's slot; rows
+    that hold no slot may hold anything (the op zeroes the padding rows inside the groups, in place: XLA hands
+    the op gu's buffer, and copies it first only if gu is still needed elsewhere). The op then skips its
+    recompute and reads these; the outputs are the bits it gives when its recompute equals gu on the slots'
+    rows (nothing else changes).
+
+    return_gu: a test and benchmark hook: also return the f32[M, 2I] g, u that the op used: its own recompute
+    (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
+    or ``gu`` itself when given. Returns (ExpertsBackwardOutput, gu) then.
     """
     where = "mok_jax.ops.experts_backward"
     tokens, top_k, m, hidden, inter, num_experts = check_experts_backward_args(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, where=where,
-        max_experts=EXPERTS_BACKWARD_MAX_EXPERTS)
+        max_experts=EXPERTS_BACKWARD_MAX_EXPERTS, gu=gu)
     if m * max(hidden, 2 * inter) >= 2**31:
         raise ValueError(f"{where}: src_slot: rows M times H and times 2I must be below 2^31 (the kernel's 32-bit "
                          f"offsets), got M = {m}, H = {hidden}, I = {inter}")
@@ -95,6 +111,8 @@ def experts_backward(
     check_num_sms(num_sms)
     require_native(where)
     bf16, f32 = jnp.bfloat16, jnp.float32
+    kept = gu is not None
+    gu_in = gu if kept else jnp.zeros((0, 2 * inter), f32)  # [0, 2I]: none kept, the op recomputes them
     out = (
         jax.ShapeDtypeStruct((tokens, hidden), f32),  # dx
         jax.ShapeDtypeStruct((tokens, top_k), f32),  # dw
@@ -105,7 +123,7 @@ def experts_backward(
         jax.ShapeDtypeStruct((m, hidden), bf16),
         jax.ShapeDtypeStruct((m, hidden), bf16),
         jax.ShapeDtypeStruct((m,), f32),
-        jax.ShapeDtypeStruct((m, 2 * inter), f32),  # g, u in fp32, as the forward's epilogue has them
+        jax.ShapeDtypeStruct((m, 2 * inter), f32),  # g, u in fp32, as the forward has them (kept: aliases gu)
         jax.ShapeDtypeStruct((m, 2 * inter), bf16),
         jax.ShapeDtypeStruct((m, inter), bf16),
         jax.ShapeDtypeStruct((m, -(-inter // _DW_PART_COLS)), f32),
@@ -114,8 +132,16 @@ def experts_backward(
     )
     # vmap: "sequential", as mok_grouped_ffn (ops/grouped_ffn.py): the op is pure and the handler takes one
     # problem's rank-2 tokens and rank-1 rows and group sizes.
-    dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call("mok_experts_backward", out,
-                                                                    vmap_method="sequential")(
-        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
+    # kept: the scratch gu (result 8) is the kept buffer itself (operand 8), whose padding rows the op zeroes
+    dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
+        "mok_experts_backward", out, vmap_method="sequential", input_output_aliases={8: 8} if kept else None)(
+        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in,
         num_sms=np.int32(0 if num_sms is None else num_sms))
-    return ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[-2])
+    result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[-2])
+    if not return_gu:
+        return result
+    if kept:
+        return result, gu
+    # the recompute leaves the rows past the groups unwritten (nothing reads them); zeros, as the forward keeps
+    used = jnp.sum(jnp.maximum(group_sizes, 0))
+    return result, jnp.where((jnp.arange(m) < used)[:, None], scratch[3], 0.0)

@@ -58,7 +58,8 @@ TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "
 def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, gate_up: jax.Array,
                 down: jax.Array, shared_gate_up: jax.Array | None, shared_down: jax.Array | None, *,
                 kernel: KernelConfig | None = None, identity_experts: bool = False, skip_rank: int = -1,
-                num_sms: int = 0, timing_mode: int = 0) -> tuple[jax.Array, jax.Array]:
+                num_sms: int = 0, timing_mode: int = 0, keep_pos: jax.Array | None = None,
+                keep_rows: int = 0) -> tuple[jax.Array, ...]:
     """The MoE forward of R ranks: x: bf16[R, T, H]; topk_idx: int32[R, T, k] (global expert ids, -1 =
     masked slot); topk_weight: f32[R, T, k]; gate_up: bf16[R, L, H, 2I]; down: bf16[R, L, I, H] (rank r's
     experts); shared_gate_up: bf16[H, 2Is] and shared_down: bf16[Is, H], or None.
@@ -70,6 +71,12 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     a sum of TIMING_MODES's bits: those stages move no rows (wrong outputs) or move them twice, every flag
     still runs, so that differences of timings say what a stage costs the call. kernel None: the tuned table
     of the workspace's device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
+
+    keep_pos (the backward's "keep everything" residual): int32[R, ep * T * k], the row that each slot (s, t, j) of
+    the EP group (source rank s, its token t, slot j; flat (s T + t) k + j) takes in a kept f32[keep_rows, 2I]
+    buffer of rank r's experts' g | u (its fp32 gate/up accumulators), or any value outside [0, keep_rows) for
+    none. Then the call also returns keep_gu: f32[R, keep_rows, 2I] (rows no slot names are not written):
+    (y, status, keep_gu). The other outputs do not change.
     """
     from mok_jax.workspace import Workspace
 
@@ -127,6 +134,18 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                          f"{shared_gate_up.shape} and {shared_down.shape}")
     if not isinstance(timing_mode, (int, np.integer)) or not 0 <= timing_mode <= sum(TIMING_MODES.values()):
         raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
+    if keep_pos is None:
+        keep_pos, keep_rows = jnp.zeros((R, 0), jnp.int32), 0
+    elif identity_experts:
+        raise ValueError("mok_jax.ops.moe_forward: keep_pos with identity_experts: the test mode runs no gate/up "
+                         "GEMM, so there is nothing to keep")
+    else:
+        if keep_pos.dtype != jnp.int32 or keep_pos.shape != (R, cfg.ep * T * k):
+            raise ValueError(f"mok_jax.ops.moe_forward: keep_pos must be int32[{R}, {cfg.ep * T * k}] (ep * T * k), "
+                             f"got {keep_pos.dtype}{list(keep_pos.shape)}")
+        if isinstance(keep_rows, bool) or not isinstance(keep_rows, (int, np.integer)) or not 0 < keep_rows < 2**31:
+            raise ValueError(f"mok_jax.ops.moe_forward: keep_rows must be an int in [1, 2^31) with keep_pos, got "
+                             f"{keep_rows!r}")
     require_native("mok_jax.ops.moe_forward")
     key = tuning.ProblemKey(hidden=H, intermediate=inter, top_k=k, experts_per_rank=L, ep=cfg.ep, tokens=T)
     kernel = tuning.resolve(kernel, key, ws.device_kind)
@@ -136,13 +155,14 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         jax.ShapeDtypeStruct((R, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((R, 4), jnp.int32),
         jax.ShapeDtypeStruct((R, nbytes), jnp.uint8),
+        jax.ShapeDtypeStruct((R, int(keep_rows), 2 * inter), jnp.float32),  # kept g | u ([R, 0, 2I]: none)
     )
     attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
                  comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),
                  dispatch_push=np.int32(kernel.dispatch == "push"), combine_pull=np.int32(kernel.combine == "pull"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
                  skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))
-    y, status, _ = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: see ops/comm.py
-                                    vmap_method="sequential")(
-        x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, **attrs)
-    return y, status
+    y, status, _, keep_gu = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: ops/comm.py
+                                             vmap_method="sequential")(
+        x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, keep_pos, **attrs)
+    return (y, status) if keep_rows == 0 else (y, status, keep_gu)

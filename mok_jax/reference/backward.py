@@ -13,7 +13,9 @@ per row r of expert e:
     d_down[e] = round(sum_r round(w_r h_r)^T dy_r);  d_gate_up[e] = round(sum_r x_r^T dgu_r)
 
 and per token t: dx[t] = sum_j dx_{pos[t, j]} in fp32 in slot order, dw[t, j] = dw_{pos[t, j]} (a slot whose pos
-is outside [0, M) adds nothing and gets 0).
+is outside [0, M) adds nothing and gets 0). Given the forward's kept g, u (``gu``, f32[M, 2I]), row r of expert e
+takes its g, u from gu[r] instead of x_r @ gate_up[e] (a row without a slot: zeros, whatever gu holds there);
+everything else is the same.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def _status(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 def experts_backward_reference(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
+    gu: jax.Array | None = None,
 ) -> ExpertsBackwardOutput:
     """mok_jax.ops.experts_backward in pure JAX (same signature, shapes and semantics; the module docstring has
     the math). x, dy, gate_up and down: bf16 or f32, one dtype (the dtype of every rounding and of d_gate_up and
     d_down; dx and dw are f32); topk_weight: f32[T, k]; pos: int32[T, k]; src_slot: int32[M]; group_sizes:
-    int32[E]. num_sms is accepted and ignored.
+    int32[E]. num_sms is accepted and ignored. gu: None, or f32[M, 2I] (whatever the dtype of x), the forward's
+    kept g | u per row (as mok_jax.ops.experts_backward takes them): row r of expert e then uses gu[r] as its g, u;
+    rows of no expert are not read.
 
     With bad group sizes (status != 0) d_gate_up and d_down are NaN, as the kernel's; dx and dw are not specified
     (here zeros).
@@ -60,7 +65,7 @@ def experts_backward_reference(
     del num_sms
     tokens, k, m, hidden, inter, num_experts = check_experts_backward_args(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
-        where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32))
+        where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32), gu=gu)
     dtype = x.dtype
     status = _status(group_sizes, m)
 
@@ -70,6 +75,8 @@ def experts_backward_reference(
     x32 = gather_rows(x, jnp.where(slot_ok, slot // k, -1)).astype(_F32)
     dy32 = gather_rows(dy, jnp.where(slot_ok, slot // k, -1)).astype(_F32)
     w32 = gather_rows(topk_weight.reshape(-1), slot).astype(_F32)
+    if gu is not None:  # a row without a slot may hold anything: zeros, as the op's gather makes them
+        gu = jnp.where(slot_ok[:, None], gu.astype(_F32), 0.0)
 
     ends = jnp.cumsum(group_sizes)
     expert_of_row = jnp.searchsorted(ends, jnp.arange(m), side="right")  # == E past sum(group_sizes)
@@ -79,8 +86,9 @@ def experts_backward_reference(
     with jax.default_matmul_precision("highest"):
         for e in range(num_experts):
             mine = (expert_of_row == e) & (status == 0)
-            gu = x32 @ gate_up[e].astype(_F32)  # fp32, as the forward's epilogue has it
-            g, u = gu[:, :inter], gu[:, inter:]
+            # fp32, as the forward's epilogue has it (or as the forward kept it)
+            gu_e = x32 @ gate_up[e].astype(_F32) if gu is None else gu
+            g, u = gu_e[:, :inter], gu_e[:, inter:]
             dh_raw = dy32 @ down[e].astype(_F32).T
             h, dg, du = swiglu_backward(g, u, w32[:, None] * dh_raw)
             dw_e = jnp.sum(dh_raw * h, axis=1)

@@ -6,7 +6,7 @@
 // multiple of 128; row r holds slot s = src_slot[r] (-1: a padding row) and slot (t, j) sits at row
 // pos[t, j] (outside [0, M): a masked slot). Per row r of expert e, token t = s / k, fp32 accumulation:
 //   x_e[r], dy_e[r], w_e[r] = x[t], dy[t], topk_weight[t, j]           gathered; zeros for padding rows
-//   g, u     = x_e[r] @ gate_up[e]                          recomputed in fp32 (the forward keeps no activations)
+//   g, u     = x_e[r] @ gate_up[e]                          in fp32: recomputed, or the forward's kept copy (gu_in)
 //   dh'      = dy_e[r] @ down[e]^T
 //   dw_e[r]  = <dh', silu(g) * u>                           = <dy_t, expert_e(x_t)>: the router-weight gradient
 //   dgu[r]   = bf16(SwiGLU backward of w_e[r] * dh')        (mok/gemm/swiglu_backward.cuh)
@@ -19,6 +19,7 @@
 // Launches, stream-ordered; the GEMMs are persistent TMA + wgmma kernels on num_sms SMs:
 //   0 gather x_e, dy_e, w_e     one warp per row, 16-byte copies
 //   1 gu = x_e @ gate_up        grouped GEMM, fp32 epilogue                  (sm90_grouped_gemm.cuh)
+//                               skipped when g, u are kept: launch 2 reads them, launch 0 zeroes their padding rows
 //   2 dh' = dy_e @ down^T       grouped GEMM, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
 //   3 dw_e = sum of partials    in ascending n-block order
 //   4 dx_e = dgu @ gate_up^T    grouped GEMM, K-major B, plain bf16 epilogue
@@ -28,9 +29,14 @@
 // Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
 // for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
 //
-// status (written every call): 0, or kGroupedFfnStatus* bits (bad sizes: every group is then empty, dx and
-// dw are zero and the weight gradients NaN) | kExpertsBackwardStatusUnpadded (a size not a multiple of 128:
-// the weight gradients are NaN). The layer never makes such sizes; NaN keeps a bug from passing for a
+// Kept g, u (gu_kept): f32 [M, 2I] in this row layout, row r = x_e[r] @ gate_up[e] as the forward's fp32
+// accumulators; rows that hold no slot may hold anything: launch 0 zeroes the padding rows inside the groups
+// (what the recompute gives them), and rows past the groups are never read. The outputs are then the bits the
+// op gives when its own recompute equals the kept rows: launch 2 reads the same values, nothing else changes.
+//
+// status (written every call, by the first grouped GEMM: launch 1, or launch 2 when 1 is skipped): 0, or
+// kGroupedFfnStatus* bits (bad sizes: every group is then empty, dx and dw are zero and the weight gradients
+// NaN) | kExpertsBackwardStatusUnpadded (a size not a multiple of 128: the weight gradients are NaN). The layer never makes such sizes; NaN keeps a bug from passing for a
 // gradient without a pass over the weight gradients to say so.
 #pragma once
 
@@ -50,6 +56,7 @@ struct ExpertsBackwardParams {
   const int32_t* group_sizes;  // s32 [E], device
   const void* gate_up;         // bf16 [E, H, 2I]
   const void* down;            // bf16 [E, I, H]
+  float* gu_kept;              // f32 [M, 2I]: the forward's kept g | u (== gu), or nullptr (launch 1 recomputes)
   float* dx;                   // f32 [T, H]
   float* dw;                   // f32 [T, k]
   void* d_gate_up;             // bf16 [E, H, 2I]
@@ -58,7 +65,7 @@ struct ExpertsBackwardParams {
   void* x_e;                   // scratch bf16 [M, H]
   void* dy_e;                  // scratch bf16 [M, H]
   float* w_e;                  // scratch f32 [M]
-  void* gu;                    // scratch f32 [M, 2I]
+  void* gu;                    // scratch f32 [M, 2I]: the recompute, or the kept g | u
   void* dgu;                   // scratch bf16 [M, 2I]
   void* hw;                    // scratch bf16 [M, I]
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]

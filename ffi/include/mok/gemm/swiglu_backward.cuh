@@ -73,7 +73,9 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
           const float silu = g[e] * s;
           const float h = silu * u[e];
           const float dhp = acc(i + e);
-          sum += dhp * h;  // 0 past I: B's zero fill makes dh' 0 there, and h is 0
+          // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly
+          // past n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
+          if (col < o.inter) sum += dhp * h;
           const float dh = w * dhp;
           dg[e] = dh * u[e] * s * (1.0f + g[e] * (1.0f - s));
           du[e] = dh * silu;

@@ -76,6 +76,13 @@ struct ForwardRank {
   void* y;                       // bf16 [T][H], fully written
   int32_t* status;               // int32[4]: {error code, op, rank that saw it, peer or token}; 0s when fine
   void* scratch;                 // forward_scratch_layout(...).total bytes, 256-byte aligned
+  // Kept g, u for the backward (nullptr: none kept). keep_pos[(s T + t) k + j]: the row of slot (s, t, j) (source
+  // rank s, its token t, slot j) in keep_gu, or any value outside [0, keep_rows) for none; keep_gu: f32
+  // [keep_rows][2I], the fp32 gate/up accumulators of every kept slot (g | u); rows no slot names are not written
+  // (the backward op zeroes the padding rows it reads).
+  const int32_t* keep_pos;       // [ep T k]
+  float* keep_gu;
+  int32_t keep_rows;
 };
 
 // Byte offsets inside one rank's scratch buffer, and the counts behind them.
@@ -83,7 +90,7 @@ struct ScratchLayout {
   int32_t microbatches;   // M = ceil(T / G)
   int32_t slots;          // min(S, M)
   int32_t slot_rows;      // rows of one ring slot: ep * min(G, T) * min(k, L) (the dropless worst case)
-  size_t recv, h, shared_h, shared_out, sync;
+  size_t recv, h, shared_h, shared_out, row_slot, sync;
   size_t sync_bytes;      // zeroed before every call
   size_t total;
 };

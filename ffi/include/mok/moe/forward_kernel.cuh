@@ -90,6 +90,10 @@ struct RankParams {
   __nv_bfloat16* shared_h;  // [T][Is]
   float* shared_out;     // [T][H]
   int32_t* sync;         // Plan::sync_words
+  int32_t* row_slot;        // [M][slot_rows]: the slot (s T + t) k + j of each ring row (written with keep only)
+  const int32_t* keep_pos;  // ForwardRank::keep_pos (nullptr: nothing kept)
+  float* keep_gu;           // [keep_rows][2I]
+  int32_t keep_rows;
 };
 
 struct Params {
@@ -553,6 +557,8 @@ __device__ inline void run_place(const Plan& p, const RankParams& R, const Item&
     if (active) {
       row_table[n] = le < 0 ? -1 : (pos < p.slot_rows ? pos : -2);  // -2: past the slot (overflow)
       row_w[n] = w;
+      if (R.keep_gu != nullptr && le >= 0 && pos < p.slot_rows)  // the ring row's slot, for the kept g, u
+        R.row_slot[int64_t(n / k / p.G) * p.slot_rows + pos] = int32_t(int64_t(s) * p.T * k + n);
     }
   }
 }
@@ -772,10 +778,45 @@ __device__ inline int tile_k(const Plan& p, int kind) {
   return kind == kGu || kind == kSharedGu ? p.H : kind == kDn ? p.I : p.Is;
 }
 
+// Kept g, u (ForwardRank::keep_gu): the gate/up tile's fp32 accumulators of its rows, each to its slot's row of
+// keep_gu (g in columns [0, I), u in [I, 2I)), straight from registers (8-byte stores; a row's 4 lanes write
+// 32 contiguous bytes). Value i of thread t: row 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4)
+// + i%2 of the 256 MMA columns, whose first 128 are gate columns and last 128 the matching up columns.
+__device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const Tile::Accumulator& acc, const Item& it,
+                                     int wg, int t) {
+  const int lane = t % 32, warp = t / 32;
+  const int r_base = it.row0 + Tile::kRowsPerConsumer * wg + 16 * warp + lane / 4;
+  const int c_base = it.n_block * kGuCols + 2 * (lane % 4);
+  const int ring_row0 = (it.mb % p.S) * p.slot_rows;
+  const int32_t* row_slot = R.row_slot + int64_t(it.mb) * p.slot_rows;
+  CUTE_UNROLL
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r_base + 8 * hh;
+    int32_t dst = -1;
+    if (row < it.row_end) {
+      const int32_t d = R.keep_pos[__ldcg(row_slot + (row - ring_row0))];  // written by PLACE items (L2)
+      if (d >= 0 && d < R.keep_rows) dst = d;
+    }
+    if (dst < 0) continue;
+    float* g = R.keep_gu + int64_t(dst) * 2 * p.I;
+    CUTE_UNROLL
+    for (int q = 0; q < kGuCols / 8; ++q) {
+      const int i = 4 * q + 2 * hh;
+      const int col = c_base + 8 * q;
+      if (col < p.I) {  // volatile: issued in order, so the compiler does not hold 64 addresses at once
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(g + col), "f"(acc(i)), "f"(acc(i + 1)));
+        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(g + p.I + col), "f"(acc(i + 64)),
+                     "f"(acc(i + 65)));
+      }
+    }
+  }
+}
+
 __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStorage& s, const Tile::Accumulator& acc,
                                   const Item& it, int wg, int t) {
   switch (it.kind) {
     case kGu:
+      if (R.keep_gu != nullptr) store_kept_gu(p, R, acc, it, wg, t);
       Tile::store_bf16<true>(acc, s.epi[wg], Tile::TileStore{R.h, p.I, it.row0, it.row_end, it.n_block * kGuCols, p.I},
                              wg, t);
       gemm::fence_proxy_async_global();  // the DN tiles read h with TMA

@@ -1,0 +1,153 @@
+"""MoEConfig(keep="everything") on CPU: the forward of implementation="mok" keeps its fp32 g, u in its backward's
+padded layout and the backward skips the gate/up recompute (issue 10, the memory knob).
+
+The kernels need a GPU; here the megakernel is replaced by the xla forward plus g, u computed exactly as the
+experts' backward reference recomputes them, and the native op by that reference: so the glue (the layouts, the
+residuals, the EP > 1 gathers) is checked, bit for bit against keep="nothing". The lowering of the real ops
+with keep shows the forward's keep_pos operand and keep_gu result and the backward's gu operand.
+(tests/test_moe_backward_gpu.py checks the kernels' bits on the H200.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_problem
+
+import mok_jax as mj
+import mok_jax.ops
+from mok_jax.config import ModelShape, MoEConfig
+from mok_jax.expert_layout import gather_rows
+from mok_jax.reference import experts_backward_reference
+from mok_jax.weights import MoEWeights
+
+moe_mod = importlib.import_module("mok_jax.moe")
+HI = lambda: jax.default_matmul_precision("highest")  # noqa: E731
+
+
+def test_keep_values():
+    assert MoEConfig(keep="everything").keep == "everything" and MoEConfig().keep == "nothing"
+    with pytest.raises(ValueError, match="MoEConfig.keep must be 'nothing' or 'everything'.*ring"):
+        MoEConfig(keep="ring")
+
+
+def _recomputed_gu(x, gate_up, layout, k):
+    """g | u of every row of ``layout`` as experts_backward_reference recomputes them (f32, expert by expert over
+    every row, zeros in rows without a slot), so that keeping them changes no bit."""
+    m = layout.num_rows
+    slot_ok = (layout.src_slot >= 0) & (layout.src_slot < x.shape[0] * k)
+    x32 = gather_rows(x, jnp.where(slot_ok, layout.src_slot // k, -1)).astype(jnp.float32)
+    expert_of_row = jnp.searchsorted(jnp.cumsum(layout.group_sizes), jnp.arange(m), side="right")
+    gu = jnp.zeros((m, gate_up.shape[2]), jnp.float32)
+    for e in range(gate_up.shape[0]):
+        gu = jnp.where(((expert_of_row == e) & slot_ok)[:, None], x32 @ gate_up[e].astype(jnp.float32), gu)
+    return gu
+
+
+def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None):
+    """The megakernel's outputs on CPU: the xla forward, and with ``keep`` the kept g, u of the rank's layout (at
+    EP > 1 over every rank's tokens, as the kernel sees them)."""
+    y = moe_mod._forward_xla(x, topk_idx, topk_weight, weights, config)
+    if keep is None:
+        return y
+    k = topk_idx.shape[1]
+    xs = x if config.ep_axis is None else jax.lax.all_gather(x, config.ep_axis, tiled=True)
+    with HI():
+        return y, _recomputed_gu(xs, weights.gate_up, keep, k)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
+    monkeypatch.setattr(moe_mod, "_forward_mok", _fake_forward_mok)
+    monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
+
+
+def _problem(T, E=8, H=32, I=24, k=3, Is=16, seed=0):
+    shape = ModelShape(name="t", num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
+                       num_shared_experts=1, shared_intermediate_size=Is)
+    x, _, w, W = random_problem(shape, T, seed=seed)
+    x, W = x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.25] = -1  # masked slots
+    dy = jax.random.normal(jax.random.key(seed + 1), x.shape).astype(jnp.bfloat16)
+    return x, jnp.asarray(idx), w, W, dy
+
+
+def _grads(keep, x, idx, w, W, dy, mesh=None):
+    if mesh is None:
+        cfg = MoEConfig(implementation="mok", keep=keep)
+        layer = lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg)  # noqa: E731
+        args = (x, idx, w, W, dy)
+    else:
+        spec = jax.sharding.PartitionSpec
+        cfg = MoEConfig(implementation="mok", ep_axis="ep", keep=keep)
+        specs = (spec("ep"), spec("ep"), spec("ep"), MoEWeights(spec("ep"), spec("ep"), spec(), spec()))
+        layer = jax.shard_map(lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg), mesh=mesh, in_specs=specs,
+                              out_specs=spec("ep"))
+        args = jax.tree.map(lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), (x, idx, w, W, dy),
+                            (*specs, spec("ep")))
+    loss = lambda x, w, W, i, dy: jnp.sum(layer(x, i, w, W).astype(jnp.float32) * dy)  # noqa: E731
+    with HI():
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(args[0], args[2], args[3], args[1], args[4])
+
+
+def _assert_same(got, want, what):
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"{what}: {i}")
+
+
+@pytest.mark.parametrize("T", [1, 40])
+def test_keep_everything_gives_the_gradients_of_recompute(fake_kernels, T):
+    x, idx, w, W, dy = _problem(T, seed=T)
+    _assert_same(_grads("everything", x, idx, w, W, dy), _grads("nothing", x, idx, w, W, dy), f"T={T}")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_keep_everything_at_ep_sizes_above_one(fake_kernels, cpu_devices, ep):
+    """Under shard_map the kept rows are the owner's layout over the all-gathered tokens: keep and recompute give
+    the same bits, and both the bits of EP 1 for the routed experts' gradients."""
+    x, idx, w, W, dy = _problem(16 * ep, seed=ep)
+    mesh = jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep])
+    keep = _grads("everything", x, idx, w, W, dy, mesh)
+    _assert_same(keep, _grads("nothing", x, idx, w, W, dy, mesh), f"EP {ep}")
+    one = _grads("nothing", x, idx, w, W, dy)
+    _assert_same((keep[0], keep[1], keep[2].gate_up, keep[2].down), (one[0], one[1], one[2].gate_up, one[2].down),
+                 f"EP {ep} against EP 1")
+
+
+def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monkeypatch):
+    """jax.grad of the real ops with keep="everything": the forward call takes keep_pos [1, T k] and returns
+    keep_gu [1, M, 2I]; the backward call takes that [M, 2I] buffer, aliased to its gu scratch."""
+    from mok_jax.workspace import CommConfig, Workspace
+
+    mf = importlib.import_module("mok_jax.ops.moe_forward")
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    T, H, I, E, k = 40, 64, 32, 4, 2
+    M = T * k + 128 * E
+    ws = Workspace(ws_id=7, config=CommConfig(ep=1, max_tokens=T, hidden_size=H, top_k=k, num_experts=E), mesh=None,
+                   axis_name=None, local=[])
+    for mod in (moe_mod, mf, mb):
+        monkeypatch.setattr(mod, "require_native", lambda what: None)
+    monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
+    cfg = MoEConfig(implementation="mok", keep="everything", workspace=ws,
+                    kernel=mj.KernelConfig(granularity=512, comm_sms_fwd=8))
+    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+    idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
+    w = jnp.ones((T, k), jnp.float32)
+    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
+    f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))
+    text = f.lower(x, w, W).as_text()
+    [fwd] = [line for line in text.splitlines() if "custom_call @mok_moe_forward(" in line]
+    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xf32>)" in fwd, fwd
+    [bwd] = [line for line in text.splitlines() if "custom_call @mok_experts_backward(" in line]
+    assert f"tensor<{M}x{2 * I}xf32>)" in bwd.split("->")[0], bwd  # the kept buffer: the ninth operand
+    # ... handed to the op as its gu scratch (result 8), whose padding rows it zeroes in place
+    assert re.search(r"output_operand_alias<output_tuple_indices = \[8\], operand_index = 8,", bwd), bwd

@@ -1,0 +1,164 @@
+"""The experts' backward given the forward's kept g, u (``gu``), on CPU: the reference fed its own recompute gives
+its bits, the op's argument errors for a bad ``gu`` come before it needs a GPU, and the call that reaches the
+handler carries gu as its ninth operand with an empty [0, 2I] scratch gu (XLA allocates nothing for it).
+The op itself on the GPU: tests/test_moe_backward_kept_gpu.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_moe_backward import I_, M_, _custom_call_lines, _layout_problem, _op_args
+
+from mok_jax import _native
+from mok_jax.expert_layout import gather_rows
+from mok_jax.ops import experts_backward
+from mok_jax.reference import experts_backward_reference
+
+_F32 = jnp.float32
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@functools.partial(jax.jit, static_argnames="top_k")
+def _reference_gu(x, src_slot, group_sizes, gate_up, *, top_k):
+    """f32[M, 2I], what the forward keeps, computed as the reference recomputes it: row r of expert e (the
+    group holding r) is x_r @ gate_up[e] at matmul precision "highest", with x_r = x[src_slot[r] // k] (zeros for
+    padding rows); rows past sum(group_sizes) are zeros."""
+    m = src_slot.shape[0]
+    slot_ok = (src_slot >= 0) & (src_slot < x.shape[0] * top_k)
+    x32 = gather_rows(x, jnp.where(slot_ok, src_slot // top_k, -1)).astype(_F32)
+    expert_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+    gu = jnp.zeros((m, gate_up.shape[2]), _F32)
+    with jax.default_matmul_precision("highest"):
+        for e in range(gate_up.shape[0]):
+            gu = jnp.where((expert_of_row == e)[:, None], x32 @ gate_up[e].astype(_F32), gu)
+    return gu
+
+
+def _assert_same_bits(case, got, want):
+    for name, a, b in zip(want._fields, got, want):
+        np.testing.assert_array_equal(_bits(a), _bits(b), f"{case}: {name} changed bits")
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case,T,E,k,H,I", [
+    ("random", 150, 4, 2, 64, 48),
+    ("masked", 90, 8, 3, 32, 40),  # masked slots (pos = M), tokens with every slot masked
+    ("empty_experts", 70, 8, 2, 24, 16),  # experts 4.. get nothing
+    ("one_expert", 130, 8, 4, 16, 24),  # all tokens to expert 2: one group of 256 rows
+    ("one_token", 1, 8, 3, 16, 8),
+])
+def test_reference_fed_its_own_gu_gives_its_bits(case, T, E, k, H, I, dtype):
+    """gu = the reference's own recompute: every output (dx, dw, both weight gradients, status, dx_rows) is the
+    bits of gu=None; rows past sum(group_sizes) are not read and padding rows are taken as zeros (NaN in either
+    changes nothing)."""
+    args, _ = _layout_problem(T + E + 7, T, E, k, H, I, case, dtype=dtype)
+    x, _, _, _, src_slot, gs, gate_up, _ = args
+    ref = jax.jit(experts_backward_reference)
+    want = ref(*args)
+    gu = _reference_gu(x, src_slot, gs, gate_up, top_k=k)
+    assert gu.shape == (src_slot.shape[0], 2 * I) and gu.dtype == _F32
+    _assert_same_bits(case, ref(*args, gu=gu), want)
+    past = jnp.arange(src_slot.shape[0]) >= jnp.sum(gs)
+    assert bool(past.any()), "M = T k + 128 E leaves rows past the groups"
+    _assert_same_bits(f"{case}: NaN past the groups", ref(*args, gu=jnp.where(past[:, None], jnp.nan, gu)), want)
+    pad = (src_slot < 0) & ~past  # padding rows inside the groups: zeros whatever gu holds, as the op makes them
+    _assert_same_bits(f"{case}: NaN in padding rows", ref(*args, gu=jnp.where(pad[:, None], jnp.nan, gu)), want)
+
+
+def test_reference_reads_the_given_gu():
+    """A changed g of one slot's row changes that token's dx and that slot's dw, and nothing of the other
+    tokens' (the kept values are used, not recomputed)."""
+    T, E, k, H, I = 40, 4, 2, 16, 8
+    args, idx = _layout_problem(11, T, E, k, H, I)
+    x, _, _, pos, src_slot, gs, gate_up, _ = args
+    gu = _reference_gu(x, src_slot, gs, gate_up, top_k=k)
+    want = experts_backward_reference(*args, gu=gu)
+    r = int(pos[5, 1])
+    got = experts_backward_reference(*args, gu=gu.at[r, :I].add(1.0))
+    changed = np.flatnonzero(np.any(np.asarray(got.dx) != np.asarray(want.dx), axis=1))
+    np.testing.assert_array_equal(changed, [5])
+    assert got.dw[5, 1] != want.dw[5, 1]
+    np.testing.assert_array_equal(np.asarray(got.dw)[np.arange(T) != 5], np.asarray(want.dw)[np.arange(T) != 5])
+
+
+# ----------------------------------------------------------------------------- argument errors
+
+
+_BAD_GU = [
+    (jnp.ones((M_, 2 * I_), jnp.bfloat16), TypeError, r"gu \(the kept g, u\) must be float32\[M, 2I\] = "
+     rf"float32\[{M_}, {2 * I_}\], got bfloat16\[{M_}, {2 * I_}\]"),
+    (jnp.ones((M_, 2 * I_), jnp.float16), TypeError, "gu .* must be float32.*got float16"),
+    (jnp.ones((M_, 2 * I_), jnp.int32), TypeError, "gu .* must be float32.*got int32"),
+    (jnp.ones((M_ - 1, 2 * I_), _F32), ValueError,
+     rf"gu \(the kept g, u\) must be \[M, 2I\] = \({M_}, {2 * I_}\) .*got \({M_ - 1}, {2 * I_}\)"),
+    (jnp.ones((M_, I_), _F32), ValueError, rf"gu .* must be \[M, 2I\] = \({M_}, {2 * I_}\) .*got \({M_}, {I_}\)"),
+    (jnp.ones((0, 2 * I_), _F32), ValueError, rf"gu .* must be \[M, 2I\] .*got \(0, {2 * I_}\)"),
+    (jnp.ones((M_ * 2 * I_,), _F32), ValueError, r"gu .* must be \[M, 2I\]"),
+    (jnp.ones((M_, 2 * I_, 1), _F32), ValueError, r"gu .* must be \[M, 2I\]"),
+]
+
+
+@pytest.mark.parametrize("gu,exc,match", _BAD_GU)
+def test_op_rejects_a_bad_gu_naming_it(gu, exc, match):
+    """Before it needs the native library or a GPU: eagerly, at trace time under jit, and in the reference."""
+    with pytest.raises(exc, match=match):
+        experts_backward(**_op_args(), gu=gu)
+    with pytest.raises(exc, match=match):
+        jax.jit(lambda a, g: experts_backward(**a, gu=g))(_op_args(), gu)
+    with pytest.raises(exc, match=match):
+        experts_backward_reference(**_op_args(), gu=gu)
+
+
+def test_op_with_a_good_gu_without_gpu_raises_not_falls_back():
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this machine has a GPU: the op runs (tests/test_moe_backward_kept_gpu.py)")
+    with pytest.raises(_native.NativeLibraryUnavailable, match="experts_backward"):
+        experts_backward(**_op_args(), gu=jnp.zeros((M_, 2 * I_), _F32))
+
+
+# ----------------------------------------------------------------------------- what reaches the handler
+
+
+def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
+    """gu given: operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in f32[M, 2I]; the
+    results as without it, the scratch gu (result 8) aliased to gu_in: the op zeroes its padding rows in place
+    (ffi/src/ffi_moe_backward.cu). return_gu (the test hook) gives back the gu the op read, without a second
+    call."""
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    T, k, M, H, I, E = 100, 3, 812, 64, 384, 4
+    sds = jax.ShapeDtypeStruct
+    args = (sds((T, H), jnp.bfloat16), sds((T, H), jnp.bfloat16), sds((T, k), _F32), sds((T, k), jnp.int32),
+            sds((M,), jnp.int32), sds((E,), jnp.int32), sds((E, H, 2 * I), jnp.bfloat16),
+            sds((E, I, H), jnp.bfloat16))
+    gu = sds((M, 2 * I), _F32)
+    text = jax.jit(lambda *a: mb.experts_backward(*a[:-1], gu=a[-1])).lower(*args, gu).as_text()
+    [call] = _custom_call_lines(text, "mok_experts_backward")
+    operands = f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
+               f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
+               f"tensor<{M}x{2 * I}xf32>)"
+    results = f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
+              f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
+              f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
+              f"tensor<{M}x2xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>)"
+    assert operands + " -> " + results in call, call
+    assert "output_operand_alias<output_tuple_indices = [8], operand_index = 8," in call, call
+
+    for given in (None, gu):
+        out, back = jax.eval_shape(functools.partial(mb.experts_backward, return_gu=True), *args, gu=given)
+        assert back.shape == (M, 2 * I) and back.dtype == _F32, given
+        assert out.dx.shape == (T, H) and out.dx_rows.shape == (M, H), given
+    assert len(_custom_call_lines(text, "mok_experts_backward")) == 1
