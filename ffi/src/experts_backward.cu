@@ -1,140 +1,522 @@
-// Host side of mok/experts_backward.cuh: the row gather and the slot sum, TMA descriptors, the launches.
+// Host side and kernel of mok/experts_backward.cuh: the experts' backward as one persistent launch.
 #include <climits>
 
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "mok/comm/ptx.cuh"
 #include "mok/experts_backward.cuh"
+#include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_grouped_gemm.cuh"
+#include "mok/gemm/sm90_sync.cuh"
+#include "mok/gemm/sm90_tile.cuh"
 #include "mok/gemm/sm90_weight_grad.cuh"
+#include "mok/gemm/swiglu_backward.cuh"
 #include "mok/grouped_ffn.cuh"
 
 namespace mok {
 namespace {
 
 using KMajor = cute::GMMA::Major;
-using GuGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kF32>;                                 // x @ gate_up
-using DhGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kSwiGLUBackward, KMajor::K>;           // dy @ down^T
-using DxGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kBf16, KMajor::K>;                     // dgu @ gate_up^T
-using WGrad = gemm::Sm90WeightGrad;
+using TileGu = gemm::Sm90TileT<KMajor::K, KMajor::MN>;  // x_e @ gate_up
+using TileKK = gemm::Sm90TileT<KMajor::K, KMajor::K>;   // dy_e @ down^T, dgu @ gate_up^T (K-major B)
+using TileW = gemm::Sm90TileT<KMajor::MN, KMajor::MN>;  // hw^T dy_e, x_e^T dgu (the rows are the k index)
 using Bf16 = cutlass::bfloat16_t;
 static_assert(gemm::kStatusUnpaddedGroup == kExpertsBackwardStatusUnpadded, "status bits");
 static_assert(gemm::kGroupAlign == kExpertsBackwardRowBlock, "group alignment");
-static_assert(DhGemm::kOutCols == kExpertsBackwardColBlock, "dgrad n-block");
+static_assert(TileKK::kBlockN == kExpertsBackwardColBlock, "dgrad n-block");
 
-// The rows in use, sum(group_sizes), or 0 when the sizes are bad (as the GEMMs' group tables treat them).
-// One thread; E <= 1024 loads.
-__device__ int64_t rows_in_use(const int32_t* __restrict__ sizes, int num_groups, int64_t num_rows) {
-  int64_t total = 0;
-  bool bad = false;
-  for (int g = 0; g < num_groups; ++g) bad |= sizes[g] < 0, total += sizes[g] < 0 ? 0 : sizes[g];
-  return (bad || total > num_rows) ? 0 : total;
+constexpr int kThreads = 128 + TileKK::kConsumerThreads;
+constexpr int kConsumers = TileKK::kConsumerThreads;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumers <= (65536 / kThreads / 8 * 8) * kThreads,
+              "setmaxnreg budget of the CTA");
+constexpr int kBlockM = TileKK::kBlockM, kBlockN = TileKK::kBlockN, kHalfN = TileKK::kHalfN;
+constexpr int kGroupM = 16;  // raster band height, as the grouped GEMM
+constexpr int kMaxGroups = 1024;
+constexpr int kSlotTokens = 8;  // tokens per SLOT item: one per consumer warp
+constexpr int kGatherVecs = 4;  // 16-byte vectors in flight per lane and source in GATHER (more spill)
+constexpr int kSlotVecs = 8;    // slot rows loaded per lane before any is added, in SLOT
+constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
+constexpr uint32_t kZeroBarrier = 4;      // warps 1..3 of the producer warpgroup
+
+// The list's order: every item waits only for kinds before it. DWSUM sits after DX (whose tiles need every DH
+// tile too, so it never waits there) and SLOT last: CTAs that are done with their weight-gradient tiles sum the
+// tokens while the others finish theirs.
+enum Kind : int32_t { kGather, kGu, kDh, kDx, kDwSum, kWDown, kWGateUp, kSlot, kKinds };
+
+struct KernelParams {
+  TileGu::TmaA gu_a;  // x_e [M, H]
+  TileGu::TmaB gu_b;  // gate_up [E][H, 2I]
+  TileKK::TmaA dh_a;  // dy_e [M, H]
+  TileKK::TmaB dh_b;  // down [E][I, H] read as down^T
+  TileKK::TmaA dx_a;  // dgu [M, 2I]
+  TileKK::TmaB dx_b;  // gate_up read as gate_up^T
+  TileW::TmaA wd_a;   // hw [M, I] read as I x M
+  TileW::TmaB wd_b;   // dy_e [M, H]
+  TileW::TmaA wg_a;   // x_e read as H x M
+  TileW::TmaB wg_b;   // dgu [M, 2I]
+  const uint4* x;
+  const uint4* dy;
+  const float* topk_weight;
+  const int32_t* pos;
+  const int32_t* src_slot;
+  const int32_t* group_sizes;
+  uint4* x_e;
+  uint4* dy_e;
+  float* w_e;
+  float* gu;          // the recompute's scratch, or the kept g | u
+  int32_t kept;       // g, u kept: no GU items; GATHER zeroes gu's padding rows
+  gemm::SwigluBackwardOut bwd;
+  Bf16* dx_e;
+  float* dw_e;
+  float* dx;
+  float* dw;
+  Bf16* d_gate_up;
+  Bf16* d_down;
+  int32_t* status;
+  int32_t* flags;
+  int32_t T, k, M, H, I, E;
+};
+
+// ---- the item list ------------------------------------------------------------------------------------
+struct Shape {
+  int32_t nb_gu, nb_dh, nb_dx;        // column blocks of the row GEMMs (2I, I, H over 256)
+  int32_t mb_wd, nb_wd, mb_wg, nb_wg;  // tiles of one expert's d_down [I, H] and d_gate_up [H, 2I]
+  int32_t begin[kKinds + 1];           // the list: kind q holds items [begin[q], begin[q + 1])
+};
+
+struct SharedStorage {
+  gemm::StageRing stages;
+  alignas(16) uint32_t epi[TileKK::kConsumerWarpgroups][TileKK::kEpiWords];
+  gemm::GroupTable<kMaxGroups> table;  // built with one column block: tile_start is the m-block prefix
+  int32_t unpadded;
+  int32_t bad;      // table.status or unpadded: every weight-gradient tile is NaN
+  int32_t wait_ok;  // a consumer-side wait's verdict, for all consumers
+  Shape shape;      // the item list (from the table)
+};
+constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
+static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---- the dependency counters (p.flags) ------------------------------------------------------------------
+struct Flags {
+  int32_t* gathered;  // [mb]: 1 when GATHER(mb) is done
+  int32_t* gu;        // [mb]: GU tiles of m-block mb done
+  int32_t* dh;        // [mb]: DH tiles of m-block mb done
+  int32_t* gathered_e;  // [E]: GATHER items of expert e done
+  int32_t* dh_e;        // [E]: DH tiles of expert e done
+  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] CTAs whose padding rows are zero
+};
+__device__ __forceinline__ Flags flags(const KernelParams& p) {
+  const int mbs = ceil_div(p.M, kBlockM) + p.E;
+  return Flags{p.flags, p.flags + mbs, p.flags + 2 * mbs, p.flags + 3 * mbs, p.flags + 3 * mbs + p.E,
+               p.flags + 3 * mbs + 2 * p.E};
 }
 
-// Rows r < rows in use: x_e[r] = x[s / k], dy_e[r] = dy[s / k], w_e[r] = topk_weight[s] for the row's slot s,
-// zeros for a padding row (or a slot id out of range), and with kept g, u (gu_kept, gu_vecs float4 per row)
-// zeros in a padding row's g | u. One warp per row, 16-byte copies (H % 8 == 0).
-__global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint4* __restrict__ dy,
-                                   const float* __restrict__ topk_weight, const int32_t* __restrict__ src_slot,
-                                   const int32_t* __restrict__ sizes, int num_groups, int64_t num_rows,
-                                   int64_t num_slots, int top_k, int chunks, uint4* __restrict__ x_e,
-                                   uint4* __restrict__ dy_e, float* __restrict__ w_e, float4* __restrict__ gu_kept,
-                                   int gu_vecs) {
-  __shared__ int64_t used_s;
-  if (threadIdx.x == 0) used_s = rows_in_use(sizes, num_groups, num_rows);
-  __syncthreads();
-  const int64_t used = used_s;
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; r < used; r += warps) {
-    const int64_t slot = src_slot[r];
-    const bool valid = slot >= 0 && slot < num_slots;
-    const int64_t t = valid ? slot / top_k : 0;
-    for (int c = lane; c < chunks; c += 32) {
-      x_e[r * chunks + c] = valid ? x[t * chunks + c] : make_uint4(0, 0, 0, 0);
-      dy_e[r * chunks + c] = valid ? dy[t * chunks + c] : make_uint4(0, 0, 0, 0);
+// Spin (acquire) until *ctr >= target. False on timeout (status bit set) or when another wait already timed out.
+__device__ bool wait_count(const int32_t* ctr, int32_t target, int32_t* status) {
+  if (comm::ld_acquire_gpu(ctr) >= target) return true;
+  const uint64_t start = gemm::global_timer_ns();
+  for (uint32_t it = 1;; ++it) {
+    if (comm::ld_acquire_gpu(ctr) >= target) return true;
+    if ((it & 1023u) == 0) {
+      if (*reinterpret_cast<volatile int32_t*>(status) & gemm::kStatusWaitTimeout) return false;
+      if (gemm::global_timer_ns() - start > gemm::kWaitTimeoutNs) {
+        atomicOr(status, gemm::kStatusWaitTimeout);
+        return false;
+      }
     }
-    if (lane == 0) w_e[r] = valid ? topk_weight[slot] : 0.0f;
-    if (gu_kept != nullptr && !valid)
-      for (int c = lane; c < gu_vecs; c += 32) gu_kept[r * gu_vecs + c] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
-// Per token t: dx[t] = sum_{j ascending} dx_e[pos[t, j]] in fp32, dw[t, j] = dw_e[pos[t, j]]; a pos outside
-// [0, M) adds nothing (dw 0). One block per token (grid-stride), 8 columns per thread.
-__global__ void slot_sum_kernel(const uint4* __restrict__ dx_e, const float* __restrict__ dw_e,
-                                const int32_t* __restrict__ pos, int64_t num_tokens, int top_k, int64_t num_rows,
-                                int chunks, float4* __restrict__ dx, float* __restrict__ dw) {
-  for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-    const int32_t* p = pos + t * top_k;
-    if (threadIdx.x < top_k) {
-      const int64_t r = p[threadIdx.x];
-      dw[t * top_k + threadIdx.x] = (r >= 0 && r < num_rows) ? dw_e[r] : 0.0f;
+__device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
+  Shape h;
+  h.nb_gu = ceil_div(2 * p.I, kBlockN), h.nb_dh = ceil_div(p.I, kBlockN), h.nb_dx = ceil_div(p.H, kBlockN);
+  h.mb_wd = ceil_div(p.I, kBlockM), h.nb_wd = ceil_div(p.H, kBlockN);
+  h.mb_wg = ceil_div(p.H, kBlockM), h.nb_wg = ceil_div(2 * p.I, kBlockN);
+  const int nmb = s.table.tile_start[p.E];
+  const int count[kKinds] = {nmb, p.kept ? 0 : nmb * h.nb_gu, nmb * h.nb_dh, nmb * h.nb_dx, nmb,
+                             p.E * h.mb_wd * h.nb_wd, p.E * h.mb_wg * h.nb_wg, ceil_div(p.T, kSlotTokens)};
+  h.begin[0] = 0;
+  for (int q = 0; q < kKinds; ++q) h.begin[q + 1] = h.begin[q] + count[q];
+  return h;
+}
+
+struct Item {
+  int32_t kind, index;      // index within its kind
+  int32_t group, mb;        // expert; global m-block (row items and row GEMMs)
+  int32_t row0, row_end;    // row GEMMs: the tile's first row, the group's end; row items: the m-block's rows
+  int32_t m_block, n_block;
+  int32_t k0, k_len;        // weight gradients: the expert's rows
+};
+
+__device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shape& h, int i) {
+  const auto& tb = s.table;
+  Item it{};
+  int q = 0;
+  while (i >= h.begin[q + 1]) ++q;
+  it.kind = q;
+  it.index = i - h.begin[q];
+  switch (q) {
+    case kGather:
+    case kDwSum: {
+      const int mb = it.index;
+      const int g = gemm::last_group_at([&](int e) { return tb.tile_start[e]; }, p.E, mb);
+      it.group = g, it.mb = mb;
+      it.row0 = tb.row_start[g] + (mb - tb.tile_start[g]) * kBlockM;
+      it.row_end = min(it.row0 + kBlockM, tb.row_start[g + 1]);
+      break;
     }
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for (int j = 0; j < top_k; ++j) {
-        const int64_t r = p[j];
-        if (r < 0 || r >= num_rows) continue;
-        const uint4 v = dx_e[r * chunks + c];
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    case kGu:
+    case kDh:
+    case kDx: {
+      const int nb = q == kGu ? h.nb_gu : q == kDh ? h.nb_dh : h.nb_dx;
+      const int t = it.index;
+      const int g = gemm::last_group_at([&](int e) { return tb.tile_start[e] * nb; }, p.E, t);
+      const int rows = tb.row_start[g + 1] - tb.row_start[g];
+      gemm::band_tile<kBlockM, kGroupM>(t - tb.tile_start[g] * nb, rows, nb, &it.m_block, &it.n_block);
+      it.group = g, it.mb = tb.tile_start[g] + it.m_block;
+      it.row0 = tb.row_start[g] + it.m_block * kBlockM;
+      it.row_end = tb.row_start[g + 1];
+      break;
+    }
+    case kWDown:
+    case kWGateUp: {
+      const bool down = q == kWDown;
+      const int mb = down ? h.mb_wd : h.mb_wg, nb = down ? h.nb_wd : h.nb_wg;
+      const int g = it.index / (mb * nb);
+      gemm::band_tile<kBlockM, kGroupM>(it.index - g * mb * nb, down ? p.I : p.H, nb, &it.m_block, &it.n_block);
+      it.group = g;
+      it.k0 = tb.row_start[g];
+      it.k_len = s.unpadded ? 0 : tb.row_start[g + 1] - it.k0;
+      break;
+    }
+    default:
+      break;
+  }
+  return it;
+}
+
+__device__ __forceinline__ bool is_tile(int kind) { return kind != kGather && kind != kDwSum && kind != kSlot; }
+
+// ---- producer (one thread): wait for a tile's inputs, then its TMA loads ---------------------------------
+__device__ bool wait_inputs(const KernelParams& p, const SharedStorage& s, const Shape& h, const Item& it) {
+  const Flags f = flags(p);
+  switch (it.kind) {
+    case kGu: return wait_count(f.gathered + it.mb, 1, p.status);
+    case kDh:
+      return wait_count(f.gathered + it.mb, 1, p.status) &&
+             (p.kept || wait_count(f.gu + it.mb, h.nb_gu, p.status));
+    case kDx: return wait_count(f.dh + it.mb, h.nb_dh, p.status);
+    default: {  // weight gradients: every row of the expert
+      const int mbs = s.table.tile_start[it.group + 1] - s.table.tile_start[it.group];
+      return wait_count(f.gathered_e + it.group, mbs, p.status) &&
+             wait_count(f.dh_e + it.group, mbs * h.nb_dh, p.status);
+    }
+  }
+}
+
+template <class Tile, class TmaA, class TmaB>
+__device__ __forceinline__ bool load(const TmaA& a, const TmaB& b, SharedStorage& s, gemm::RingPos& pos,
+                                     const typename Tile::TileLoad& t, int32_t* status) {
+  return Tile::load_tile(a, b, s.stages, pos, t, status);
+}
+
+__device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h) {
+  gemm::RingPos pos;
+  for (int i = blockIdx.x; i < h.begin[kKinds]; i += gridDim.x) {
+    const Item it = decode(p, s, h, i);
+    if (!is_tile(it.kind) || ((it.kind == kWDown || it.kind == kWGateUp) && it.k_len == 0)) continue;
+    if (!wait_inputs(p, s, h, it)) return;
+    gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
+    const int col0 = it.n_block * kBlockN, col1 = col0 + kHalfN;
+    bool ok = true;
+    switch (it.kind) {
+      case kGu:
+        ok = load<TileGu>(p.gu_a, p.gu_b, s, pos, {p.M, p.H, it.row0, 2 * p.I, p.E, it.group, col0, col1}, p.status);
+        break;
+      case kDh:
+        ok = load<TileKK>(p.dh_a, p.dh_b, s, pos, {p.M, p.H, it.row0, p.I, p.E, it.group, col0, col1}, p.status);
+        break;
+      case kDx:
+        ok = load<TileKK>(p.dx_a, p.dx_b, s, pos, {p.M, 2 * p.I, it.row0, p.H, p.E, it.group, col0, col1}, p.status);
+        break;
+      case kWDown:
+        ok = load<TileW>(p.wd_a, p.wd_b, s, pos,
+                         {p.I, p.M, it.m_block * kBlockM, p.H, 1, 0, col0, col1, it.k0, it.k_len}, p.status);
+        break;
+      default:
+        ok = load<TileW>(p.wg_a, p.wg_b, s, pos,
+                         {p.H, p.M, it.m_block * kBlockM, 2 * p.I, 1, 0, col0, col1, it.k0, it.k_len}, p.status);
+        break;
+    }
+    if (!ok) return;
+  }
+}
+
+// ---- consumers: row items --------------------------------------------------------------------------------
+// Rows [row0, row_end): x_e[r] = x[s / k], dy_e[r] = dy[s / k], w_e[r] = topk_weight[s] for the row's slot s,
+// zeros for a padding row (or a slot id out of range), and with kept g, u zeros in a padding row's g | u.
+// One warp per row, kGatherVecs 16-byte vectors of each source in flight per lane.
+__device__ void gather(const KernelParams& p, const Item& it, int ct) {
+  const int lane = ct % 32, warp = ct / 32;
+  const int chunks = p.H / 8;
+  const int64_t slots = int64_t(p.T) * p.k;
+  for (int r = it.row0 + warp; r < it.row_end; r += kConsumers / 32) {
+    const int64_t slot = p.src_slot[r];
+    const bool valid = slot >= 0 && slot < slots;
+    uint4* xd = p.x_e + int64_t(r) * chunks;
+    uint4* dd = p.dy_e + int64_t(r) * chunks;
+    if (valid) {
+      const uint4* xs = p.x + (slot / p.k) * chunks;
+      const uint4* ds = p.dy + (slot / p.k) * chunks;
+      for (int c0 = lane; c0 < chunks; c0 += 32 * kGatherVecs) {
+        uint4 a[kGatherVecs], b[kGatherVecs];
+#pragma unroll
+        for (int u = 0; u < kGatherVecs; ++u)
+          if (c0 + 32 * u < chunks) a[u] = xs[c0 + 32 * u], b[u] = ds[c0 + 32 * u];
+#pragma unroll
+        for (int u = 0; u < kGatherVecs; ++u)
+          if (c0 + 32 * u < chunks) xd[c0 + 32 * u] = a[u], dd[c0 + 32 * u] = b[u];
+      }
+    } else {
+      for (int c = lane; c < chunks; c += 32) xd[c] = make_uint4(0, 0, 0, 0), dd[c] = make_uint4(0, 0, 0, 0);
+      if (p.kept) {
+        float4* g = reinterpret_cast<float4*>(p.gu + int64_t(r) * 2 * p.I);
+        for (int c = lane; c < p.I / 2; c += 32) g[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    if (lane == 0) p.w_e[r] = valid ? p.topk_weight[slot] : 0.0f;
+  }
+  gemm::fence_proxy_async_global();  // the GEMM tiles read x_e and dy_e through TMA
+}
+
+// dw_e[r] = the sum over n-blocks (ascending) of dw_part[r, :], rows of m-block mb.
+__device__ void dw_sum(const KernelParams& p, const Shape& h, const Item& it, int ct) {
+  for (int r = it.row0 + ct; r < it.row_end; r += kConsumers) {
+    float acc = 0.0f;
+    for (int b = 0; b < h.nb_dh; ++b) acc += p.bwd.dw_part[int64_t(r) * h.nb_dh + b];
+    p.dw_e[r] = acc;
+  }
+}
+
+// Per token t of the item (one per consumer warp): dx[t] = sum_{j ascending} dx_e[pos[t, j]] in fp32,
+// dw[t, j] = dw_e[pos[t, j]]; a pos outside [0, M) adds nothing (dw 0). Each lane sums 8 columns at a time, the
+// rows of up to kSlotVecs slots loaded before any is added (in slot order).
+__device__ void slot_sum(const KernelParams& p, const Item& it, int ct) {
+  const int lane = ct % 32, t = it.index * kSlotTokens + ct / 32;
+  if (t >= p.T) return;
+  const int chunks = p.H / 8;
+  const uint4* dx_e = reinterpret_cast<const uint4*>(p.dx_e);
+  float4* dx = reinterpret_cast<float4*>(p.dx) + int64_t(t) * chunks * 2;
+  const int32_t* pos = p.pos + int64_t(t) * p.k;
+  int32_t my_row = -1;  // lane j < k holds row j
+  if (lane < p.k) {
+    const int32_t r = pos[lane];
+    my_row = (r >= 0 && r < p.M) ? r : -1;
+    p.dw[int64_t(t) * p.k + lane] = my_row >= 0 ? p.dw_e[my_row] : 0.0f;
+  }
+  for (int c = lane; c < chunks; c += 32) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j0 = 0; j0 < p.k; j0 += kSlotVecs) {
+      uint4 v[kSlotVecs];
+#pragma unroll
+      for (int u = 0; u < kSlotVecs; ++u) {
+        const int32_t r = __shfl_sync(0xffffffffu, my_row, (j0 + u) & 31);
+        v[u] = (j0 + u < p.k && r >= 0) ? dx_e[int64_t(r) * chunks + c] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kSlotVecs; ++u) {
+        if (j0 + u >= p.k || __shfl_sync(0xffffffffu, my_row, (j0 + u) & 31) < 0) continue;
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(h[q]);
+          const float2 f = __bfloat1622float2(b[q]);
           acc[2 * q] += f.x;
           acc[2 * q + 1] += f.y;
         }
       }
-      dx[(t * chunks + c) * 2] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      dx[(t * chunks + c) * 2 + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     }
+    dx[2 * c] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    dx[2 * c + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
 }
 
-// dw_e[r] = sum over n-blocks (ascending) of dw_part[r, :] for rows in use, 0 past them.
-__global__ void dw_sum_kernel(const float* __restrict__ part, int n_blocks, const int32_t* __restrict__ sizes,
-                              int num_groups, int64_t num_rows, float* __restrict__ dw) {
-  __shared__ int64_t used_s;
-  if (threadIdx.x == 0) used_s = rows_in_use(sizes, num_groups, num_rows);
+// One thread waits until every ctr[i] >= target[i], every consumer gets the verdict (the named barrier orders
+// the others' later loads after its acquires too).
+template <int kN>
+__device__ bool consumers_wait(SharedStorage& s, const int32_t* const (&ctr)[kN], const int32_t (&target)[kN],
+                               int32_t* status, int ct) {
+  if (ct == 0) {
+    bool ok = true;
+    for (int i = 0; i < kN && ok; ++i) ok = wait_count(ctr[i], target[i], status);
+    s.wait_ok = ok;
+  }
+  gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
+  return s.wait_ok != 0;
+}
+
+// ---- consumers: completion -----------------------------------------------------------------------------
+__device__ void complete(const KernelParams& p, const Item& it) {
+  const Flags f = flags(p);
+  __threadfence();
+  switch (it.kind) {
+    case kGather: atomicAdd(f.gathered + it.mb, 1), atomicAdd(f.gathered_e + it.group, 1); break;
+    case kGu: atomicAdd(f.gu + it.mb, 1); break;
+    case kDh: atomicAdd(f.dh + it.mb, 1), atomicAdd(f.dh_e + it.group, 1); break;
+    case kDx: atomicAdd(f.totals + 0, 1); break;
+    case kDwSum: atomicAdd(f.totals + 1, 1); break;
+    default: break;
+  }
+}
+
+// A weight-gradient tile without rows: zeros (an empty expert), or NaN (bf16 0x7fc0) when the sizes were bad.
+__device__ void fill_tile(const TileW::TileStore& st, int ct, bool nan) {
+  auto* out = static_cast<Bf16*>(st.out);
+  const uint32_t v = nan ? 0x7fc07fc0u : 0u;
+  for (int idx = ct; idx < kBlockM * kBlockN / 8; idx += kConsumers) {
+    const int row = st.row0 + idx / (kBlockN / 8), col = st.col0 + (idx % (kBlockN / 8)) * 8;
+    if (row < st.row_end && col < st.n_out)
+      *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = make_uint4(v, v, v, v);
+  }
+}
+
+__device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h, int ct) {
+  const Flags f = flags(p);
+  const int wg = ct / 128, t = ct % 128;
+  gemm::RingPos pos;
+  for (int i = blockIdx.x; i < h.begin[kKinds]; i += gridDim.x) {
+    const Item it = decode(p, s, h, i);
+    const int col0 = it.n_block * kBlockN;
+    switch (it.kind) {
+      case kGather: gather(p, it, ct); break;
+      case kGu: {
+        TileGu::Accumulator acc;
+        if (!TileGu::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
+        TileGu::store_f32(acc, {p.gu, 2 * p.I, it.row0, it.row_end, col0, 2 * p.I}, wg, t);
+        break;
+      }
+      case kDh: {
+        TileKK::Accumulator acc;
+        if (!TileKK::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
+        // the epilogue reads w_e and g, u with ordinary loads: acquire what the producer waited for
+        if (!wait_count(f.gathered + it.mb, 1, p.status) || (!p.kept && !wait_count(f.gu + it.mb, h.nb_gu, p.status)))
+          return;
+        gemm::swiglu_backward_store(acc, p.bwd, it.row0 + TileKK::kRowsPerConsumer * wg, it.row_end, col0, it.n_block,
+                                    t);
+        gemm::fence_proxy_async_global();  // DX and the weight gradients read dgu and hw through TMA
+        break;
+      }
+      case kDx: {
+        TileKK::Accumulator acc;
+        if (!TileKK::mma_tile(s.stages, pos, acc, 2 * p.I, ct, p.status)) return;
+        TileKK::store_bf16<false>(acc, s.epi[wg], {p.dx_e, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
+        break;
+      }
+      case kWDown:
+      case kWGateUp: {
+        const bool down = it.kind == kWDown;
+        const int m_dim = down ? p.I : p.H, n_dim = down ? p.H : 2 * p.I;
+        Bf16* out = (down ? p.d_down : p.d_gate_up) + int64_t(it.group) * m_dim * n_dim;
+        const TileW::TileStore st{out, n_dim, it.m_block * kBlockM, m_dim, col0, n_dim};
+        if (it.k_len == 0) {  // an empty expert: exact zeros (the accumulator is not involved)
+          fill_tile(st, ct, s.bad);
+          break;
+        }
+        TileW::Accumulator acc;
+        if (!TileW::mma_tile(s.stages, pos, acc, it.k_len, ct, p.status)) return;
+        TileW::store_bf16<false>(acc, s.epi[wg], st, wg, t);
+        break;
+      }
+      case kDwSum:
+        if (!consumers_wait<1>(s, {f.dh + it.mb}, {h.nb_dh}, p.status, ct)) return;
+        dw_sum(p, h, it, ct);
+        break;
+      default:  // kSlot
+        if (!consumers_wait<3>(s, {f.totals + 0, f.totals + 1, f.totals + 2},
+                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum],
+                                int32_t(gridDim.x)},
+                               p.status, ct))
+          return;
+        slot_sum(p, it, ct);
+        break;
+    }
+    gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
+    if (ct == 0) complete(p, it);
+  }
+}
+
+// Warps 1..3 of the producer warpgroup: zeros in the rows past the groups of dx_e (the per-row dx the
+// expert-parallel backward reads) and dw_e, then count this CTA in totals[2] (SLOT reads those rows too when the
+// sizes were bad: every row is then past the groups).
+__device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, int t) {
+  const int64_t first = s.table.row_start[p.E];
+  const int64_t chunks = p.H / 8, total = (int64_t(p.M) - first) * chunks;
+  const int64_t step = int64_t(gridDim.x) * 96;
+  uint4* dx_e = reinterpret_cast<uint4*>(p.dx_e);
+  for (int64_t idx = int64_t(blockIdx.x) * 96 + t; idx < total; idx += step)
+    dx_e[first * chunks + idx] = make_uint4(0, 0, 0, 0);
+  for (int64_t r = first + int64_t(blockIdx.x) * 96 + t; r < p.M; r += step) p.dw_e[r] = 0.0f;
+  gemm::named_barrier_sync(kZeroBarrier, 96);
+  if (t == 0) {
+    __threadfence();
+    atomicAdd(flags(p).totals + 2, 1);
+  }
+}
+
+__device__ void run(const KernelParams& p) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  const uint32_t misalign = uint32_t(__cvta_generic_to_shared(smem_raw)) & 1023u;
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - misalign) & 1023u));
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int lane = threadIdx.x % 32;
+  if (warp == 0 && lane == 0) {
+    TileKK::init_stages(s.stages);
+    cute::prefetch_tma_descriptor(p.gu_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.gu_b.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.dh_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.dh_b.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.dx_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.dx_b.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.wd_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.wd_b.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.wg_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.wg_b.get_tma_descriptor());
+  }
+  if (warp == 1) {
+    gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
+    bool unpadded = false;
+    for (int g = lane; g < p.E; g += 32) unpadded |= p.group_sizes[g] % gemm::kGroupAlign != 0;
+    unpadded = __any_sync(0xffffffffu, unpadded);
+    if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
+  }
   __syncthreads();
-  const int64_t used = used_s;
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < num_rows; r += int64_t(gridDim.x) * blockDim.x) {
-    float acc = 0.0f;
-    if (r < used)
-      for (int b = 0; b < n_blocks; ++b) acc += part[r * n_blocks + b];
-    dw[r] = acc;
+  const int32_t bits = s.table.status | (s.unpadded ? gemm::kStatusUnpaddedGroup : 0);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && bits) atomicOr(p.status, bits);
+  if (threadIdx.x == 0) s.shape = make_shape(p, s);
+  __syncthreads();
+  const Shape& h = s.shape;
+  if (threadIdx.x < 128) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (warp == 0) {
+      if (cute::elect_one_sync()) producer(p, s, h);
+    } else {
+      zero_past_groups(p, s, threadIdx.x - 32);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    consumer(p, s, h, threadIdx.x - 128);
   }
 }
 
-template <class Gemm>
-typename Gemm::Params grouped(const ExpertsBackwardParams& p, const Bf16* a, int k, const Bf16* b, int n_b,
-                              int n_out, void* out, int64_t out_ld, int write_status) {
-  typename Gemm::Params g{};
-  g.tma_a = Gemm::make_tma_a(a, int(p.num_rows), k);
-  g.tma_b = Gemm::make_tma_b(b, n_b, k, int(p.num_experts));
-  g.group_sizes = p.group_sizes;
-  g.num_groups = int(p.num_experts);
-  g.num_rows = int(p.num_rows);
-  g.k = k;
-  g.n_out = n_out;
-  g.n_b = n_b;
-  g.b_second_offset = Gemm::kHalfN;  // 256 adjacent columns per tile
-  g.out = static_cast<Bf16*>(out);
-  g.out_ld = out_ld;
-  g.status = p.status;
-  g.write_status = write_status;
-  return g;
-}
-
-WGrad::Params weight_grad(const ExpertsBackwardParams& p, const Bf16* a, int m_dim, const Bf16* b, int n_dim, void* out) {
-  WGrad::Params g{};
-  g.tma_a = WGrad::make_tma_a(a, int(p.num_rows), m_dim);
-  g.tma_b = WGrad::make_tma_b(b, int(p.num_rows), n_dim);
-  g.group_sizes = p.group_sizes;
-  g.num_groups = int(p.num_experts);
-  g.num_rows = int(p.num_rows);
-  g.m_dim = m_dim;
-  g.n_dim = n_dim;
-  g.out = static_cast<Bf16*>(out);
-  g.status = p.status;
-  return g;
+__global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __grid_constant__ KernelParams params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  run(params);
+#elif defined(__CUDA_ARCH__)
+  if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(params.status, gemm::kStatusNoSm90a);
+#endif
 }
 
 }  // namespace
@@ -143,34 +525,21 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   GroupedFfnParams f{p.x_e, p.group_sizes, p.gate_up, p.down, p.dx_e, p.gu, p.status, p.num_rows, p.hidden,
                      p.intermediate, p.num_experts, p.num_sms};
   if (const char* why = grouped_ffn_unsupported(f)) return why;
+  if (p.num_experts > kMaxGroups) return "experts E must be at most 1024";
   if (p.num_tokens < 0 || p.num_tokens > INT_MAX) return "tokens T must be in [0, 2^31)";
   if (p.top_k < 1 || p.top_k > 32) return "top_k must be in [1, 32]";
   if (p.num_tokens * p.top_k > INT_MAX || p.num_tokens * p.hidden > INT_MAX) return "T * k and T * H must be below 2^31";
   if (p.num_rows * 2 * p.intermediate > INT_MAX || p.num_rows * p.hidden > INT_MAX)
     return "rows M times H or 2I must be below 2^31";
+  if (p.flags == nullptr) return "the dependency counters (flags) are missing";
   return nullptr;
 }
 
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t stream) {
   if (experts_backward_unsupported(p)) return cudaErrorInvalidValue;
-  using gemm::launch_persistent_gemm;
-  int grid = 0, sm_count = 0;
-  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
-  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(0, &sm_count));  // every SM: the row kernels' grids
-  const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts);
-  const int n_blocks = (I + kExpertsBackwardColBlock - 1) / kExpertsBackwardColBlock;
-  const auto* x_e = static_cast<const Bf16*>(p.x_e);
-  const auto* dy_e = static_cast<const Bf16*>(p.dy_e);
-  const auto* gate_up = static_cast<const Bf16*>(p.gate_up);
-  const auto* down = static_cast<const Bf16*>(p.down);
-  const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no launch 1
-  const float* gu = kept ? p.gu_kept : static_cast<const float*>(p.gu);
-  auto* dgu = static_cast<Bf16*>(p.dgu);
-  auto* hw = static_cast<Bf16*>(p.hw);
-  const int chunks = H / 8;
-  const int k = int(p.top_k);
-  const int64_t slots = p.num_tokens * p.top_k;
+  const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts), M = int(p.num_rows);
   if (p.num_rows == 0) {  // no rows: zero gradients, and the status of the sizes
+    const int64_t slots = p.num_tokens * p.top_k;
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_gate_up, 0, size_t(E) * H * 2 * I * sizeof(Bf16), stream));
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_down, 0, size_t(E) * I * H * sizeof(Bf16), stream));
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.dx, 0, size_t(p.num_tokens) * H * sizeof(float), stream));
@@ -179,43 +548,58 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
                        p.num_experts, p.num_sms};
     return launch_grouped_ffn(f, stream);  // M = 0: writes the status only
   }
-  // 0: the rows
-  {
-    const int64_t blocks = (p.num_rows + 7) / 8;
-    gather_rows_kernel<<<int(blocks < 8 * int64_t(sm_count) ? blocks : 8 * int64_t(sm_count)), 256, 0, stream>>>(
-        static_cast<const uint4*>(p.x), static_cast<const uint4*>(p.dy), p.topk_weight, p.src_slot, p.group_sizes, E,
-        p.num_rows, slots, k, chunks, static_cast<uint4*>(p.x_e), static_cast<uint4*>(p.dy_e), p.w_e,
-        reinterpret_cast<float4*>(p.gu_kept), I / 2);
-    MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
-  // 1: gu = x_e @ gate_up in fp32 (writes the status word), unless the forward kept g, u
-  // (fp32 g, u: the gradients are those of what the forward computed, which rounds only h)
-  if (!kept)
-    MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<GuGemm>(
-        grouped<GuGemm>(p, x_e, H, gate_up, 2 * I, 2 * I, p.gu, 2 * I, 1), grid, stream));
-  // 2: dh' = dy_e @ down^T, SwiGLU backward in the epilogue (the first GEMM when kept: it writes the status)
-  auto dh = grouped<DhGemm>(p, dy_e, H, down, I, I, dgu, 2 * I, kept ? 1 : 0);
-  dh.bwd = gemm::SwigluBackwardOut{gu, p.w_e,
-                                   reinterpret_cast<__nv_bfloat16*>(dgu), reinterpret_cast<__nv_bfloat16*>(hw),
-                                   p.dw_part, I, n_blocks};
-  MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<DhGemm>(dh, grid, stream));
-  // 3: dw_e
-  const int64_t sum_blocks = (p.num_rows + 255) / 256;
-  dw_sum_kernel<<<int(sum_blocks < 1024 ? sum_blocks : 1024), 256, 0, stream>>>(p.dw_part, n_blocks, p.group_sizes,
-                                                                                E, p.num_rows, p.dw_e);
-  MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // 4: dx_e = dgu @ gate_up^T (zero rows past the groups)
+  auto* kernel = &experts_backward_kernel;
+  cudaFuncAttributes attr{};
+  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
+  int grid = 0;
+  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
+
+  const auto* x_e = static_cast<const Bf16*>(p.x_e);
+  const auto* dy_e = static_cast<const Bf16*>(p.dy_e);
+  const auto* gate_up = static_cast<const Bf16*>(p.gate_up);
+  const auto* down = static_cast<const Bf16*>(p.down);
+  const auto* dgu = static_cast<const Bf16*>(p.dgu);
+  const auto* hw = static_cast<const Bf16*>(p.hw);
+  const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no GU items
+  KernelParams k{};
+  k.gu_a = TileGu::make_tma_a(x_e, M, H);
+  k.gu_b = TileGu::make_tma_b(gate_up, 2 * I, H, E);
+  k.dh_a = TileKK::make_tma_a(dy_e, M, H);
+  k.dh_b = TileKK::make_tma_b(down, I, H, E);
+  k.dx_a = TileKK::make_tma_a(dgu, M, 2 * I);
+  k.dx_b = TileKK::make_tma_b(gate_up, H, 2 * I, E);
+  k.wd_a = TileW::make_tma_a(hw, I, M);
+  k.wd_b = TileW::make_tma_b(dy_e, H, M, 1);
+  k.wg_a = TileW::make_tma_a(x_e, H, M);
+  k.wg_b = TileW::make_tma_b(dgu, 2 * I, M, 1);
+  k.x = static_cast<const uint4*>(p.x);
+  k.dy = static_cast<const uint4*>(p.dy);
+  k.topk_weight = p.topk_weight;
+  k.pos = p.pos;
+  k.src_slot = p.src_slot;
+  k.group_sizes = p.group_sizes;
+  k.x_e = static_cast<uint4*>(p.x_e);
+  k.dy_e = static_cast<uint4*>(p.dy_e);
+  k.w_e = p.w_e;
+  k.gu = kept ? p.gu_kept : static_cast<float*>(p.gu);
+  k.kept = kept;
+  k.bwd = gemm::SwigluBackwardOut{k.gu, p.w_e, static_cast<__nv_bfloat16*>(p.dgu), static_cast<__nv_bfloat16*>(p.hw),
+                                  p.dw_part, I, (I + kBlockN - 1) / kBlockN};
+  k.dx_e = static_cast<Bf16*>(p.dx_e);
+  k.dw_e = p.dw_e;
+  k.dx = p.dx;
+  k.dw = p.dw;
+  k.d_gate_up = static_cast<Bf16*>(p.d_gate_up);
+  k.d_down = static_cast<Bf16*>(p.d_down);
+  k.status = p.status;
+  k.flags = p.flags;
+  k.T = int(p.num_tokens), k.k = int(p.top_k), k.M = M, k.H = H, k.I = I, k.E = E;
+  MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
   MOK_CUDA_RETURN_IF_ERROR(
-      launch_persistent_gemm<DxGemm>(grouped<DxGemm>(p, dgu, 2 * I, gate_up, H, H, p.dx_e, H, 0), grid, stream));
-  // 5, 6: weight gradients
-  MOK_CUDA_RETURN_IF_ERROR(launch_persistent_gemm<WGrad>(weight_grad(p, hw, I, dy_e, H, p.d_down), grid, stream));
-  MOK_CUDA_RETURN_IF_ERROR(
-      launch_persistent_gemm<WGrad>(weight_grad(p, x_e, H, dgu, 2 * I, p.d_gate_up), grid, stream));
-  // 7: per token
-  if (p.num_tokens == 0) return cudaSuccess;
-  const int64_t blocks = p.num_tokens < 4 * int64_t(sm_count) ? p.num_tokens : 4 * int64_t(sm_count);
-  slot_sum_kernel<<<int(blocks), 256, 0, stream>>>(static_cast<const uint4*>(p.dx_e), p.dw_e, p.pos, p.num_tokens, k,
-                                                  p.num_rows, chunks, reinterpret_cast<float4*>(p.dx), p.dw);
+      cudaMemsetAsync(p.flags, 0, size_t(experts_backward_flag_words(p.num_rows, p.num_experts)) * 4, stream));
+  MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(k);
   return cudaGetLastError();
 }
 

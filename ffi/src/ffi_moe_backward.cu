@@ -5,7 +5,8 @@
 //   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
-//      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M]
+//      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
+//      flags: s32[3 (ceil(M / 128) + E) + 2 E + 4] (dependency counters, zeroed by the launcher)
 //   attrs: {num_sms: s32, 0 = all SMs}
 #include "ffi_common.h"
 #include "mok/experts_backward.cuh"
@@ -34,7 +35,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::ResultBuffer<ffi::F32> gu, ffi::ResultBuffer<ffi::BF16> dgu,
                                  ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
                                  ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
-                                 ExpertsBackwardAttrs attrs) {
+                                 ffi::ResultBuffer<ffi::S32> flags, ExpertsBackwardAttrs attrs) {
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_experts_backward";
   using mok::ffi_util::invalid;
@@ -82,6 +83,8 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"dw_part", dw_part->dimensions(), {m, n_blocks}, "[M, ceil(I / 256)]"},
       {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dw_e", dw_e->dimensions(), {m}, "[M]"},
+      {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e)},
+       "[3 (ceil(M / 128) + E) + 2 E + 4]"},
   };
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
@@ -119,6 +122,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.dw_part = dw_part->typed_data();
   p.dx_e = dx_e->untyped_data();
   p.dw_e = dw_e->typed_data();
+  p.flags = flags->typed_data();
   p.num_tokens = t;
   p.top_k = k;
   p.num_rows = m;
@@ -158,4 +162,5 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw_part (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // dx_e (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw_e (scratch)
+                    .Ret<ffi::Buffer<ffi::S32>>()  // flags (scratch: the kernel's dependency counters)
                     .Attrs<ExpertsBackwardAttrs>());

@@ -11,9 +11,10 @@ ms of back-to-back calls (mok_jax.bench.timing):
 - ``experts op``: ``ops.experts_backward`` alone on the tokens, dy and the padded expert-major layout of the same
   routing (it gathers the rows, gives the routed experts' gradients and sums each token's slot rows of dx; the
   layer's backward adds the layout and the shared expert's bf16 XLA backward);
-- with ``--trace DIR``: the device time of each of the op's launches (the row gather, gate/up recompute, down
-  dgrad with the SwiGLU backward, the router-weight sum, gate/up dgrad, the two weight-gradient GEMMs, the
-  per-token slot sum) from a jax.profiler trace of a few calls, and its TFLOP/s.
+- with ``--trace DIR``: the device time of the op's kernel (one persistent launch: the row gather, gate/up
+  recompute, down dgrad with the SwiGLU backward, gate/up dgrad, the two weight-gradient GEMMs, the router-weight
+  and per-token sums) from a jax.profiler trace of a few calls, the kernels with the most device time in the op
+  and in the layer's fwd+bwd, and its TFLOP/s.
 The compute floor beside them: 3x the forward's FLOPs at the dense 8192^3 GEMM rate measured in the same
 process (the floor mok-bench and the issue use: ``fwd+bwd floor``).
 """
@@ -29,17 +30,9 @@ import sys
 __all__ = ["main", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
-# The op's launches, in order, and how to find each in a trace (kernel names are C++ template names).
-# (label, a substring of the kernel's name, launches per call). CuTe's GMMA::Major: K = 0, MN = 1.
-LAUNCHES = (
-    ("row gather", "gather_rows_kernel", 1),
-    ("gate/up recompute", "Sm90GroupedGemm<(mok::gemm::Epilogue)3", 1),  # kF32: g, u in fp32
-    ("down dgrad + SwiGLU bwd", "Sm90GroupedGemm<(mok::gemm::Epilogue)2", 1),
-    ("router-weight sum", "dw_sum_kernel", 1),
-    ("gate/up dgrad", "Sm90GroupedGemm<(mok::gemm::Epilogue)1, (cute::SM90::GMMA::Major)0>", 1),
-    ("weight grads (2)", "Sm90WeightGrad", 2),
-    ("slot sum", "slot_sum_kernel", 1),
-)
+# The op's launches, and how to find each in a trace: (label, a substring of the kernel's name, launches per
+# call). The op is one persistent kernel (ffi/src/experts_backward.cu) after two small memsets.
+LAUNCHES = (("experts backward kernel", "experts_backward_kernel", 1),)
 _TRACED_CALLS = 5
 
 

@@ -36,6 +36,12 @@ EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
 EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is not a multiple of 128
 
 _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate columns
+_DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
+
+
+def _flag_words(rows: int, experts: int) -> int:
+    """s32 words of the kernel's dependency counters (experts_backward_flag_words in experts_backward.cuh)."""
+    return 3 * (-(-rows // EXPERTS_BACKWARD_GROUP_ALIGN) + experts) + 2 * experts + 4
 
 
 class ExpertsBackwardOutput(NamedTuple):
@@ -127,8 +133,9 @@ def experts_backward(
         jax.ShapeDtypeStruct((m, 2 * inter), bf16),
         jax.ShapeDtypeStruct((m, inter), bf16),
         jax.ShapeDtypeStruct((m, -(-inter // _DW_PART_COLS)), f32),
-        jax.ShapeDtypeStruct((m, hidden), bf16),
+        jax.ShapeDtypeStruct((m, hidden), bf16),  # dx_e: the per-row dx (dx_rows)
         jax.ShapeDtypeStruct((m,), f32),
+        jax.ShapeDtypeStruct((_flag_words(m, num_experts),), jnp.int32),  # the kernel's dependency counters
     )
     # vmap: "sequential", as mok_grouped_ffn (ops/grouped_ffn.py): the op is pure and the handler takes one
     # problem's rank-2 tokens and rank-1 rows and group sizes.
@@ -137,7 +144,7 @@ def experts_backward(
         "mok_experts_backward", out, vmap_method="sequential", input_output_aliases={8: 8} if kept else None)(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in,
         num_sms=np.int32(0 if num_sms is None else num_sms))
-    result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[-2])
+    result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[_DX_ROWS])
     if not return_gu:
         return result
     if kept:

@@ -16,27 +16,36 @@
 // and per token: dx[t] = sum_{j = 0..k-1} dx_e[pos[t, j]] in fp32 in slot order, dw[t, j] = dw_e[pos[t, j]]
 // (0 for a masked slot). The caller adds the shared expert's dx.
 //
-// Launches, stream-ordered; the GEMMs are persistent TMA + wgmma kernels on num_sms SMs:
-//   0 gather x_e, dy_e, w_e     one warp per row, 16-byte copies
-//   1 gu = x_e @ gate_up        grouped GEMM, fp32 epilogue                  (sm90_grouped_gemm.cuh)
-//                               skipped when g, u are kept: launch 2 reads them, launch 0 zeroes their padding rows
-//   2 dh' = dy_e @ down^T       grouped GEMM, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
-//   3 dw_e = sum of partials    in ascending n-block order
-//   4 dx_e = dgu @ gate_up^T    grouped GEMM, K-major B, plain bf16 epilogue
-//   5 d_down = hw^T dy_e        weight-gradient GEMM, K = a group's rows     (sm90_weight_grad.cuh)
-//   6 d_gate_up = x_e^T dgu     weight-gradient GEMM
-//   7 dx, dw per token          the slot sum
+// One persistent launch (num_sms CTAs, one per SM, 384 threads: a TMA producer thread and two consumer
+// warpgroups, as the forward megakernel). Every CTA walks the same list of work items, CTA c taking items
+// c, c + num_ctas, ...; an item waits (bounded) only for items earlier in the list, through dependency
+// counters in the scratch `flags` (zeroed by the launcher), so the phases overlap without a grid barrier:
+//   GATHER(m)      x_e, dy_e, w_e of m-block m (128 rows); one warp per row, 16-byte copies
+//   GU(m, n)       gu = x_e @ gate_up, fp32 out                      after GATHER(m); none when g, u are kept
+//   DH(m, n)       dh' = dy_e @ down^T, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
+//                                                                    after GATHER(m) and every GU(m, .)
+//   DX(m, n)       dx_e = dgu @ gate_up^T, K-major B, bf16 out       after every DH(m, .)
+//   DWSUM(m)       dw_e = sum of the partials, ascending n-blocks    after every DH(m, .)
+//   WDOWN(e, ..)   d_down[e] = hw^T dy_e, K = expert e's rows        after every GATHER and DH of expert e
+//   WGATEUP(e, ..) d_gate_up[e] = x_e^T dgu                          after the same
+//   SLOT(i)        8 tokens, one per warp: dx, dw (the slot sum)     after every DX and DWSUM
+// (GEMM tiles: 128 x 256 over 128B-swizzled TMA stages, mok/gemm/sm90_tile.cuh; the weight-gradient tiles
+// as sm90_weight_grad.cuh; band rasterisation as the grouped GEMM.) The producer waits for a tile's inputs
+// before its TMA loads; the consumers publish an item with a release after its stores. No wait can close
+// a cycle (each points to an earlier item, and every CTA takes its items in list order), and every wait is
+// bounded: a timeout sets gemm::kStatusWaitTimeout and the kernel stops early.
 // Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
 // for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
 //
 // Kept g, u (gu_kept): f32 [M, 2I] in this row layout, row r = x_e[r] @ gate_up[e] as the forward's fp32
-// accumulators; rows that hold no slot may hold anything: launch 0 zeroes the padding rows inside the groups
+// accumulators; rows that hold no slot may hold anything: GATHER zeroes the padding rows inside the groups
 // (what the recompute gives them), and rows past the groups are never read. The outputs are then the bits the
-// op gives when its own recompute equals the kept rows: launch 2 reads the same values, nothing else changes.
+// op gives when its own recompute equals the kept rows: DH reads the same values, nothing else changes.
 //
-// status (written every call, by the first grouped GEMM: launch 1, or launch 2 when 1 is skipped): 0, or
-// kGroupedFfnStatus* bits (bad sizes: every group is then empty, dx and dw are zero and the weight gradients
-// NaN) | kExpertsBackwardStatusUnpadded (a size not a multiple of 128: the weight gradients are NaN). The layer never makes such sizes; NaN keeps a bug from passing for a
+// status (written every call: zeroed by the launcher, bits or-ed in): 0, or kGroupedFfnStatus* bits (bad
+// sizes: every group is then empty, dx and dw are zero and the weight gradients NaN) |
+// kExpertsBackwardStatusUnpadded (a size not a multiple of 128: the weight gradients are NaN) |
+// gemm::kStatusWaitTimeout. The layer never makes such sizes; NaN keeps a bug from passing for a
 // gradient without a pass over the weight gradients to say so.
 #pragma once
 
@@ -56,7 +65,7 @@ struct ExpertsBackwardParams {
   const int32_t* group_sizes;  // s32 [E], device
   const void* gate_up;         // bf16 [E, H, 2I]
   const void* down;            // bf16 [E, I, H]
-  float* gu_kept;              // f32 [M, 2I]: the forward's kept g | u (== gu), or nullptr (launch 1 recomputes)
+  float* gu_kept;              // f32 [M, 2I]: the forward's kept g | u (== gu), or nullptr (GU recomputes)
   float* dx;                   // f32 [T, H]
   float* dw;                   // f32 [T, k]
   void* d_gate_up;             // bf16 [E, H, 2I]
@@ -71,12 +80,19 @@ struct ExpertsBackwardParams {
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]
   void* dx_e;                  // scratch bf16 [M, H]
   float* dw_e;                 // scratch f32 [M]
+  int32_t* flags;              // scratch s32 [experts_backward_flag_words(M, E)]: dependency counters
   int64_t num_tokens, top_k, num_rows, hidden, intermediate, num_experts;
   int32_t num_sms;             // 0 = every SM
 };
 
 // Columns of I per dgrad tile (the n-blocks of dw_part).
 constexpr int kExpertsBackwardColBlock = 256;
+
+// Words of the kernel's dependency counters: three per m-block (at most ceil(M / 128) + E m-blocks), two per
+// expert, four totals. mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts) {
+  return 3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts) + 2 * experts + 4;
+}
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& params, cudaStream_t stream);

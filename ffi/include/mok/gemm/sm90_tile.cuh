@@ -59,6 +59,24 @@ using StageRing = std::conditional_t<
                                  cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
 }  // namespace detail
 
+// The stage ring of every bf16 tile kind below (128 x 64 A and 256 x 64 B per stage, 4 stages), and a
+// position in it.
+struct StageRing {
+  static constexpr int kStages = 4;
+  alignas(1024) cutlass::bfloat16_t a[kStages * 128 * 64];
+  alignas(1024) cutlass::bfloat16_t b[kStages * 256 * 64];
+  alignas(8) uint64_t full[kStages];
+  alignas(8) uint64_t empty[kStages];
+};
+
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++stage == StageRing::kStages) stage = 0, phase ^= 1;
+  }
+};
+
 // A class template (also) so that the TMA types below can be deduced from the member functions' bodies
 // inside the class (a plain class would see them undefined); Sm90Tile is the forward's K-major A,
 // MN-major B tile.
@@ -74,7 +92,7 @@ struct Sm90TileT {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
-  static constexpr int kStages = 4;
+  static constexpr int kStages = StageRing::kStages;
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -144,20 +162,13 @@ struct Sm90TileT {
     __device__ int32_t k_count() const { return k_len < 0 ? k : k_len; }
   };
 
-  struct Stages {
-    alignas(1024) Element a[cute::cosize_v<SmemLayoutA>];
-    alignas(1024) Element b[cute::cosize_v<SmemLayoutB>];
-    alignas(8) uint64_t full[kStages];
-    alignas(8) uint64_t empty[kStages];
-  };
-
-  struct StagePos {
-    int stage = 0;
-    uint32_t phase = 0;
-    __device__ void advance() {
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-  };
+  // The ring and a position in it do not depend on the operand majors: kernels that mix tile kinds (the
+  // experts' backward) walk one ring with one position through tiles of every kind.
+  using Stages = StageRing;
+  using StagePos = RingPos;
+  static_assert(cute::cosize_v<SmemLayoutA> == kStageElemsA * kStages &&
+                    cute::cosize_v<SmemLayoutB> == kStageElemsB * kStages,
+                "the stage ring holds the tiles of either major");
 
   __device__ static void init_stages(Stages& s) {  // one thread, before the CTA's first barrier
     for (int i = 0; i < kStages; ++i) {
