@@ -8,7 +8,7 @@
 //   attributes (one dictionary, CommCallAttrs): ws_id, mode (0 pull, 1 push), num_sms, zero_padding,
 //   token_major
 //
-// The handler finds this device's workspace by (ws_id, the CUDA device of the stream), refuses to
+// The handler finds this device's workspace by (ws_id, XLA's device ordinal), refuses to
 // launch on a poisoned workspace (returning the recorded error, which names the op and the rank),
 // checks shapes, fills Params and launches. No host synchronisation, no device-to-host copy.
 #include <cuda_bf16.h>
@@ -42,15 +42,14 @@ using mok::ffi_util::invalid;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Resolve (ws_id, device) to a connected, healthy view, or an error naming the op.
-ffi::Error resolve(const char* op, cudaStream_t stream, int32_t device_ordinal, const CommCallAttrs& attrs,
-                   mok::comm::CommView* view) {
-  const int device = device_ordinal;  // XLA's (not cudaStreamGetDevice: ffi_common.h)
+// Resolve (ws_id, XLA's device ordinal) to a connected, healthy view, or an error naming the op. The ordinal,
+// not cudaStreamGetDevice (ffi_common.h).
+ffi::Error resolve(const char* op, int32_t device_ordinal, const CommCallAttrs& attrs, mok::comm::CommView* view) {
   uint64_t host_error = 0;
-  const std::string why = mok::comm::lookup_view(attrs.ws_id, device, view, &host_error);
+  const std::string why = mok::comm::lookup_view(attrs.ws_id, device_ordinal, view, &host_error);
   if (!why.empty()) return invalid(op, why);
   if (host_error != 0)
-    return ffi::Error::Internal(std::string(op) + " (CUDA device " + std::to_string(device) +
+    return ffi::Error::Internal(std::string(op) + " (CUDA device " + std::to_string(device_ordinal) +
                                 "): " + mok::comm::describe_error(host_error));
   if (attrs.mode != 0 && attrs.mode != 1) return invalid(op, "mode must be 0 (pull) or 1 (push)");
   if (attrs.num_sms < 1 || attrs.num_sms > 4096) return invalid(op, "num_sms must be in [1, 4096]");
@@ -74,7 +73,7 @@ ffi::Error dispatch_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAt
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_comm_dispatch";
   mok::comm::CommView v{};
-  if (ffi::Error e = resolve(kOp, stream, device_ordinal, attrs, &v); e.failure()) return e;
+  if (ffi::Error e = resolve(kOp, device_ordinal, attrs, &v); e.failure()) return e;
   if (x.dimensions().size() != 2 || x.dimensions()[1] != v.shape.hidden)
     return invalid(kOp, "x must be [tokens, hidden_size = " + std::to_string(v.shape.hidden) + "]");
   const int64_t T = x.dimensions()[0];
@@ -126,7 +125,7 @@ ffi::Error combine_impl(cudaStream_t stream, int32_t device_ordinal, CommCallAtt
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_comm_combine";
   mok::comm::CommView v{};
-  if (ffi::Error e = resolve(kOp, stream, device_ordinal, attrs, &v); e.failure()) return e;
+  if (ffi::Error e = resolve(kOp, device_ordinal, attrs, &v); e.failure()) return e;
   if (expert_out.dimensions().size() != 2 || expert_out.dimensions()[1] != v.shape.hidden)
     return invalid(kOp, "expert_out must be [capacity, hidden_size = " + std::to_string(v.shape.hidden) + "]");
   const int64_t capacity = expert_out.dimensions()[0];

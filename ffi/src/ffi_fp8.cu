@@ -18,13 +18,7 @@ namespace {
 
 using mok::ffi_util::dims_are;
 using mok::ffi_util::dims_str;
-
-std::string shape_str(std::initializer_list<int64_t> d) {
-  std::string s = "[";
-  size_t i = 0;
-  for (int64_t v : d) s += (i++ ? ", " : "") + std::to_string(v);
-  return s + "]";
-}
+using mok::ffi_util::shape_str;
 
 ffi::Error fp8_grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::AnyBuffer gate_up, ffi::Buffer<ffi::F32> gate_up_scale,
@@ -41,20 +35,31 @@ ffi::Error fp8_grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, f
                            {"h", &*h}, {"x_q", &*x_q}})
     if (buf->element_type() != ffi::DataType::F8E4M3FN)
       return invalid(kOp, std::string(name) + " must be float8_e4m3fn");
-  if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [M, H], got " + dims_str(x.dimensions()));
-  if (group_sizes.dimensions().size() != 1)
-    return invalid(kOp, "group_sizes must be rank 1 [E], got " + dims_str(group_sizes.dimensions()));
-  if (gate_up.dimensions().size() != 3)
-    return invalid(kOp, "gate_up must be rank 3 [E, 2I, H], got " + dims_str(gate_up.dimensions()));
-  const int64_t m = x.dimensions()[0], hidden = x.dimensions()[1], e = group_sizes.dimensions()[0];
+  mok::ffi_util::GroupedFfnSizes s{};
+  if (ffi::Error err = mok::ffi_util::grouped_ffn_sizes(kOp, x.dimensions(), group_sizes.dimensions(), &s);
+      err.failure())
+    return err;
   const auto gu = gate_up.dimensions();
-  if (gu[0] != e || gu[1] % 2 != 0 || gu[2] != hidden)
-    return invalid(kOp, "gate_up must be [E, 2I, H] = [" + std::to_string(e) + ", 2I, " + std::to_string(hidden) +
-                            "], got " + dims_str(gu));
-  const int64_t inter = gu[1] / 2;
-  if (hidden % 128 != 0 || hidden <= 0) return invalid(kOp, "x: hidden size H must be a positive multiple of 128");
-  if (inter % 128 != 0 || inter <= 0)
-    return invalid(kOp, "gate_up: intermediate size I must be a positive multiple of 128");
+  if (gu.size() != 3) return invalid(kOp, "gate_up must be rank 3 [E, 2I, H], got " + dims_str(gu));
+  if (gu[0] != s.experts || gu[1] % 2 != 0 || gu[2] != s.hidden)
+    return invalid(kOp, "gate_up must be [E, 2I, H] = [" + std::to_string(s.experts) + ", 2I, " +
+                            std::to_string(s.hidden) + "], got " + dims_str(gu));
+  s.intermediate = gu[1] / 2;
+
+  mok::Fp8GroupedFfnParams p{};
+  p.gate_up = gate_up.untyped_data();
+  p.gate_up_scale = gate_up_scale.typed_data();
+  p.down = down.untyped_data();
+  p.down_scale = down_scale.typed_data();
+  p.h_scale = h_scale->typed_data();
+  p.x_q = x_q->untyped_data();
+  p.x_scale = x_scale->typed_data();
+  if (ffi::Error err = mok::ffi_util::fill_grouped_ffn(kOp, s, attrs.num_sms, x, group_sizes, y, h, status, &p);
+      err.failure())
+    return err;
+  // The op's limits first: the scales' shapes below count whole 128-blocks of H and I.
+  if (const char* why = mok::fp8_grouped_ffn_unsupported(p)) return invalid(kOp, why);
+  const int64_t m = s.rows, hidden = s.hidden, inter = s.intermediate, e = s.experts;
   const int64_t hb = hidden / 128, ib = inter / 128;
   if (!dims_are(gate_up_scale.dimensions(), {e, 2 * ib, hb}))
     return invalid(kOp, "gate_up_scale must be [E, 2I/128, H/128] = " + shape_str({e, 2 * ib, hb}) + ", got " +
@@ -65,36 +70,12 @@ ffi::Error fp8_grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, f
   if (!dims_are(down_scale.dimensions(), {e, hb, ib}))
     return invalid(kOp, "down_scale must be [E, H/128, I/128] = " + shape_str({e, hb, ib}) + ", got " +
                             dims_str(down_scale.dimensions()));
-  if (!dims_are(y->dimensions(), {m, hidden}))
-    return invalid(kOp, "y must be [M, H], got " + dims_str(y->dimensions()));
-  if (!dims_are(h->dimensions(), {m, inter})) return invalid(kOp, "h must be [M, I], got " + dims_str(h->dimensions()));
   if (!dims_are(h_scale->dimensions(), {ib, m}))
     return invalid(kOp, "h_scale must be [I/128, M], got " + dims_str(h_scale->dimensions()));
   if (!dims_are(x_q->dimensions(), {m, hidden}))
     return invalid(kOp, "x_q must be [M, H], got " + dims_str(x_q->dimensions()));
   if (!dims_are(x_scale->dimensions(), {hb, m}))
     return invalid(kOp, "x_scale must be [H/128, M], got " + dims_str(x_scale->dimensions()));
-  if (status->element_count() != 1) return invalid(kOp, "status must be a scalar s32");
-
-  mok::Fp8GroupedFfnParams p{};
-  p.x = x.untyped_data();
-  p.group_sizes = group_sizes.typed_data();
-  p.gate_up = gate_up.untyped_data();
-  p.gate_up_scale = gate_up_scale.typed_data();
-  p.down = down.untyped_data();
-  p.down_scale = down_scale.typed_data();
-  p.y = y->untyped_data();
-  p.h = h->untyped_data();
-  p.h_scale = h_scale->typed_data();
-  p.x_q = x_q->untyped_data();
-  p.x_scale = x_scale->typed_data();
-  p.status = status->typed_data();
-  p.num_rows = m;
-  p.hidden = hidden;
-  p.intermediate = inter;
-  p.num_experts = e;
-  p.num_sms = attrs.num_sms;
-  if (const char* why = mok::fp8_grouped_ffn_unsupported(p)) return invalid(kOp, why);
   return mok::ffi_util::cuda_error(kOp, mok::launch_fp8_grouped_ffn(p, stream));
 }
 

@@ -14,7 +14,9 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(GroupedFfnAttrs, ::xla::ffi::StructMember<
 
 namespace {
 
+using mok::ffi_util::dims_are;
 using mok::ffi_util::dims_str;
+using mok::ffi_util::shape_str;
 
 ffi::Error grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> group_sizes,
                             ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
@@ -23,42 +25,28 @@ ffi::Error grouped_ffn_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_grouped_ffn";
   using mok::ffi_util::invalid;
-  if (x.dimensions().size() != 2) return invalid(kOp, "x must be rank 2 [M, H], got " + dims_str(x.dimensions()));
-  if (group_sizes.dimensions().size() != 1)
-    return invalid(kOp, "group_sizes must be rank 1 [E], got " + dims_str(group_sizes.dimensions()));
-  if (gate_up.dimensions().size() != 3)
-    return invalid(kOp, "gate_up must be rank 3 [E, H, 2I], got " + dims_str(gate_up.dimensions()));
+  mok::ffi_util::GroupedFfnSizes s{};
+  if (ffi::Error err = mok::ffi_util::grouped_ffn_sizes(kOp, x.dimensions(), group_sizes.dimensions(), &s);
+      err.failure())
+    return err;
+  const auto gu = gate_up.dimensions();
+  if (gu.size() != 3) return invalid(kOp, "gate_up must be rank 3 [E, H, 2I], got " + dims_str(gu));
   if (down.dimensions().size() != 3)
     return invalid(kOp, "down must be rank 3 [E, I, H], got " + dims_str(down.dimensions()));
-  const int64_t m = x.dimensions()[0], hidden = x.dimensions()[1], e = group_sizes.dimensions()[0];
-  const auto gu = gate_up.dimensions();
-  if (gu[0] != e || gu[1] != hidden || gu[2] % 2 != 0)
-    return invalid(kOp, "gate_up must be [E, H, 2I] = [" + std::to_string(e) + ", " + std::to_string(hidden) +
-                            ", 2I], got " + dims_str(gu));
-  const int64_t inter = gu[2] / 2;
-  const auto dn = down.dimensions();
-  if (dn[0] != e || dn[1] != inter || dn[2] != hidden)
-    return invalid(kOp, "down must be [E, I, H] = [" + std::to_string(e) + ", " + std::to_string(inter) + ", " +
-                            std::to_string(hidden) + "], got " + dims_str(dn));
-  if (y->dimensions().size() != 2 || y->dimensions()[0] != m || y->dimensions()[1] != hidden)
-    return invalid(kOp, "y must be [M, H], got " + dims_str(y->dimensions()));
-  if (h->dimensions().size() != 2 || h->dimensions()[0] != m || h->dimensions()[1] != inter)
-    return invalid(kOp, "h must be [M, I], got " + dims_str(h->dimensions()));
-  if (status->element_count() != 1) return invalid(kOp, "status must be a scalar s32");
+  if (gu[0] != s.experts || gu[1] != s.hidden || gu[2] % 2 != 0)
+    return invalid(kOp, "gate_up must be [E, H, 2I] = [" + std::to_string(s.experts) + ", " +
+                            std::to_string(s.hidden) + ", 2I], got " + dims_str(gu));
+  s.intermediate = gu[2] / 2;
+  if (!dims_are(down.dimensions(), {s.experts, s.intermediate, s.hidden}))
+    return invalid(kOp, "down must be [E, I, H] = " + shape_str({s.experts, s.intermediate, s.hidden}) + ", got " +
+                            dims_str(down.dimensions()));
 
   mok::GroupedFfnParams p{};
-  p.x = x.untyped_data();
-  p.group_sizes = group_sizes.typed_data();
   p.gate_up = gate_up.untyped_data();
   p.down = down.untyped_data();
-  p.y = y->untyped_data();
-  p.h = h->untyped_data();
-  p.status = status->typed_data();
-  p.num_rows = m;
-  p.hidden = hidden;
-  p.intermediate = inter;
-  p.num_experts = e;
-  p.num_sms = attrs.num_sms;
+  if (ffi::Error err = mok::ffi_util::fill_grouped_ffn(kOp, s, attrs.num_sms, x, group_sizes, y, h, status, &p);
+      err.failure())
+    return err;
   if (const char* why = mok::grouped_ffn_unsupported(p)) return invalid(kOp, why);
   return mok::ffi_util::cuda_error(kOp, mok::launch_grouped_ffn(p, stream));
 }

@@ -67,18 +67,19 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
                         ffi::ResultBuffer<ffi::F32> keep_gu) {
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_moe_forward";
-  const int device = device_ordinal;  // XLA's (not cudaStreamGetDevice: ffi_common.h)
   std::vector<mok::comm::CommView> views;
   uint64_t poison = 0, call_error = 0;
-  if (std::string why = mok::comm::lookup_views(attrs.ws_id, device, &views, &poison, &call_error); !why.empty())
+  if (std::string why = mok::comm::lookup_views(attrs.ws_id, device_ordinal, &views, &poison, &call_error);
+      !why.empty())
     return invalid(kOp, why);
   if (poison != 0)
-    return ffi::Error::Internal(std::string(kOp) + " (CUDA device " + std::to_string(device) +
+    return ffi::Error::Internal(std::string(kOp) + " (CUDA device " + std::to_string(device_ordinal) +
                                 "): " + mok::comm::describe_error(poison));
   if (call_error != 0) {
-    mok::comm::clear_call_errors(attrs.ws_id, device);
+    mok::comm::clear_call_errors(attrs.ws_id, device_ordinal);
     return ffi::Error::InvalidArgument(std::string(kOp) + ": an earlier call on CUDA device " +
-                                       std::to_string(device) + " failed: " + mok::comm::describe_error(call_error));
+                                       std::to_string(device_ordinal) + " failed: " +
+                                       mok::comm::describe_error(call_error));
   }
   const auto xd = x.dimensions();
   if (xd.size() != 3) return invalid(kOp, "x must be [ranks, tokens, hidden], got " + dims_str(xd));

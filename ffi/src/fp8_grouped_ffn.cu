@@ -5,7 +5,7 @@
 #include "mok/fp8_grouped_ffn.cuh"
 #include "mok/gemm/sm90_fp8_grouped_gemm.cuh"
 #include "mok/gemm/sm90_grouped_gemm.cuh"  // persistent_grid, launch_persistent_gemm
-#include "mok/grouped_ffn.cuh"             // the status bits and the expert limit (shared with the bf16 op)
+#include "mok/grouped_ffn.cuh"             // the limits and the M == 0 path, shared with the bf16 op
 
 namespace mok {
 namespace {
@@ -14,14 +14,6 @@ using GateUpGemm = gemm::Sm90Fp8GroupedGemm<gemm::Fp8Epilogue::kSwiGLUQuant>;
 using DownGemm = gemm::Sm90Fp8GroupedGemm<gemm::Fp8Epilogue::kBf16>;
 using E4M3 = cutlass::float_e4m3_t;
 static_assert(GateUpGemm::kMaxGroups == kGroupedFfnMaxExperts, "expert limit");
-
-// M == 0: no GEMM to run, but the status still reports bad group sizes.
-__global__ void fp8_grouped_ffn_status_kernel(const int32_t* sizes, int num_groups, int32_t* status) {
-  __shared__ gemm::GroupTable<kGroupedFfnMaxExperts> table;
-  gemm::build_group_table(table, sizes, num_groups, 0, 128, 1, int(threadIdx.x));
-  __syncwarp();
-  if (threadIdx.x == 0) *status = table.status;
-}
 
 // x [M, K] -> x_q [M, K], x_scale [K/128, M]: one warp per 1 x 128 tile, grid-stride.
 __global__ void __launch_bounds__(256) fp8_quantize_rows_kernel(const __nv_bfloat16* __restrict__ x,
@@ -42,24 +34,20 @@ __global__ void __launch_bounds__(256) fp8_quantize_rows_kernel(const __nv_bfloa
 }  // namespace
 
 const char* fp8_grouped_ffn_unsupported(const Fp8GroupedFfnParams& p) {
-  if (p.num_experts < 1 || p.num_experts > kGroupedFfnMaxExperts)
-    return "group_sizes: the number of experts E must be in [1, 1024]";
+  if (const char* why = grouped_ffn_limits_unsupported(p.hidden, p.intermediate, p.num_experts, p.num_sms))
+    return why;
+  // whole scale blocks along both reductions
   if (p.hidden <= 0 || p.hidden % 128 != 0) return "x: hidden size H must be a positive multiple of 128";
   if (p.intermediate <= 0 || p.intermediate % 128 != 0)
     return "gate_up: intermediate size I must be a positive multiple of 128";
   if (p.num_rows < 0 || p.num_rows > INT_MAX) return "x: rows M must be in [0, 2^31)";
-  if (p.hidden > INT_MAX / 2 || 2 * p.intermediate > INT_MAX) return "H and 2I must be below 2^31";
-  if (p.num_sms < 0) return "num_sms must be >= 0 (0 = all SMs)";
   return nullptr;
 }
 
 cudaError_t launch_fp8_grouped_ffn(const Fp8GroupedFfnParams& p, cudaStream_t stream) {
   if (fp8_grouped_ffn_unsupported(p)) return cudaErrorInvalidValue;
   const int num_experts = int(p.num_experts);
-  if (p.num_rows == 0) {
-    fp8_grouped_ffn_status_kernel<<<1, 32, 0, stream>>>(p.group_sizes, num_experts, p.status);
-    return cudaGetLastError();
-  }
+  if (p.num_rows == 0) return launch_grouped_ffn_status(p.group_sizes, num_experts, p.status, stream);
   int grid = 0;
   MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
   const int m = int(p.num_rows), hidden = int(p.hidden), inter = int(p.intermediate);

@@ -31,24 +31,36 @@ __global__ void occupy_sms_kernel(int64_t duration_ns, int32_t* started) {
 
 }  // namespace
 
+const char* grouped_ffn_limits_unsupported(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                           int32_t num_sms) {
+  if (num_experts < 1 || num_experts > kGroupedFfnMaxExperts)
+    return "group_sizes: the number of experts E must be in [1, 1024]";
+  if (hidden > INT_MAX / 2 || 2 * intermediate > INT_MAX) return "gate_up: H and 2I must be below 2^31";
+  if (num_sms < 0) return "num_sms must be >= 0 (0 = all SMs)";
+  return nullptr;
+}
+
+cudaError_t launch_grouped_ffn_status(const int32_t* group_sizes, int num_experts, int32_t* status,
+                                      cudaStream_t stream) {
+  grouped_ffn_status_kernel<<<1, 32, 0, stream>>>(group_sizes, num_experts, status);
+  return cudaGetLastError();
+}
+
 const char* grouped_ffn_unsupported(const GroupedFfnParams& p) {
-  if (p.num_experts < 1 || p.num_experts > kGroupedFfnMaxExperts) return "num_experts must be in [1, 1024]";
-  if (p.hidden <= 0 || p.hidden % 8 != 0) return "hidden size H must be a positive multiple of 8";
+  if (const char* why = grouped_ffn_limits_unsupported(p.hidden, p.intermediate, p.num_experts, p.num_sms))
+    return why;
+  // 16-byte rows for TMA
+  if (p.hidden <= 0 || p.hidden % 8 != 0) return "x: hidden size H must be a positive multiple of 8";
   if (p.intermediate <= 0 || p.intermediate % 8 != 0)
-    return "intermediate size I must be a positive multiple of 8";
+    return "gate_up: intermediate size I must be a positive multiple of 8";
   if (p.num_rows < 0 || p.num_rows > INT_MAX) return "rows M must be in [0, 2^31)";
-  if (p.hidden > INT_MAX / 2 || 2 * p.intermediate > INT_MAX) return "H and 2I must be below 2^31";
-  if (p.num_sms < 0) return "num_sms must be >= 0 (0 = all SMs)";
   return nullptr;
 }
 
 cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   if (grouped_ffn_unsupported(p)) return cudaErrorInvalidValue;
   const int num_experts = int(p.num_experts);
-  if (p.num_rows == 0) {
-    grouped_ffn_status_kernel<<<1, 32, 0, stream>>>(p.group_sizes, num_experts, p.status);
-    return cudaGetLastError();
-  }
+  if (p.num_rows == 0) return launch_grouped_ffn_status(p.group_sizes, num_experts, p.status, stream);
   int grid = 0;
   MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
 

@@ -43,6 +43,17 @@ struct GroupedFfnParams {
 // nullptr when the shapes are supported, else a sentence saying what is not.
 const char* grouped_ffn_unsupported(const GroupedFfnParams& params);
 
+// The limits of the grouped GEMMs under this op and the FP8 one (mok/fp8_grouped_ffn.cuh): 1 <= E <= 1024, H and
+// 2I below 2^31, num_sms >= 0. nullptr when they hold, else a sentence naming the argument. Each op adds its own
+// alignment of H and I and its bound on M.
+const char* grouped_ffn_limits_unsupported(int64_t hidden, int64_t intermediate, int64_t num_experts,
+                                           int32_t num_sms);
+
+// M == 0: no GEMM to run, but status (s32 [1]) still reports bad group sizes. Enqueues the one small kernel that
+// writes it; this op and the FP8 one both take this path.
+cudaError_t launch_grouped_ffn_status(const int32_t* group_sizes, int num_experts, int32_t* status,
+                                      cudaStream_t stream);
+
 // Enqueue the op on `stream` (no host synchronisation; CUDA-graph capturable).
 cudaError_t launch_grouped_ffn(const GroupedFfnParams& params, cudaStream_t stream);
 
