@@ -39,11 +39,13 @@ constexpr int kGatherVecs = 4;  // 16-byte vectors in flight per lane and source
 constexpr int kSlotVecs = 8;    // slot rows loaded per lane before any is added, in SLOT
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
 constexpr uint32_t kZeroBarrier = 4;      // warps 1..3 of the producer warpgroup
+constexpr int kWorkSlots = 2;             // tickets the producer hands the consumers ahead
 
 // The list's order: every item waits only for kinds before it. DWSUM sits after DX (whose tiles need every DH
 // tile too, so it never waits there) and SLOT last: CTAs that are done with their weight-gradient tiles sum the
 // tokens while the others finish theirs.
 enum Kind : int32_t { kGather, kGu, kDh, kDx, kDwSum, kWDown, kWGateUp, kSlot, kKinds };
+static_assert(kKinds == kExpertsBackwardKinds, "the kinds the time words count");
 
 struct KernelParams {
   TileGu::TmaA gu_a;  // x_e [M, H]
@@ -94,6 +96,9 @@ struct SharedStorage {
   int32_t bad;      // table.status or unpadded: every weight-gradient tile is NaN
   int32_t wait_ok;  // a consumer-side wait's verdict, for all consumers
   Shape shape;      // the item list (from the table)
+  int32_t work[kWorkSlots];  // tickets (item indices; -1: no more) from the producer to the consumers
+  alignas(8) uint64_t work_full[kWorkSlots];
+  alignas(8) uint64_t work_empty[kWorkSlots];
 };
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
@@ -102,17 +107,20 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 
 // ---- the dependency counters (p.flags) ------------------------------------------------------------------
 struct Flags {
+  unsigned long long* busy_ns;  // [kind]: consumers' time in items of that kind, over the CTAs
+  unsigned long long* wait_ns;  // [kind]: time spent waiting for their inputs
   int32_t* gathered;  // [mb]: 1 when GATHER(mb) is done
   int32_t* gu;        // [mb]: GU tiles of m-block mb done
   int32_t* dh;        // [mb]: DH tiles of m-block mb done
   int32_t* gathered_e;  // [E]: GATHER items of expert e done
   int32_t* dh_e;        // [E]: DH tiles of expert e done
-  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] CTAs whose padding rows are zero
+  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] CTAs whose padding rows are zero, [3] tickets
 };
 __device__ __forceinline__ Flags flags(const KernelParams& p) {
   const int mbs = ceil_div(p.M, kBlockM) + p.E;
-  return Flags{p.flags, p.flags + mbs, p.flags + 2 * mbs, p.flags + 3 * mbs, p.flags + 3 * mbs + p.E,
-               p.flags + 3 * mbs + 2 * p.E};
+  auto* ns = reinterpret_cast<unsigned long long*>(p.flags);
+  int32_t* c = p.flags + kExpertsBackwardTimeWords;
+  return Flags{ns, ns + kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 3 * mbs + p.E, c + 3 * mbs + 2 * p.E};
 }
 
 // Spin (acquire) until *ctr >= target. False on timeout (status bit set) or when another wait already timed out.
@@ -224,12 +232,27 @@ __device__ __forceinline__ bool load(const TmaA& a, const TmaB& b, SharedStorage
   return Tile::load_tile(a, b, s.stages, pos, t, status);
 }
 
+// Items go out by ticket (one atomic counter): a CTA that runs fast takes more of them, and since tickets are
+// claimed in list order every wait still points to an earlier, already claimed item.
 __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h) {
+  const Flags f = flags(p);
   gemm::RingPos pos;
-  for (int i = blockIdx.x; i < h.begin[kKinds]; i += gridDim.x) {
+  int w = 0;
+  uint32_t phase = 0;
+  for (;;) {
+    const int32_t ticket = atomicAdd(f.totals + 3, 1);
+    const int32_t i = ticket < h.begin[kKinds] ? ticket : -1;
+    if (!gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, p.status)) return;
+    s.work[w] = i;
+    cutlass::arch::ClusterBarrier::arrive(&s.work_full[w]);
+    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    if (i < 0) return;
     const Item it = decode(p, s, h, i);
     if (!is_tile(it.kind) || ((it.kind == kWDown || it.kind == kWGateUp) && it.k_len == 0)) continue;
+    const uint64_t t0 = gemm::global_timer_ns();
     if (!wait_inputs(p, s, h, it)) return;
+    if (const uint64_t waited = gemm::global_timer_ns() - t0; waited > 0)
+      atomicAdd(f.wait_ns + it.kind, (unsigned long long)waited);
     gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
     const int col0 = it.n_block * kBlockN, col1 = col0 + kHalfN;
     bool ok = true;
@@ -348,11 +371,13 @@ __device__ void slot_sum(const KernelParams& p, const Item& it, int ct) {
 // the others' later loads after its acquires too).
 template <int kN>
 __device__ bool consumers_wait(SharedStorage& s, const int32_t* const (&ctr)[kN], const int32_t (&target)[kN],
-                               int32_t* status, int ct) {
+                               int32_t* status, unsigned long long* wait_ns, int ct) {
   if (ct == 0) {
+    const uint64_t t0 = gemm::global_timer_ns();
     bool ok = true;
     for (int i = 0; i < kN && ok; ++i) ok = wait_count(ctr[i], target[i], status);
     s.wait_ok = ok;
+    atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));
   }
   gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
   return s.wait_ok != 0;
@@ -387,8 +412,18 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
   const Flags f = flags(p);
   const int wg = ct / 128, t = ct % 128;
   gemm::RingPos pos;
-  for (int i = blockIdx.x; i < h.begin[kKinds]; i += gridDim.x) {
+  const int lane = ct % 32;
+  int w = 0;
+  uint32_t phase = 0;
+  for (;;) {
+    if (!gemm::mbarrier_wait(&s.work_full[w], phase, p.status)) return;
+    const int32_t i = s.work[w];
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.work_empty[w]);
+    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    if (i < 0) return;
     const Item it = decode(p, s, h, i);
+    const uint64_t t0 = ct == 0 ? gemm::global_timer_ns() : 0;
     const int col0 = it.n_block * kBlockN;
     switch (it.kind) {
       case kGather: gather(p, it, ct); break;
@@ -431,20 +466,23 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         break;
       }
       case kDwSum:
-        if (!consumers_wait<1>(s, {f.dh + it.mb}, {h.nb_dh}, p.status, ct)) return;
+        if (!consumers_wait<1>(s, {f.dh + it.mb}, {h.nb_dh}, p.status, f.wait_ns + kDwSum, ct)) return;
         dw_sum(p, h, it, ct);
         break;
       default:  // kSlot
         if (!consumers_wait<3>(s, {f.totals + 0, f.totals + 1, f.totals + 2},
                                {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum],
                                 int32_t(gridDim.x)},
-                               p.status, ct))
+                               p.status, f.wait_ns + kSlot, ct))
           return;
         slot_sum(p, it, ct);
         break;
     }
     gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
-    if (ct == 0) complete(p, it);
+    if (ct == 0) {
+      complete(p, it);
+      atomicAdd(f.busy_ns + it.kind, (unsigned long long)(gemm::global_timer_ns() - t0));
+    }
   }
 }
 
@@ -474,6 +512,11 @@ __device__ void run(const KernelParams& p) {
   const int lane = threadIdx.x % 32;
   if (warp == 0 && lane == 0) {
     TileKK::init_stages(s.stages);
+    for (int i = 0; i < kWorkSlots; ++i) {
+      cutlass::arch::ClusterBarrier::init(&s.work_full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&s.work_empty[i], kConsumers / 32);
+    }
+    cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(p.gu_a.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.gu_b.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.dh_a.get_tma_descriptor());

@@ -11,6 +11,9 @@ ms of back-to-back calls (mok_jax.bench.timing):
 - ``experts op``: ``ops.experts_backward`` alone on the tokens, dy and the padded expert-major layout of the same
   routing (it gathers the rows, gives the routed experts' gradients and sums each token's slot rows of dx; the
   layer's backward adds the layout and the shared expert's bf16 XLA backward);
+- ``items`` and ``items kept``: where the op's kernel time goes, recompute and kept g, u: per kind of work item,
+  the ms per SM its consumers spent in such items and the ms spent waiting for their inputs (the kernel's own
+  counters, summed over the CTAs and divided by the SM count);
 - with ``--trace DIR``: the device time of the op's kernel (one persistent launch: the row gather, gate/up
   recompute, down dgrad with the SwiGLU backward, gate/up dgrad, the two weight-gradient GEMMs, the router-weight
   and per-token sums) from a jax.profiler trace of a few calls, the kernels with the most device time in the op
@@ -45,7 +48,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     from mok_jax.config import MoEConfig
     from mok_jax.expert_layout import padded_layout
     from mok_jax.moe import moe
-    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
+    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
 
     m, x, idx, w, W, flops = _problem(model_name, tokens, seed)
     E, H, I, k = W.gate_up.shape[0], m.hidden_size, m.intermediate_size, m.top_k
@@ -70,6 +73,16 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
            "fwd+bwd keep": _timed(grad_keep, (x, idx, w, W, dy), timing_kw),
            "kept_bytes": lay.num_rows * 2 * I * 4,
            "experts op": _timed(op, op_args, timing_kw)}
+    # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
+    _, gu = jax.jit(lambda *a: ops.experts_backward(*a, return_gu=True))(*op_args)
+    op_kept = jax.jit(lambda *a: ops.experts_backward(*a[:-1], gu=a[-1]))
+    res["experts op kept"] = _timed(op_kept, (*op_args, gu), timing_kw)
+    ctas = getattr(jax.devices()[0], "core_count", None) or 132  # the kernel runs one CTA per SM
+    for label, extra in (("items", {}), ("items kept", {"gu": gu})):
+        _, ns = jax.jit(lambda *a, **kw: ops.experts_backward(*a, return_item_ns=True, **kw))(*op_args, **extra)
+        ns = jax.device_get(ns)
+        res[label] = {kind: {"busy_ms": float(ns[0, q]) / ctas / 1e6, "wait_ms": float(ns[1, q]) / ctas / 1e6}
+                      for q, kind in enumerate(ITEM_KINDS)}
     # FLOPs the op executes (gate/up twice: the recompute and its dgrad) over the slots' rows.
     res["op_flops"] = 2 * res["slots"] * H * I * (2 + 1 + 1 + 2 + 2)
     if trace:
@@ -130,6 +143,11 @@ def table(res: dict) -> str:
                      f"{fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
                      f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f} {c['fwd+bwd keep']['ms']:>8.3f} "
                      f"{c['fwd+bwd keep']['ms'] / floor:>7.2f}x {c['kept_bytes'] / 1e6:>8.0f}")
+        for label in ("items", "items kept"):
+            if c.get(label):
+                parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}" for n, v in c[label].items()
+                                  if v["busy_ms"] or v["wait_ms"])
+                lines.append(f"{'':<18} {label} (ms per SM, in/waiting): {parts}")
         if c.get("launch_ms"):
             parts = ", ".join(f"{n} {v:.3f}" for n, v in c["launch_ms"].items() if v is not None)
             lines.append(f"{'':<18} launches (ms): {parts}")

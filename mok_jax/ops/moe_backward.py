@@ -39,9 +39,16 @@ _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate
 _DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
 
 
+# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh).
+ITEM_KINDS = ("gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad", "router-weight sum",
+              "d_down", "d_gate_up", "slot sum")
+_TIME_WORDS = 4 * len(ITEM_KINDS)  # two u64 per kind (consumers' ns, ns waited), summed over the CTAs
+
+
 def _flag_words(rows: int, experts: int) -> int:
-    """s32 words of the kernel's dependency counters (experts_backward_flag_words in experts_backward.cuh)."""
-    return 3 * (-(-rows // EXPERTS_BACKWARD_GROUP_ALIGN) + experts) + 2 * experts + 4
+    """s32 words of the kernel's scratch flags (experts_backward_flag_words in experts_backward.cuh): the time
+    words, then the dependency counters."""
+    return _TIME_WORDS + 3 * (-(-rows // EXPERTS_BACKWARD_GROUP_ALIGN) + experts) + 2 * experts + 4
 
 
 class ExpertsBackwardOutput(NamedTuple):
@@ -61,8 +68,8 @@ class ExpertsBackwardOutput(NamedTuple):
 def experts_backward(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
-    gu: jax.Array | None = None, return_gu: bool = False,
-) -> ExpertsBackwardOutput | tuple[ExpertsBackwardOutput, jax.Array]:
+    gu: jax.Array | None = None, return_gu: bool = False, return_item_ns: bool = False,
+) -> ExpertsBackwardOutput | tuple:
     """The routed SwiGLU experts' backward over padded expert-major rows, on the GPU.
 
     x: bf16[T, H]; dy: bf16[T, H] (the output gradient); topk_weight: f32[T, k] (k <= 32,
@@ -100,6 +107,9 @@ def experts_backward(
     return_gu: a test and benchmark hook: also return the f32[M, 2I] g, u that the op used: its own recompute
     (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
     or ``gu`` itself when given. Returns (ExpertsBackwardOutput, gu) then.
+
+    return_item_ns: a benchmark hook: also return f32[2, len(ITEM_KINDS)], per kind of the kernel's work items the
+    ns its CTAs' consumers spent in them and the ns they waited for inputs, summed over the CTAs. Appended last.
     """
     where = "mok_jax.ops.experts_backward"
     tokens, top_k, m, hidden, inter, num_experts = check_experts_backward_args(
@@ -145,10 +155,19 @@ def experts_backward(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in,
         num_sms=np.int32(0 if num_sms is None else num_sms))
     result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[_DX_ROWS])
-    if not return_gu:
-        return result
-    if kept:
-        return result, gu
-    # the recompute leaves the rows past the groups unwritten (nothing reads them); zeros, as the forward keeps
-    used = jnp.sum(jnp.maximum(group_sizes, 0))
-    return result, jnp.where((jnp.arange(m) < used)[:, None], scratch[3], 0.0)
+    extras = []
+    if return_gu:
+        # the recompute leaves the rows past the groups unwritten (nothing reads them); zeros, as the forward keeps
+        used = jnp.sum(jnp.maximum(group_sizes, 0))
+        extras.append(gu if kept else jnp.where((jnp.arange(m) < used)[:, None], scratch[3], 0.0))
+    if return_item_ns:
+        words = scratch[-1][:_TIME_WORDS].reshape(2, len(ITEM_KINDS), 2)
+        extras.append(_u64_as_f32(words))
+    return (result, *extras) if extras else result
+
+
+def _u64_as_f32(words: jax.Array) -> jax.Array:
+    """[..., 2] s32 halves (low word first) of u64 counts, as f32 (rounded to 24 bits: ns read as ms)."""
+    lo = words[..., 0].astype(jnp.uint32).astype(jnp.float32)
+    hi = words[..., 1].astype(jnp.uint32).astype(jnp.float32)
+    return hi * jnp.float32(2.0**32) + lo

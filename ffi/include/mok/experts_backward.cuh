@@ -17,9 +17,10 @@
 // (0 for a masked slot). The caller adds the shared expert's dx.
 //
 // One persistent launch (num_sms CTAs, one per SM, 384 threads: a TMA producer thread and two consumer
-// warpgroups, as the forward megakernel). Every CTA walks the same list of work items, CTA c taking items
-// c, c + num_ctas, ...; an item waits (bounded) only for items earlier in the list, through dependency
-// counters in the scratch `flags` (zeroed by the launcher), so the phases overlap without a grid barrier:
+// warpgroups, as the forward megakernel). The CTAs take the items of one list by ticket (an atomic counter, in
+// list order: a CTA that runs fast takes more); an item waits (bounded) only for items earlier in the list,
+// through dependency counters in the scratch `flags` (zeroed by the launcher), so the phases overlap without a
+// grid barrier:
 //   GATHER(m)      x_e, dy_e, w_e of m-block m (128 rows); one warp per row, 16-byte copies
 //   GU(m, n)       gu = x_e @ gate_up, fp32 out                      after GATHER(m); none when g, u are kept
 //   DH(m, n)       dh' = dy_e @ down^T, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
@@ -32,7 +33,7 @@
 // (GEMM tiles: 128 x 256 over 128B-swizzled TMA stages, mok/gemm/sm90_tile.cuh; the weight-gradient tiles
 // as sm90_weight_grad.cuh; band rasterisation as the grouped GEMM.) The producer waits for a tile's inputs
 // before its TMA loads; the consumers publish an item with a release after its stores. No wait can close
-// a cycle (each points to an earlier item, and every CTA takes its items in list order), and every wait is
+// a cycle (each points to an earlier item, and tickets are claimed in list order), and every wait is
 // bounded: a timeout sets gemm::kStatusWaitTimeout and the kernel stops early.
 // Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
 // for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
@@ -88,10 +89,16 @@ struct ExpertsBackwardParams {
 // Columns of I per dgrad tile (the n-blocks of dw_part).
 constexpr int kExpertsBackwardColBlock = 256;
 
-// Words of the kernel's dependency counters: three per m-block (at most ceil(M / 128) + E m-blocks), two per
-// expert, four totals. mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+// Kinds of work item (GATHER .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
+// device time, two u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
+// consumers waited for inputs: integer sums, read by mok_jax.bench.backward), then the dependency counters:
+// three per m-block (at most ceil(M / 128) + E m-blocks), two per expert, and four totals (the last one counts
+// the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+constexpr int kExpertsBackwardKinds = 8;
+constexpr int64_t kExpertsBackwardTimeWords = 4 * kExpertsBackwardKinds;
 constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts) {
-  return 3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts) + 2 * experts + 4;
+  return kExpertsBackwardTimeWords +
+         3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts) + 2 * experts + 4;
 }
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
