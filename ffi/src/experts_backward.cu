@@ -335,24 +335,25 @@ __device__ void slot_sum(const KernelParams& p, const Item& it, int ct) {
   const uint4* dx_e = reinterpret_cast<const uint4*>(p.dx_e);
   float4* dx = reinterpret_cast<float4*>(p.dx) + int64_t(t) * chunks * 2;
   const int32_t* pos = p.pos + int64_t(t) * p.k;
-  int32_t my_row = -1;  // lane j < k holds row j
   if (lane < p.k) {
     const int32_t r = pos[lane];
-    my_row = (r >= 0 && r < p.M) ? r : -1;
-    p.dw[int64_t(t) * p.k + lane] = my_row >= 0 ? p.dw_e[my_row] : 0.0f;
+    p.dw[int64_t(t) * p.k + lane] = (r >= 0 && r < p.M) ? p.dw_e[r] : 0.0f;
   }
+  // No shuffles in this loop: when 32 does not divide H / 8, the lanes leave it at different trip counts.
   for (int c = lane; c < chunks; c += 32) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int j0 = 0; j0 < p.k; j0 += kSlotVecs) {
       uint4 v[kSlotVecs];
+      bool in[kSlotVecs];
 #pragma unroll
       for (int u = 0; u < kSlotVecs; ++u) {
-        const int32_t r = __shfl_sync(0xffffffffu, my_row, (j0 + u) & 31);
-        v[u] = (j0 + u < p.k && r >= 0) ? dx_e[int64_t(r) * chunks + c] : make_uint4(0, 0, 0, 0);
+        const int32_t r = j0 + u < p.k ? pos[j0 + u] : -1;
+        in[u] = r >= 0 && r < p.M;
+        v[u] = in[u] ? dx_e[int64_t(r) * chunks + c] : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kSlotVecs; ++u) {
-        if (j0 + u >= p.k || __shfl_sync(0xffffffffu, my_row, (j0 + u) & 31) < 0) continue;
+        if (!in[u]) continue;
         const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
