@@ -154,7 +154,7 @@ def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
               f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
               f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
               f"tensor<{M}x2xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, " \
-                  f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 4}xi32>)"
+                  f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 3}xi32>)"
     assert operands + " -> " + results in call, call
     assert "output_operand_alias<output_tuple_indices = [8], operand_index = 8," in call, call
 

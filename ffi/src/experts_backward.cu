@@ -38,7 +38,6 @@ constexpr int kSlotTokens = 8;  // tokens per SLOT item: one per consumer warp
 constexpr int kGatherVecs = 4;  // 16-byte vectors in flight per lane and source in GATHER (more spill)
 constexpr int kSlotVecs = 8;    // slot rows loaded per lane before any is added, in SLOT
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
-constexpr uint32_t kZeroBarrier = 4;      // warps 1..3 of the producer warpgroup
 constexpr int kWorkSlots = 2;             // tickets the producer hands the consumers ahead
 
 // The list's order: every item waits only for kinds before it. DWSUM sits after DX (whose tiles need every DH
@@ -114,7 +113,7 @@ struct Flags {
   int32_t* dh;        // [mb]: DH tiles of m-block mb done
   int32_t* gathered_e;  // [E]: GATHER items of expert e done
   int32_t* dh_e;        // [E]: DH tiles of expert e done
-  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] CTAs whose padding rows are zero, [3] tickets
+  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets
 };
 __device__ __forceinline__ Flags flags(const KernelParams& p) {
   const int mbs = ceil_div(p.M, kBlockM) + p.E;
@@ -240,7 +239,7 @@ __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h
   int w = 0;
   uint32_t phase = 0;
   for (;;) {
-    const int32_t ticket = atomicAdd(f.totals + 3, 1);
+    const int32_t ticket = atomicAdd(f.totals + 2, 1);
     const int32_t i = ticket < h.begin[kKinds] ? ticket : -1;
     if (!gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, p.status)) return;
     s.work[w] = i;
@@ -326,18 +325,22 @@ __device__ void dw_sum(const KernelParams& p, const Shape& h, const Item& it, in
 }
 
 // Per token t of the item (one per consumer warp): dx[t] = sum_{j ascending} dx_e[pos[t, j]] in fp32,
-// dw[t, j] = dw_e[pos[t, j]]; a pos outside [0, M) adds nothing (dw 0). Each lane sums 8 columns at a time, the
+// dw[t, j] = dw_e[pos[t, j]]; a pos outside the groups' rows adds nothing (dw 0). Each lane sums 8 columns at a time, the
 // rows of up to kSlotVecs slots loaded before any is added (in slot order).
-__device__ void slot_sum(const KernelParams& p, const Item& it, int ct) {
+__device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const Item& it, int ct) {
   const int lane = ct % 32, t = it.index * kSlotTokens + ct / 32;
   if (t >= p.T) return;
   const int chunks = p.H / 8;
   const uint4* dx_e = reinterpret_cast<const uint4*>(p.dx_e);
   float4* dx = reinterpret_cast<float4*>(p.dx) + int64_t(t) * chunks * 2;
   const int32_t* pos = p.pos + int64_t(t) * p.k;
+  // Rows past the groups hold zeros (dx_rows) but are not read here: their zeroing is no item of the list, so
+  // waiting for it would tie the sum to CTAs that may not have started. Adding nothing is adding those zeros
+  // (an f32 sum that starts at +0 never holds -0).
+  const int32_t used = s.table.row_start[p.E];
   if (lane < p.k) {
     const int32_t r = pos[lane];
-    p.dw[int64_t(t) * p.k + lane] = (r >= 0 && r < p.M) ? p.dw_e[r] : 0.0f;
+    p.dw[int64_t(t) * p.k + lane] = (r >= 0 && r < used) ? p.dw_e[r] : 0.0f;
   }
   // No shuffles in this loop: when 32 does not divide H / 8, the lanes leave it at different trip counts.
   for (int c = lane; c < chunks; c += 32) {
@@ -348,7 +351,7 @@ __device__ void slot_sum(const KernelParams& p, const Item& it, int ct) {
 #pragma unroll
       for (int u = 0; u < kSlotVecs; ++u) {
         const int32_t r = j0 + u < p.k ? pos[j0 + u] : -1;
-        in[u] = r >= 0 && r < p.M;
+        in[u] = r >= 0 && r < used;
         v[u] = in[u] ? dx_e[int64_t(r) * chunks + c] : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
@@ -437,8 +440,10 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
       case kDh: {
         TileKK::Accumulator acc;
         if (!TileKK::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
-        // the epilogue reads w_e and g, u with ordinary loads: acquire what the producer waited for
-        if (!wait_count(f.gathered + it.mb, 1, p.status) || (!p.kept && !wait_count(f.gu + it.mb, h.nb_gu, p.status)))
+        // the epilogue reads w_e and g, u with ordinary loads: acquire what the producer waited for (one thread,
+        // so that every consumer leaves together if it fails)
+        if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb}, {1, p.kept ? 0 : h.nb_gu}, p.status,
+                               f.wait_ns + kDh, ct))
           return;
         gemm::swiglu_backward_store(acc, p.bwd, it.row0 + TileKK::kRowsPerConsumer * wg, it.row_end, col0, it.n_block,
                                     t);
@@ -471,12 +476,11 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         dw_sum(p, h, it, ct);
         break;
       default:  // kSlot
-        if (!consumers_wait<3>(s, {f.totals + 0, f.totals + 1, f.totals + 2},
-                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum],
-                                int32_t(gridDim.x)},
-                               p.status, f.wait_ns + kSlot, ct))
+        if (!consumers_wait<2>(s, {f.totals + 0, f.totals + 1},
+                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum]}, p.status,
+                               f.wait_ns + kSlot, ct))
           return;
-        slot_sum(p, it, ct);
+        slot_sum(p, s, it, ct);
         break;
     }
     gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
@@ -488,8 +492,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
 }
 
 // Warps 1..3 of the producer warpgroup: zeros in the rows past the groups of dx_e (the per-row dx the
-// expert-parallel backward reads) and dw_e, then count this CTA in totals[2] (SLOT reads those rows too when the
-// sizes were bad: every row is then past the groups).
+// expert-parallel backward reads) and dw_e. Nothing in the kernel reads those rows.
 __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, int t) {
   const int64_t first = s.table.row_start[p.E];
   const int64_t chunks = p.H / 8, total = (int64_t(p.M) - first) * chunks;
@@ -498,11 +501,6 @@ __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, 
   for (int64_t idx = int64_t(blockIdx.x) * 96 + t; idx < total; idx += step)
     dx_e[first * chunks + idx] = make_uint4(0, 0, 0, 0);
   for (int64_t r = first + int64_t(blockIdx.x) * 96 + t; r < p.M; r += step) p.dw_e[r] = 0.0f;
-  gemm::named_barrier_sync(kZeroBarrier, 96);
-  if (t == 0) {
-    __threadfence();
-    atomicAdd(flags(p).totals + 2, 1);
-  }
 }
 
 __device__ void run(const KernelParams& p) {

@@ -6,7 +6,7 @@
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
-//      flags: s32[32 + 3 (ceil(M / 128) + E) + 2 E + 4] (time words, dependency counters; zeroed by the launcher)
+//      flags: s32[32 + 3 (ceil(M / 128) + E) + 2 E + 3] (time words, dependency counters; zeroed by the launcher)
 //   attrs: {num_sms: s32, 0 = all SMs}
 #include "ffi_common.h"
 #include "mok/experts_backward.cuh"
@@ -84,7 +84,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dw_e", dw_e->dimensions(), {m}, "[M]"},
       {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e)},
-       "[32 + 3 (ceil(M / 128) + E) + 2 E + 4]"},
+       "[32 + 3 (ceil(M / 128) + E) + 2 E + 3]"},
   };
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))

@@ -48,7 +48,7 @@ _TIME_WORDS = 4 * len(ITEM_KINDS)  # two u64 per kind (consumers' ns, ns waited)
 def _flag_words(rows: int, experts: int) -> int:
     """s32 words of the kernel's scratch flags (experts_backward_flag_words in experts_backward.cuh): the time
     words, then the dependency counters."""
-    return _TIME_WORDS + 3 * (-(-rows // EXPERTS_BACKWARD_GROUP_ALIGN) + experts) + 2 * experts + 4
+    return _TIME_WORDS + 3 * (-(-rows // EXPERTS_BACKWARD_GROUP_ALIGN) + experts) + 2 * experts + 3
 
 
 class ExpertsBackwardOutput(NamedTuple):

@@ -34,7 +34,8 @@
 // as sm90_weight_grad.cuh; band rasterisation as the grouped GEMM.) The producer waits for a tile's inputs
 // before its TMA loads; the consumers publish an item with a release after its stores. No wait can close
 // a cycle (each points to an earlier item, and tickets are claimed in list order), and every wait is
-// bounded: a timeout sets gemm::kStatusWaitTimeout and the kernel stops early.
+// bounded: a timeout sets gemm::kStatusWaitTimeout and the kernel stops early. Only items wait for items, and
+// tickets go to CTAs that run, so the kernel needs no CTA to be resident with another (as the forward).
 // Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
 // for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
 //
@@ -92,13 +93,13 @@ constexpr int kExpertsBackwardColBlock = 256;
 // Kinds of work item (GATHER .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
 // device time, two u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
 // consumers waited for inputs: integer sums, read by mok_jax.bench.backward), then the dependency counters:
-// three per m-block (at most ceil(M / 128) + E m-blocks), two per expert, and four totals (the last one counts
-// the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+// three per m-block (at most ceil(M / 128) + E m-blocks), two per expert, and three totals (the last one
+// counts the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
 constexpr int kExpertsBackwardKinds = 8;
 constexpr int64_t kExpertsBackwardTimeWords = 4 * kExpertsBackwardKinds;
 constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts) {
   return kExpertsBackwardTimeWords +
-         3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts) + 2 * experts + 4;
+         3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts) + 2 * experts + 3;
 }
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
