@@ -27,7 +27,7 @@ for s in ${BENCH_STEPS-headline granularity}; do
     headline) step headline ${HEADLINE_LIMIT:-240} "${BENCH[@]}" --model "$MODELS" --tokens 2048 \
                 --impl xla,xla-capacity,mok --time-budget ${HEADLINE_BUDGET:-200} --json "$LOGS/headline.json" ;;
     train) step train ${TRAIN_LIMIT:-300} "${BENCH[@]/fwd/fwd+bwd}" --model "$MODELS" --tokens 2048 \
-             --impl xla,xla-capacity,mok --time-budget ${TRAIN_BUDGET:-250} --json "$LOGS/train.json" ;;
+             --impl xla,xla-capacity,mok,mok-keep --time-budget ${TRAIN_BUDGET:-250} --json "$LOGS/train.json" ;;
     backward) step backward ${BACKWARD_LIMIT:-300} $PY -m mok_jax.bench.backward --model "$MODELS" \
                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-20} --trace "$LOGS/backward_trace" --json "$LOGS/backward.json"
               rm -rf "$LOGS/backward_trace" ;;

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mok_jax import load_model
+from mok_jax import KernelConfig, load_model
 from mok_jax.bench import accounting as acc
 
 
@@ -190,3 +190,12 @@ def test_mok_memory_per_rank():
     # a third ring slot costs scratch
     more = acc.mok_memory_per_rank(s, 2048, k.replace(ring_slots=3))["scratch_bytes_per_rank"]
     assert more > m["scratch_bytes_per_rank"]
+
+
+def test_mok_keep_residuals_are_the_kept_fp32_gate_up_rows():
+    """mok-keep (MoEConfig(keep="everything")) keeps f32 [ep T k + 128 L, 2I] per rank; mok keeps nothing."""
+    s = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
+    T = 2048
+    kept = acc.mok_memory_per_rank(s, T, KernelConfig(), keep="everything")["residual_bytes_per_rank"]
+    assert kept == (2 * T * 8 + 128 * s.experts_per_gpu) * 2 * 2048 * 4
+    assert acc.mok_memory_per_rank(s, T, KernelConfig())["residual_bytes_per_rank"] == 0

@@ -135,7 +135,7 @@ def test_capacity_drop_count_one_expert(cpu_devices):
 
 def test_build_and_errors(cpu_devices):
     mesh = _mesh(2)
-    assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok"}
+    assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok", "mok-keep"}
     with pytest.raises(ValueError, match="unknown implementation"):
         baselines.build("dense", mesh)
     with pytest.raises(ValueError, match="capacity factor"):

@@ -237,7 +237,7 @@ def routing_traffic(topk_idx: np.ndarray, num_gpus: int, experts_per_gpu: int) -
     return Traffic(sent_slots, recv_slots, sent_unique, recv_unique, owner_rows)
 
 
-def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel) -> dict[str, int | None]:
+def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "nothing") -> dict[str, int | None]:
     """Device memory of one mok forward call per rank, in bytes (None where the native library that sizes it
     is missing or the kernel does not support the call):
 
@@ -246,15 +246,17 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel) -> dict[str, int
     scratch_bytes_per_rank: the per-call scratch XLA allocates for the kernel (mok_jax.ops.moe_forward.scratch_bytes:
         the ring of kernel.ring_slots microbatches dominates); freed when the call ends.
     residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs: 0 with
-        MoEConfig(keep="nothing"), which mok-bench runs (mok's custom_vjp saves only x, the routing and the
-        weights, and its backward recomputes the experts from them); keep="everything" also keeps the fp32
-        g, u (mok_jax.bench.backward measures that setting).
+        MoEConfig(keep="nothing") (implementation "mok": its custom_vjp saves only x, the routing and the
+        weights, and its backward recomputes the experts from them); with keep="everything" ("mok-keep") the
+        fp32 g, u in the backward's rows, f32 [ep T k + 128 L, 2I] (the dropless bound of that layout).
     """
     from mok_jax.ops.moe_forward import scratch_bytes
     from mok_jax.workspace import CommConfig
 
+    kept_rows = shape.num_gpus * tokens * shape.top_k + 128 * shape.experts_per_gpu
     out: dict[str, int | None] = {"workspace_bytes_per_rank": None, "scratch_bytes_per_rank": None,
-                                  "residual_bytes_per_rank": 0}
+                                  "residual_bytes_per_rank": kept_rows * 2 * shape.intermediate_size * 4
+                                  if keep == "everything" else 0}
     try:
         out["workspace_bytes_per_rank"] = CommConfig(
             ep=shape.num_gpus, max_tokens=tokens, hidden_size=shape.hidden_size, top_k=shape.top_k,

@@ -29,6 +29,8 @@ weighted sum over a token's k slots runs in fp32 in slot order before the final 
 - ``reference``: ``mok_jax.expert_parallel_moe`` with implementation="xla" (dense; small shapes only).
 - ``mok``: the same with implementation="mok" and ``kernel`` (a KernelConfig, or None: mok_jax.tuning picks);
   differentiable at every EP size (at EP > 1 the backward's communication runs over XLA collectives).
+- ``mok-keep``: ``mok`` with MoEConfig(keep="everything"): the forward keeps its fp32 g, u for the backward,
+  which then skips its gate/up recompute (the same outputs and gradients; fwd+bwd is where it differs).
 
 Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
 ``/shared``) so profiler traces read by name.
@@ -50,7 +52,8 @@ from mok_jax.reference.experts import swiglu_ffn
 from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
 
-__all__ = ["BASELINES", "IMPLEMENTATIONS", "build", "mok", "ragged", "reference", "xla_capacity", "xla_dropless"]
+__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "build", "mok", "ragged", "reference", "xla_capacity",
+           "xla_dropless"]
 
 _F32 = jnp.float32
 MoEFn = Callable[..., tuple[jax.Array, dict]]
@@ -257,10 +260,11 @@ def ragged(mesh: Mesh, *, axis: str = "ep", emulate_collective: bool = False) ->
 # ----------------------------------------------------------------------------- the library's own paths
 
 
-def _library(mesh: Mesh, axis: str, implementation: str, kernel: KernelConfig | None = None) -> MoEFn:
+def _library(mesh: Mesh, axis: str, implementation: str, kernel: KernelConfig | None = None,
+             keep: str = "nothing") -> MoEFn:
     from mok_jax import sharding
 
-    config = MoEConfig(implementation=implementation, ep_axis=axis, kernel=kernel)
+    config = MoEConfig(implementation=implementation, ep_axis=axis, kernel=kernel, keep=keep)
 
     def fn(x, topk_idx, topk_weight, weights):
         with jax.named_scope(implementation if implementation == "mok" else "reference"):
@@ -275,26 +279,27 @@ def reference(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
     return _library(mesh, axis, "xla")
 
 
-def mok(mesh: Mesh, *, axis: str = "ep", kernel: KernelConfig | None = None) -> MoEFn:
-    """mok_jax.expert_parallel_moe(implementation="mok", kernel=kernel): the megakernel (kernel None: the tuned
-    table or the heuristic, mok_jax.tuning)."""
+def mok(mesh: Mesh, *, axis: str = "ep", kernel: KernelConfig | None = None, keep: str = "nothing") -> MoEFn:
+    """mok_jax.expert_parallel_moe(implementation="mok", kernel=kernel, keep=keep): the megakernel (kernel None:
+    the tuned table or the heuristic, mok_jax.tuning)."""
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
-    return _library(mesh, axis, "mok", kernel)
+    return _library(mesh, axis, "mok", kernel, keep)
 
 
 BASELINES: dict[str, Callable[..., MoEFn]] = {
     "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "reference": reference,
 }
-IMPLEMENTATIONS = (*BASELINES, "mok")
+MOK_IMPLEMENTATIONS = {"mok": "nothing", "mok-keep": "everything"}  # name -> MoEConfig.keep
+IMPLEMENTATIONS = (*BASELINES, *MOK_IMPLEMENTATIONS)
 
 
 def build(name: str, mesh: Mesh, *, axis: str = "ep", capacity_factor: float = 1.25,
           kernel: KernelConfig | None = None) -> MoEFn:
     """The jitted callable of implementation ``name`` (one of IMPLEMENTATIONS); ``kernel`` is mok's (the
     others have no kernel knobs and ignore it)."""
-    if name == "mok":
-        return mok(mesh, axis=axis, kernel=kernel)
+    if name in MOK_IMPLEMENTATIONS:
+        return mok(mesh, axis=axis, kernel=kernel, keep=MOK_IMPLEMENTATIONS[name])
     if name not in BASELINES:
         raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     if name == "xla-capacity":

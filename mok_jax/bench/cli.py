@@ -36,7 +36,8 @@ GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice", "im
 ONE_GPU_EXPERTS = "E/32"  # default --experts-per-gpu on a machine with one GPU (and no --ep-mode given)
 CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("reference", "xla", "xla-capacity")}
 CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
-IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok")
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-keep")
+MOK_IMPLS = ("mok", "mok-keep")  # the megakernel: kernel knobs apply (mok-keep: MoEConfig(keep="everything"))
 DTYPES = ("bf16", "fp8")
 CPU_NOTICE = ("CPU NUMBERS: no GPU found, so mok-bench ran the pure-JAX paths on CPU devices; the times below "
               "are CPU times, not GPU performance, and no GPU roofline applies to them.")
@@ -502,7 +503,7 @@ def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype, ke
     from mok_jax.bench import baselines
     from mok_jax.weights import MoEWeights
 
-    if impl not in ("mok", "reference"):
+    if impl not in (*MOK_IMPLS, "reference"):
         return None
     try:
         fn = baselines.build(impl, mesh, kernel=kernel)
@@ -556,7 +557,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     dropped_impls = {}
     for impl in list(impls):
         kernel = None
-        if impl == "mok":
+        if impl in MOK_IMPLS:
             knobs = kernel_settings(opts, tokens_list[0])[0]
             kernel = tune.resolve_kernel(tune.problem_key(shapes[0], tokens_list[0]), knobs, gpu_kind)[0]
         why = _availability(impl, mesh, shapes[0], tokens_list[0], dtype, kernel)
@@ -585,7 +586,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     # pass-major, so a sweep cut short by --time-budget still has whole curves for the first pass; mok once per
     # kernel setting (--granularity list, --tune grid), the others once
     plan = [(s, p, t, i, knobs) for s in shapes for p in opts.passes for t in tokens_list for i in impls
-            for knobs in (kernel_settings(opts, t) if i == "mok" else [None])]
+            for knobs in (kernel_settings(opts, t) if i in MOK_IMPLS else [None])]
 
     if not on_gpu:  # once, above everything the runs print (stdout: it heads the table in a redirected file)
         print(CPU_NOTICE, flush=True)
@@ -620,13 +621,13 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
             label = f"[{len(results)}/{len(plan)}] {shape.model} T={tokens} {pass_} {impl}"
             try:
                 kernel = None  # what the builder gets: None lets mok_jax.tuning resolve inside the layer
-                if impl == "mok":
+                if impl in MOK_IMPLS:
                     kernel, ran, r["kernel_source"] = tune.resolve_kernel(tune.problem_key(shape, tokens), knobs,
                                                                           gpu_kind)
                     r["kernel"] = dataclasses.asdict(ran)
                     label += f" [{rep.kernel_label(r, ('comm_sms_fwd', 'ring_slots'))}]"
                     if pass_ == "fwd":  # the forward's memory; the backward's is not sized yet
-                        r.update(acc.mok_memory_per_rank(shape, tokens, ran))
+                        r.update(acc.mok_memory_per_rank(shape, tokens, ran, baselines.MOK_IMPLEMENTATIONS[impl]))
                 if stop_reason:
                     raise _Skip(stop_reason)
                 if opts.time_budget_s and time.perf_counter() - t_start > opts.time_budget_s:

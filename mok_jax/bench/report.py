@@ -259,10 +259,10 @@ def format_memory(results: Iterable[dict]) -> str:
     """One line per (model, tokens) of the mok forward's device memory per rank (from the mok fwd rows)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        if r["impl"] == "mok" and r.get("workspace_bytes_per_rank") is not None:
-            groups.setdefault((r["model"], r["ep_mode"], r["tokens_per_gpu"]), []).append(r)
+        if r["impl"] in ("mok", "mok-keep") and r.get("workspace_bytes_per_rank") is not None:
+            groups.setdefault((r["model"], r["ep_mode"], r["tokens_per_gpu"], r["impl"]), []).append(r)
     lines = []
-    for (model, mode, tokens), rs in groups.items():
+    for (model, mode, tokens, impl), rs in groups.items():
         scratch = {r["scratch_bytes_per_rank"] for r in rs}
         if len(scratch) == 1:
             scratch_txt = _bytes(next(iter(scratch)))
@@ -270,9 +270,10 @@ def format_memory(results: Iterable[dict]) -> str:
             known = sorted(v for v in scratch if v is not None)
             scratch_txt = f"{_bytes(known[0])}..{_bytes(known[-1])} over {len(rs)} kernel settings" if known else "?"
         workspace = _bytes(rs[0]["workspace_bytes_per_rank"])
-        lines.append(f"mok memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per layer), "
-                     f"scratch {scratch_txt} (per call), residuals "
-                     f"{_bytes(rs[0]['residual_bytes_per_rank'])} (the forward keeps only its inputs)")
+        kept = "the forward keeps only its inputs" if impl == "mok" else "the forward's fp32 g, u, per layer"
+        lines.append(f"{impl} memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per "
+                     f"layer), scratch {scratch_txt} (per call), residuals "
+                     f"{_bytes(rs[0]['residual_bytes_per_rank'])} ({kept})")
     return "\n".join(lines)
 
 
