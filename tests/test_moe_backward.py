@@ -634,12 +634,26 @@ def _custom_call_lines(text, target):
     return [line for line in text.splitlines() if f"custom_call @{target}(" in line]
 
 
+def _call_types(T, k, M, H, I, E, gu_rows):
+    """The op's custom call types "(operands) -> (results)" as the contract has them: gu_in f32[gu_rows, 2I]
+    (0: none kept), then dx, dw, d_gate_up, d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw
+    partials, dx_e, dw_e and the s32 flags (32 time words, then the dependency counters: 3 per m-block of at
+    most ceil(M / 128) + E, 2 per expert, 3 totals)."""
+    operands = (f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, "
+                f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, "
+                f"tensor<{gu_rows}x{2 * I}xf32>)")
+    results = (f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, "
+               f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, "
+               f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "
+               f"tensor<{M}x{-(-I // 256)}xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, "
+               f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 3}xi32>)")
+    return operands + " -> " + results
+
+
 def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
-    """Operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down and gu_in (no gu kept: f32[0, 2I]);
-    results dx, dw, d_gate_up, d_down, status and the ten scratch buffers x_e, dy_e, w_e, gu (f32[M, 2I]: the
-    op recomputes g, u), dgu, hw, dw partials, dx_e, dw_e and the s32 flags (32 time words, then the dependency
-    counters: 3 per m-block of at most ceil(M / 128) + E, 2 per expert, 3 totals) (ffi/src/ffi_moe_backward.cu);
-    num_sms as an int32 attribute (0 = every SM). With a kept gu: tests/test_moe_backward_kept.py."""
+    """One call with the contract's operands and results (_call_types; no gu kept: gu_in f32[0, 2I] and the
+    op's scratch gu f32[M, 2I]; ffi/src/ffi_moe_backward.cu) and num_sms as an int32 attribute (0 = every SM).
+    With a kept gu: tests/test_moe_backward_kept.py."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
     T, k, M, H, I, E = 100, 3, 812, 64, 384, 4
@@ -650,15 +664,7 @@ def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
     for num_sms, attr in ((None, 0), (20, 20)):
         text = jax.jit(functools.partial(mb.experts_backward, num_sms=num_sms)).lower(*args).as_text()
         [call] = _custom_call_lines(text, "mok_experts_backward")
-        operands = f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
-                   f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
-                   f"tensor<0x{2 * I}xf32>)"
-        results = f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
-                  f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
-                  f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
-                  f"tensor<{M}x2xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, " \
-                  f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 3}xi32>)"
-        assert operands + " -> " + results in call, call
+        assert _call_types(T, k, M, H, I, E, 0) in call, call
         assert f"num_sms = {attr} : i32" in call, call
 
 
@@ -682,13 +688,7 @@ def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
                          argnums=(0, 1, 2)))
     text = f.lower(x, w, W).as_text()
     [call] = _custom_call_lines(text, "mok_experts_backward")
-    assert f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
-           f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
-           f"tensor<0x{2 * I}xf32>) -> (tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
-           f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, " \
-           f"tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, tensor<{M}x1xf32>, " \
-           f"tensor<{M}x{H}xbf16>, tensor<{M}xf32>, " \
-                  f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 3}xi32>)" in call, call
+    assert _call_types(T, k, M, H, I, E, 0) in call, call
     elsewhere = [line for line in text.splitlines() if f"tensor<{M}x{H}x" in line and line != call]
     assert not elsewhere, "\n".join(elsewhere[:4])
     dots = [re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", line) for line in text.splitlines()

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe_backward import I_, M_, _custom_call_lines, _layout_problem, _op_args
+from test_moe_backward import I_, M_, _call_types, _custom_call_lines, _layout_problem, _op_args
 
 from mok_jax import _native
 from mok_jax.expert_layout import gather_rows
@@ -147,15 +147,7 @@ def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
     gu = sds((M, 2 * I), _F32)
     text = jax.jit(lambda *a: mb.experts_backward(*a[:-1], gu=a[-1])).lower(*args, gu).as_text()
     [call] = _custom_call_lines(text, "mok_experts_backward")
-    operands = f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, " \
-               f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, " \
-               f"tensor<{M}x{2 * I}xf32>)"
-    results = f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, " \
-              f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, " \
-              f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, " \
-              f"tensor<{M}x2xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, " \
-                  f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 3}xi32>)"
-    assert operands + " -> " + results in call, call
+    assert _call_types(T, k, M, H, I, E, M) in call, call
     assert "output_operand_alias<output_tuple_indices = [8], operand_index = 8," in call, call
 
     for given in (None, gu):

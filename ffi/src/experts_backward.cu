@@ -505,8 +505,7 @@ __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, 
 
 __device__ void run(const KernelParams& p) {
   extern __shared__ __align__(1024) char smem_raw[];
-  const uint32_t misalign = uint32_t(__cvta_generic_to_shared(smem_raw)) & 1023u;
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - misalign) & 1023u));
+  SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int lane = threadIdx.x % 32;
   if (warp == 0 && lane == 0) {

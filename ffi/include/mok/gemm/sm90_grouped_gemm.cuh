@@ -144,10 +144,7 @@ struct Sm90GroupedGemm {
   // ---- the kernel body: set up, then route by role ---------------------------------------------------
   __device__ static void run(const Params& p) {
     extern __shared__ __align__(1024) char smem_raw[];
-    // Align to 1024 B (128B-swizzle atoms) by offsetting from the __shared__ array itself, so the
-    // compiler keeps seeing shared-memory addresses (STS/LDS rather than generic ST/LD).
-    const uint32_t misalign = uint32_t(__cvta_generic_to_shared(smem_raw)) & 1023u;
-    SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - misalign) & 1023u));
+    SharedStorage& s = aligned_shared_storage<SharedStorage>(smem_raw);
     const int warp = cutlass::canonical_warp_idx_sync();
     const int lane = threadIdx.x % 32;
     const int n_blocks = (p.n_out + kOutCols - 1) / kOutCols;

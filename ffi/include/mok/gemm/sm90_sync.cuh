@@ -51,4 +51,13 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// The kernel's shared storage at the first 1024-byte boundary (128B-swizzle atoms) of its dynamic shared memory
+// `raw` (launched with sizeof(Storage) + 1024 bytes). Offsetting from the __shared__ array itself keeps the
+// compiler seeing shared-memory addresses (STS/LDS rather than generic ST/LD).
+template <class Storage>
+__device__ __forceinline__ Storage& aligned_shared_storage(char* raw) {
+  const uint32_t misalign = uint32_t(__cvta_generic_to_shared(raw)) & 1023u;
+  return *reinterpret_cast<Storage*>(raw + ((1024u - misalign) & 1023u));
+}
+
 }  // namespace mok::gemm

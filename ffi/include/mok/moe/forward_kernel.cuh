@@ -960,8 +960,7 @@ __device__ inline void finish_call(const Plan& p, const RankParams& R, SharedSto
 
 __device__ inline void run(const Params& P) {
   extern __shared__ __align__(1024) char smem_raw[];
-  const uint32_t misalign = uint32_t(__cvta_generic_to_shared(smem_raw)) & 1023u;
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - misalign) & 1023u));
+  SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
   const int vr = int(blockIdx.x) % P.num_ranks;
   if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
   const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks;
