@@ -102,8 +102,6 @@ struct SharedStorage {
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
 
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // ---- the dependency counters (p.flags) ------------------------------------------------------------------
 struct Flags {
   unsigned long long* busy_ns;  // [kind]: consumers' time in items of that kind, over the CTAs
@@ -401,17 +399,6 @@ __device__ void complete(const KernelParams& p, const Item& it) {
   }
 }
 
-// A weight-gradient tile without rows: zeros (an empty expert), or NaN (bf16 0x7fc0) when the sizes were bad.
-__device__ void fill_tile(const TileW::TileStore& st, int ct, bool nan) {
-  auto* out = static_cast<Bf16*>(st.out);
-  const uint32_t v = nan ? 0x7fc07fc0u : 0u;
-  for (int idx = ct; idx < kBlockM * kBlockN / 8; idx += kConsumers) {
-    const int row = st.row0 + idx / (kBlockN / 8), col = st.col0 + (idx % (kBlockN / 8)) * 8;
-    if (row < st.row_end && col < st.n_out)
-      *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = make_uint4(v, v, v, v);
-  }
-}
-
 __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h, int ct) {
   const Flags f = flags(p);
   const int wg = ct / 128, t = ct % 128;
@@ -463,7 +450,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         Bf16* out = (down ? p.d_down : p.d_gate_up) + int64_t(it.group) * m_dim * n_dim;
         const TileW::TileStore st{out, n_dim, it.m_block * kBlockM, m_dim, col0, n_dim};
         if (it.k_len == 0) {  // an empty expert: exact zeros (the accumulator is not involved)
-          fill_tile(st, ct, s.bad);
+          gemm::Sm90WeightGrad::fill_tile(st, ct, s.bad);  // zeros, or NaN after bad sizes
           break;
         }
         TileW::Accumulator acc;
@@ -528,9 +515,7 @@ __device__ void run(const KernelParams& p) {
   }
   if (warp == 1) {
     gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
-    bool unpadded = false;
-    for (int g = lane; g < p.E; g += 32) unpadded |= p.group_sizes[g] % gemm::kGroupAlign != 0;
-    unpadded = __any_sync(0xffffffffu, unpadded);
+    const bool unpadded = gemm::any_unpadded_group(p.group_sizes, p.E, lane);
     if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
   }
   __syncthreads();
@@ -589,10 +574,6 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
                        p.num_experts, p.num_sms};
     return launch_grouped_ffn(f, stream);  // M = 0: writes the status only
   }
-  auto* kernel = &experts_backward_kernel;
-  cudaFuncAttributes attr{};
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
   int grid = 0;
   MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
 
@@ -639,9 +620,7 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
   MOK_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.flags, 0, size_t(experts_backward_flag_words(p.num_rows, p.num_experts)) * 4, stream));
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(k);
-  return cudaGetLastError();
+  return launch_sm90a(&experts_backward_kernel, grid, kThreads, kSmemBytes, stream, k);
 }
 
 }  // namespace mok

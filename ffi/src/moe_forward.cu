@@ -133,13 +133,7 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
     }
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
   }
-  auto* kernel = &forward_kernel;
-  cudaFuncAttributes attr{};
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;  // needs sm_90a machine code
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return launch_sm90a(&forward_kernel, grid, kThreads, kSmemBytes, stream, params);
 }
 
 cudaError_t preload_forward_kernel() {

@@ -198,14 +198,7 @@ inline cudaError_t persistent_grid(int32_t num_sms, int* grid) {
 // Refuses a build without sm_90a machine code (the kernel would only set kStatusNoSm90a).
 template <class Gemm>
 cudaError_t launch_persistent_gemm(const typename Gemm::Params& params, int grid, cudaStream_t stream) {
-  auto* kernel = &sm90_grouped_gemm_kernel<Gemm>;
-  cudaFuncAttributes attr{};
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
-  if (attr.binaryVersion != 90) return cudaErrorNoKernelImageForDevice;
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Gemm::kSmemBytes));
-  kernel<<<grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return launch_sm90a(&sm90_grouped_gemm_kernel<Gemm>, grid, Gemm::kThreads, Gemm::kSmemBytes, stream, params);
 }
 
 }  // namespace mok::gemm

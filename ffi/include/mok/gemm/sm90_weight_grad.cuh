@@ -31,6 +31,13 @@ namespace mok::gemm {
 constexpr int32_t kStatusUnpaddedGroup = 4;  // a group size that is not a multiple of kGroupAlign
 constexpr int kGroupAlign = 128;
 
+// Whether some group size is not a multiple of kGroupAlign (the weight-gradient tiles are then NaN). One full warp.
+__device__ __forceinline__ bool any_unpadded_group(const int32_t* __restrict__ sizes, int num_groups, int lane) {
+  bool unpadded = false;
+  for (int g = lane; g < num_groups; g += 32) unpadded |= sizes[g] % kGroupAlign != 0;
+  return __any_sync(0xffffffffu, unpadded);
+}
+
 struct Sm90WeightGrad {
   using Tile = Sm90TileT<cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
   using Element = Tile::Element;
@@ -144,9 +151,7 @@ struct Sm90WeightGrad {
     }
     if (warp == 1) {
       build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
-      bool unpadded = false;
-      for (int g = lane; g < p.num_groups; g += 32) unpadded |= p.group_sizes[g] % kGroupAlign != 0;
-      unpadded = __any_sync(0xffffffffu, unpadded);
+      const bool unpadded = any_unpadded_group(p.group_sizes, p.num_groups, lane);
       if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
     }
     __syncthreads();
