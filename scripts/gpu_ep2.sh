@@ -21,7 +21,7 @@ STEP_WIDTH=10 STEP_TAIL=${TAIL:-12}
 source scripts/step.sh
 MODELS=kimi-k2,glm-5,qwen3.5-397b-a17b,deepseek-v4-pro
 BENCH=($PY -m mok_jax.bench --ep-mode ep64-slice --tokens 2048 --dtype bf16 --no-progress --samples ${SAMPLES:-10}
-       --target-sample-ms 20 --devices 2)
+       --target-sample-ms 100 --devices 2)
 step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import jax, mok_jax; from mok_jax._native import native_status; print(jax.__version__, jax.devices(), native_status())'"
 for s in ${EP2_STEPS-tests fwd fwd+bwd gran comm_sms comm}; do
   case $s in

@@ -17,7 +17,7 @@ step env 60 bash -c "nvidia-smi -L; $PY -c 'import jax, mok_jax; from mok_jax._n
   $PY -m pytest -q -rs --timeout=${TEST_TIMEOUT:-120} -p no:cacheprovider ${TEST_FILES:-tests/test_moe_gpu.py tests/test_grouped_ffn_gpu.py} ${1:+-k "$1"}
 # mok-bench on one GPU: the whole 2-GPU ep64-slice problem (E/32 experts), bf16, uniform routing; train = fwd+bwd
 BENCH=($PY -m mok_jax.bench --experts-per-gpu E/32 --dtype bf16 --pass fwd --no-progress --samples ${SAMPLES:-10}
-       --target-sample-ms ${SAMPLE_MS:-20})
+       --target-sample-ms ${SAMPLE_MS:-100})
 MODELS=${MODELS:-kimi-k2,glm-5,qwen3.5-397b-a17b,deepseek-v4-pro}
 for s in ${BENCH_STEPS-headline granularity}; do
   case $s in
@@ -29,7 +29,7 @@ for s in ${BENCH_STEPS-headline granularity}; do
     train) step train ${TRAIN_LIMIT:-300} "${BENCH[@]/fwd/fwd+bwd}" --model "$MODELS" --tokens 2048 \
              --impl xla,xla-capacity,mok,mok-keep --time-budget ${TRAIN_BUDGET:-250} --json "$LOGS/train.json" ;;
     backward) step backward ${BACKWARD_LIMIT:-300} $PY -m mok_jax.bench.backward --model "$MODELS" \
-                --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-20} --trace "$LOGS/backward_trace" --json "$LOGS/backward.json"
+                --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} --trace "$LOGS/backward_trace" --json "$LOGS/backward.json"
               rm -rf "$LOGS/backward_trace" ;;
     curve) step curve 200 $PY -m mok_jax.bench.train_curve --steps ${CURVE_STEPS:-50} --json "$LOGS/train_curve.json" \
              --plot "$LOGS/train_curve.png" ;;
@@ -40,7 +40,7 @@ for s in ${BENCH_STEPS-headline granularity}; do
     sweep) step sweep 200 "${BENCH[@]}" --model kimi-k2 --tokens 16384 --impl mok,xla-capacity \
              --granularity 512,1024,2048,4096,8192,16384 --time-budget 170 --json "$LOGS/sweep.json" ;;
     breakdown) step breakdown ${BREAKDOWN_LIMIT:-300} $PY -m mok_jax.bench.breakdown --model "$MODELS" \
-                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-20} --trace "$LOGS/breakdown_trace" \
+                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} --trace "$LOGS/breakdown_trace" \
                  --json "$LOGS/breakdown.json"
                tar czf "$LOGS/breakdown_trace.tgz" -C "$LOGS" breakdown_trace 2>/dev/null && rm -rf "$LOGS/breakdown_trace" ;;
     profile) step profile 120 "${BENCH[@]}" --model kimi-k2 --tokens 2048 --impl mok,xla-capacity --samples 3 \

@@ -103,24 +103,53 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
             for _ in range(_TRACED_CALLS):
                 g = grad(x, idx, w, W, dy)
             jax.block_until_ready(g)
-        res["fwd+bwd_kernels"] = _top_kernels(_trace_events(trace + "/fwd_bwd"), _TRACED_CALLS)
+        fb_events = _trace_events(trace + "/fwd_bwd")
+        res["fwd+bwd_kernels"] = _top_kernels(fb_events, _TRACED_CALLS)
+        res["fwd+bwd_timeline"] = _timeline(fb_events, _TRACED_CALLS)
     return res
+
+
+def _gpu_events(events: list[dict]) -> list[dict]:
+    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+
+
+def _timeline(events: list[dict], calls: int, top: int = 8) -> dict:
+    """Where a traced run of ``calls`` back-to-back calls leaves the GPU idle: per call the span (first launch's
+    start to last one's end), the busy time (the union of the device events) and the idle rest, and the
+    largest idle gaps summed by the pair of events around them (µs per call)."""
+    ev = sorted(_gpu_events(events), key=lambda e: e["ts"])
+    if not ev:
+        return {}
+    busy, gaps, end, last = 0.0, {}, ev[0]["ts"], ev[0]["name"]
+    for e in ev:
+        if e["ts"] > end:
+            key = f"{last[:48]} -> {e['name'][:48]}"
+            gaps[key] = gaps.get(key, 0.0) + (e["ts"] - end)
+        start = max(e["ts"], end)
+        stop = e["ts"] + e["dur"]
+        if stop > start:
+            busy += stop - start
+        if stop >= end:
+            end, last = stop, e["name"]
+    span = end - ev[0]["ts"]
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:top]
+    return {"span_ms": span / calls / 1e3, "busy_ms": busy / calls / 1e3, "idle_ms": (span - busy) / calls / 1e3,
+            "events": round(len(ev) / calls), "gaps_us": [(k, v / calls) for k, v in worst]}
 
 
 def _top_kernels(events: list[dict], calls: int, top: int = 14) -> list[tuple[str, float, int]]:
     """(name, ms per call, launches per call) of the GPU kernels with the most device time in a trace's events,
     over ``calls`` calls."""
-    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     tot: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
-            tot.setdefault(e["name"], []).append(e["dur"] / 1e3)
+    for e in _gpu_events(events):
+        tot.setdefault(e["name"], []).append(e["dur"] / 1e3)
     rows = sorted(((n[:160], sum(d) / calls, round(len(d) / calls)) for n, d in tot.items()), key=lambda r: -r[1])
     return rows[:top]
 
 
-def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 20.0, seed: int = 0,
+def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 100.0, seed: int = 0,
         trace: str | None = None) -> dict:
     from mok_jax.bench.breakdown import _dense
 
@@ -155,6 +184,11 @@ def table(res: dict) -> str:
             if c.get(what):
                 lines.append(f"{'':<18} {what}, ms per call: " + "; ".join(
                     f"{n[:70]} {ms:.3f} (x{cnt})" for n, ms, cnt in c[what]))
+        if c.get("fwd+bwd_timeline"):
+            tl = c["fwd+bwd_timeline"]
+            lines.append(f"{'':<18} fwd+bwd on the GPU, ms per call: span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}, "
+                         f"idle {tl['idle_ms']:.3f} ({tl['events']} device events); largest gaps (us per call): "
+                         + "; ".join(f"{k} {v:.0f}" for k, v in tl["gaps_us"]))
     return "\n".join(lines)
 
 
@@ -163,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=",".join(MODELS))
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--sample-ms", type=float, default=20.0)
+    ap.add_argument("--sample-ms", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", help="record a jax.profiler trace of the op here and print its launches' times")
     ap.add_argument("--json")

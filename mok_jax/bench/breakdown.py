@@ -208,7 +208,7 @@ def _dense(timing_kw) -> dict:
     return r
 
 
-def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 20.0, seed: int = 0,
+def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 100.0, seed: int = 0,
         trace: str | None = None, comm_sms=(), only_sweep: bool = False) -> dict:
     import jax
 
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=",".join(MODELS))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--samples", type=int, default=15)
-    p.add_argument("--sample-ms", type=float, default=20.0)
+    p.add_argument("--sample-ms", type=float, default=100.0)
     p.add_argument("--json")
     p.add_argument("--trace")
     p.add_argument("--comm-sms", default="", help="comma list: also time the tuned config at these comm SM counts")

@@ -126,7 +126,7 @@ class BenchOptions:
     capacity_factor: float = 1.25
     warmup: int = 3
     samples: int = 20
-    target_sample_ms: float = 20.0
+    target_sample_ms: float = 100.0
     ragged_samples: int = 3
     experts_per_gpu: str | None = None  # 'N' or 'E/d'; None: the split of ep_mode
     granularity: tuple[int, ...] | None = None  # mok knobs; None: mok_jax.tuning picks
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("timing and rooflines")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--samples", type=int, default=20, help="timed samples (each several calls)")
-    t.add_argument("--target-sample-ms", type=float, default=20.0, help="calls per sample chosen to last this long")
+    t.add_argument("--target-sample-ms", type=float, default=100.0, help="calls per sample chosen to last this long")
     t.add_argument("--ragged-samples", type=int, default=3, help="samples for 'ragged' (slow: 1 call each)")
     t.add_argument("--peak-tflops", type=float, help=f"compute roofline (default on GPU: {PEAK_TFLOPS['bf16']:g} "
                    "bf16, one H200; on CPU: none)")
