@@ -265,10 +265,17 @@ def _drop_invalid_tokens(dy, topk_idx, num_experts, dtype):
     return jnp.where(bad_token[:, None], jnp.zeros((), dy.dtype), dy).astype(dtype)
 
 
-def _finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, failed, d_gate_up, d_down):
+def _finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, failed, d_gate_up, d_down,
+                     shared=None):
     """The gradients from the routed experts' parts: the shared expert's backward added (its dx in f32 before
-    the one rounding), NaN where the op failed, every gradient in its primal's dtype."""
-    dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy)
+    the one rounding), NaN where the op failed, every gradient in its primal's dtype. ``shared``: the shared
+    expert's weight gradients when the op ran its backward (its dx is then in dx_routed already), else None
+    (it runs here, in XLA)."""
+    if shared is None:
+        dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy)
+    else:
+        dx_shared = None
+        d_sgu, d_sdn = (g.astype(w.dtype) for g, w in zip(shared, (weights.shared_gate_up, weights.shared_down)))
     dx = dx_routed if dx_shared is None else dx_routed + dx_shared
     # failed (status != 0) means group sizes the layout never makes (a bug): NaN gradients rather than silently
     # wrong ones (the op's weight gradients are NaN then already; a jnp.where over them would cost a pass)
@@ -278,21 +285,31 @@ def _finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, fai
     return dx, d_topk_weight, d_weights
 
 
+# Whether at EP 1 the experts' backward op also runs the shared expert's backward (mok_jax.ops.experts_backward
+# with its weights: its tiles in the same kernel) rather than XLA (as at EP > 1). Off: measured on the H200 at
+# the bench shapes, the op with the shared expert's tiles took about 0.1-0.2 ms more than the routed op and XLA's
+# five shared matmuls (benchmarks/results/moe_backward_h200.md). Read at trace time; not a user setting: the two
+# give different bits. mok_jax.bench.backward times both in one process.
+_SHARED_IN_OP = False
+
+
 def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
     """The gradients of implementation='mok': (dx, d topk_idx (float0), d topk_weight, d weights).
 
     The routed experts' backward runs on a padded expert-major layout of the slots (mok_jax.expert_layout) in
-    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference); the shared expert's
-    backward runs in XLA (``_shared_backward``) and its dx is added in f32 before the one rounding.
+    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference).
 
     EP size 1: the op gathers the rows and sums each token's slot rows of dx in f32 in slot order j = 0..k-1.
+    The shared expert's backward runs in XLA (``_shared_backward``), or with ``_SHARED_IN_OP`` in the op; either
+    way its dx is added in f32 before the one rounding.
     EP size P > 1, over XLA collectives on the mesh axis (the fused kernel does not run the backward's
     communication yet): every rank all-gathers the tokens' x, dy, ids and weights (P * T rows), runs the op
     on the slots of its own experts (``_routed_backward_rank``), and a reduce-scatter brings each token's
     per-slot dx rows [T, k, H] (bf16) and router-weight gradients home; every slot has exactly one owner, so the
     sums over ranks only add zeros (exact), and the slot-order f32 sum follows there. The routed gradients are
-    then the bits of EP size 1; the shared expert's weight gradients are sums over the ranks (psum). Memory: the
-    gathered rows (2 P T H bf16) and the slot rows (P T k H bf16) per rank.
+    then the bits of EP size 1. The shared expert's backward runs per rank on its tokens in XLA
+    (``_shared_backward``), its dx added in f32 before the one rounding, its weight gradients summed over the
+    ranks (psum). Memory: the gathered rows (2 P T H bf16) and the slot rows (P T k H bf16) per rank.
     """
     if experts_fn is None:
         from mok_jax import ops
@@ -305,11 +322,16 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     if ep == 1:
         # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
         layout = _rank_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
-        gu = {} if kept is None else dict(gu=kept.gu)
+        extra = {} if kept is None else dict(gu=kept.gu)
+        fused_shared = weights.has_shared and _SHARED_IN_OP
+        if fused_shared:
+            extra.update(shared_gate_up=weights.shared_gate_up.astype(x.dtype),
+                         shared_down=weights.shared_down.astype(x.dtype))
         out = experts_fn(x, dy, w32, layout.pos, layout.src_slot, layout.group_sizes, weights.gate_up, weights.down,
-                         **gu)
+                         **extra)
         dx_routed, dw, failed = out.dx, out.dw, out.status != 0
         d_gate_up, d_down = out.d_gate_up, out.d_down
+        shared = (out.d_shared_gate_up, out.d_shared_down) if fused_shared else None
     else:
         axis = config.ep_axis
         gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
@@ -321,8 +343,9 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
         dx_routed, dw = _slot_sum(home(part.dx_slots)), home(part.dw)
         failed = jax.lax.psum((part.status != 0).astype(jnp.int32), axis) > 0
         d_gate_up, d_down = part.d_gate_up, part.d_down
+        shared = None
     dx, d_topk_weight, d_weights = _finish_backward(x, dy, topk_weight, weights, dx_routed, dw, failed, d_gate_up,
-                                                    d_down)
+                                                    d_down, shared)
     d_weights = jax.tree.map(_vary_like, d_weights, weights)
     d_idx = np.zeros(topk_idx.shape, jax.dtypes.float0)
     return _vary_like(dx, x), d_idx, _vary_like(d_topk_weight, topk_weight), d_weights

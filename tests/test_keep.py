@@ -148,6 +148,7 @@ def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monk
     [fwd] = [line for line in text.splitlines() if "custom_call @mok_moe_forward(" in line]
     assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xf32>)" in fwd, fwd
     [bwd] = [line for line in text.splitlines() if "custom_call @mok_experts_backward(" in line]
-    assert f"tensor<{M}x{2 * I}xf32>)" in bwd.split("->")[0], bwd  # the kept buffer: the ninth operand
+    # the kept buffer: the ninth operand (then the shared expert's weights, here none: [H, 0] and [0, H])
+    assert f"tensor<{M}x{2 * I}xf32>, tensor<{H}x0xbf16>, tensor<0x{H}xbf16>)" in bwd.split("->")[0], bwd
     # ... handed to the op as its gu scratch (result 8), whose padding rows it zeroes in place
     assert re.search(r"output_operand_alias<output_tuple_indices = \[8\], operand_index = 8,", bwd), bwd

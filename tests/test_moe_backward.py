@@ -328,6 +328,16 @@ def _op_args(**over):
      ValueError, "multiple of 8"),
     (dict(group_sizes=jnp.ones((1025,), jnp.int32), gate_up=jnp.ones((1025, H_, 16), jnp.bfloat16),
           down=jnp.ones((1025, 8, H_), jnp.bfloat16)), ValueError, "1024"),
+    (dict(shared_gate_up=jnp.ones((H_, 32), jnp.bfloat16)), ValueError, "shared_gate_up and shared_down come together"),
+    (dict(shared_down=jnp.ones((16, H_), jnp.bfloat16)), ValueError, "shared_gate_up and shared_down come together"),
+    (dict(shared_gate_up=jnp.ones((H_, 32), jnp.float32), shared_down=jnp.ones((16, H_), jnp.bfloat16)), TypeError,
+     "shared_gate_up must be bfloat16"),
+    (dict(shared_gate_up=jnp.ones((H_ + 8, 32), jnp.bfloat16), shared_down=jnp.ones((16, H_), jnp.bfloat16)),
+     ValueError, "shared_gate_up must be"),
+    (dict(shared_gate_up=jnp.ones((H_, 32), jnp.bfloat16), shared_down=jnp.ones((24, H_), jnp.bfloat16)),
+     ValueError, "shared_down must be"),
+    (dict(shared_gate_up=jnp.ones((H_, 24), jnp.bfloat16), shared_down=jnp.ones((12, H_), jnp.bfloat16)),
+     ValueError, "multiple of 8"),
 ])
 def test_op_rejects_bad_arguments_naming_them(over, exc, match):
     with pytest.raises(exc, match=match):
@@ -428,7 +438,11 @@ def _check_glue(case, x, idx, w, W, dy):
     ("k10", 64, 16, 10, 24),
     ("no_shared", 100, 8, 2, 0),
 ])
-def test_glue_matches_reference_autodiff(case, T, E, k, Is):
+@pytest.mark.parametrize("shared_in_op", [False, True])
+def test_glue_matches_reference_autodiff(case, T, E, k, Is, shared_in_op, monkeypatch):
+    """The glue with the shared expert's backward in XLA or in the op (moe._SHARED_IN_OP; here the op's
+    reference) against jax.vjp of the reference layer."""
+    monkeypatch.setattr(moe_mod, "_SHARED_IN_OP", shared_in_op)
     shape = _shape(E, 32, 40, k, Is)
     x, _, w, W = random_problem(shape, T, seed=T + E)
     idx = _routing_case(case, T, E, k, seed=T * k)
@@ -464,8 +478,8 @@ def test_glue_nan_gradients_when_the_op_reports_bad_status():
     shape = _shape(4, 16, 16, 2)
     x, idx, w, W = random_problem(shape, 8, seed=0)
 
-    def broken(*args):  # the op's contract under bad status: NaN weight gradients, dx and dw unspecified
-        out = experts_backward_reference(*args)
+    def broken(*args, **kw):  # the op's contract under bad status: NaN weight gradients, dx and dw unspecified
+        out = experts_backward_reference(*args, **kw)
         return out._replace(status=jnp.int32(EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW),
                             d_gate_up=jnp.full_like(out.d_gate_up, jnp.nan), d_down=jnp.full_like(out.d_down, jnp.nan))
 
@@ -634,19 +648,24 @@ def _custom_call_lines(text, target):
     return [line for line in text.splitlines() if f"custom_call @{target}(" in line]
 
 
-def _call_types(T, k, M, H, I, E, gu_rows):
+def _call_types(T, k, M, H, I, E, gu_rows, Is=0):
     """The op's custom call types "(operands) -> (results)" as the contract has them: gu_in f32[gu_rows, 2I]
-    (0: none kept), then dx, dw, d_gate_up, d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw
-    partials, dx_e, dw_e and the s32 flags (32 time words, then the dependency counters: 3 per m-block of at
-    most ceil(M / 128) + E, 2 per expert, 3 totals)."""
+    (0: none kept) and the shared expert's weights ([H, 0] and [0, H] for none: Is = 0), then dx, dw, d_gate_up,
+    d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 flags (32
+    time words, then the dependency counters: 3 per m-block of at most ceil(M / 128) + E, and of the shared
+    expert's ceil(Ts / 128), 2 per expert and 2 for the shared one, 3 totals), then d_shared_gate_up,
+    d_shared_down and the shared expert's scratch gus, dgus, hws, dxs (Ts = T rows with a shared expert, else 0)."""
+    Ts = T if Is else 0
     operands = (f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, "
                 f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, "
-                f"tensor<{gu_rows}x{2 * I}xf32>)")
+                f"tensor<{gu_rows}x{2 * I}xf32>, tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>)")
+    flags = 32 + 3 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 3
     results = (f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, "
                f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, "
                f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "
-               f"tensor<{M}x{-(-I // 256)}xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, "
-               f"tensor<{32 + 3 * (-(-M // 128) + E) + 2 * E + 3}xi32>)")
+               f"tensor<{M}x{-(-I // 256)}xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{flags}xi32>, "
+               f"tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>, tensor<{Ts}x{2 * Is}xf32>, "
+               f"tensor<{Ts}x{2 * Is}xbf16>, tensor<{Ts}x{Is}xbf16>, tensor<{Ts}x{H}xf32>)")
     return operands + " -> " + results
 
 
@@ -672,7 +691,8 @@ def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
     """jax.grad of mj.moe(implementation='mok') at EP 1: the forward megakernel and one experts' backward call
     on the tokens and a layout of T * k + 128 * E padded rows, in the contract's operand order (no gu kept here:
     gu_in is f32[0, 2I] and the op's scratch gu f32[M, 2I]), nothing of the xla path's dense experts, and no
-    [M, H] array outside the call (the op gathers the rows and sums the slots itself)."""
+    [M, H] array outside the call (the op gathers the rows and sums the slots itself). The shared expert's backward
+    is five bf16 matmuls in XLA, or with moe._SHARED_IN_OP part of the same call (its weights operands too)."""
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
@@ -686,15 +706,20 @@ def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
                    jnp.ones((H, 2 * I), jnp.bfloat16), jnp.ones((I, H), jnp.bfloat16))
     f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=MOK).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
-    text = f.lower(x, w, W).as_text()
-    [call] = _custom_call_lines(text, "mok_experts_backward")
-    assert _call_types(T, k, M, H, I, E, 0) in call, call
-    elsewhere = [line for line in text.splitlines() if f"tensor<{M}x{H}x" in line and line != call]
-    assert not elsewhere, "\n".join(elsewhere[:4])
-    dots = [re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", line) for line in text.splitlines()
-            if "stablehlo.dot_general" in line]
-    assert len(dots) == 5, "the shared expert's backward: 5 matmuls"  # gu, dh, dx, d shared_down, d shared_gate_up
-    assert all(m and m[1].endswith("xbf16>") and m[2].endswith("xbf16>") for m in dots), [m and m[0] for m in dots]
+    for in_op in (False, True):  # the shared expert's backward in XLA (the default) or in the same call
+        monkeypatch.setattr(moe_mod, "_SHARED_IN_OP", in_op)
+        text = f.lower(x, w, W).as_text() if not in_op else jax.jit(jax.grad(
+            lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=MOK).astype(jnp.float32)),
+            argnums=(0, 1, 2))).lower(x, w, W).as_text()
+        [call] = _custom_call_lines(text, "mok_experts_backward")
+        assert _call_types(T, k, M, H, I, E, 0, Is=I if in_op else 0) in call, call
+        elsewhere = [line for line in text.splitlines() if f"tensor<{M}x{H}x" in line and line != call]
+        assert not elsewhere, "\n".join(elsewhere[:4])
+        dots = [re.search(r": \((tensor<[^>]*>), (tensor<[^>]*>)\) ->", line) for line in text.splitlines()
+                if "stablehlo.dot_general" in line]
+        # the shared expert's XLA backward: gu, dh, dx, d shared_down, d shared_gate_up, bf16 x bf16
+        assert len(dots) == (0 if in_op else 5), len(dots)
+        assert all(m and m[1].endswith("xbf16>") and m[2].endswith("xbf16>") for m in dots), [m and m[0] for m in dots]
 
 
 def test_cotangents_take_their_primals_manual_axes():

@@ -18,6 +18,7 @@ the worst case at 0.4 of its bound. Set MOK_TEST_METRICS=path to append one JSON
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import zlib
 
@@ -58,7 +59,7 @@ OP_FLOOR = 2.0**-8
 # ~1/100 of that sum at I >= 384) and is kept: a wrong row's dw (~ 1/20 of the sum) is still 50x out.
 OP_DW_TOL = 2.0**-10
 # The layer's gradients against the f32 reference: mok rounds dgu, each slot's dx row, w h and the outputs
-# to bf16 (the shared expert's XLA backward: dgu, h and the outputs); the reference's own bf16 gradient (the xla
+# to bf16 (the shared expert's too: dgu, h and the outputs); the reference's own bf16 gradient (the xla
 # path) rounds h, every cotangent and the outputs; mok sits near it: 2x it ...
 ERR_VS_NAIVE_BF16 = 2.0
 # ... plus, times the row's norm: up to four roundings on a row's way (x and dy come in bf16, then dgu or w h,
@@ -147,13 +148,16 @@ def _check_rows(case, got, want, tol, floor):
 
 def _check_op(case, args, got, want, idx, no_row=None):
     """The op's outputs ``got`` against the reference's ``want`` on ``args``; idx: the routing (-1: the slot has
-    no row); no_row: bool[T, k], further slots with no row or a padding row (exact zeros of dw)."""
+    no row); no_row: bool[T, k], further slots with no row or a padding row (exact zeros of dw). With a shared
+    expert (got.d_shared_gate_up set) every token's dx has its part, and its weight gradients are checked too."""
     x, dy, _, _, _, _, gate_up, down = args
     E = gate_up.shape[0]
     assert int(got.status) == 0, f"{case}: status {int(got.status)}"
     no_row = (idx < 0) if no_row is None else (idx < 0) | no_row
     assert not _bits(got.dw)[no_row].any(), f"{case}: a slot without a row has dw != 0"
-    rowless = no_row.all(axis=1)  # tokens none of whose slots adds a row: exact zeros
+    shared = got.d_shared_gate_up is not None
+    assert shared == (want.d_shared_gate_up is not None), case
+    rowless = no_row.all(axis=1) & (not shared)  # tokens none of whose slots adds a row: exact zeros
     assert not _bits(got.dx)[rowless].any(), f"{case}: a token without rows has dx != 0"
     worst = {"dx": _check_rows(f"{case}: dx", np.asarray(got.dx)[~rowless], np.asarray(want.dx)[~rowless],
                                OP_ROW_TOL, 0.0)}
@@ -173,6 +177,10 @@ def _check_op(case, args, got, want, idx, no_row=None):
             worst[f"{name}[{e}]"] = _check_rows(f"{case}: {name}[{e}]", np.asarray(getattr(got, name)[e], np.float32),
                                                 np.asarray(getattr(want, name)[e], np.float32), OP_ROW_TOL,
                                                 OP_FLOOR)
+    if shared:  # the same roundings as a routed expert's (weight 1), K = the T tokens
+        for name in ("d_shared_gate_up", "d_shared_down"):
+            worst[name] = _check_rows(f"{case}: {name}", np.asarray(getattr(got, name), np.float32),
+                                      np.asarray(getattr(want, name), np.float32), OP_ROW_TOL, OP_FLOOR)
     _record(case, worst_err_over_bound=max(worst.values()))
 
 
@@ -188,6 +196,32 @@ def test_op_matches_reference(T, E, k, H, I, routing):
     got = jax.jit(ops.experts_backward)(*args)
     want = jax.jit(experts_backward_reference)(*args)
     _check_op(case, args, got, want, idx)
+
+
+def _shared_weights(tag: str, H: int, Is: int):
+    ka, kb = jax.random.split(_key(tag))
+    return dict(shared_gate_up=(jax.random.normal(ka, (H, 2 * Is)) * H**-0.5).astype(_BF16),
+                shared_down=(jax.random.normal(kb, (Is, H)) * Is**-0.5).astype(_BF16))
+
+
+@pytest.mark.parametrize("T,E,k,H,I,Is,routing", [
+    (300, 8, 4, 256, 512, 256, "uniform"),
+    (200, 8, 2, 320, 384, 192, "masked_empty"),  # T, Is and 2Is no multiples of the tiles; tokens without rows
+    (1, 4, 2, 256, 256, 128, "uniform"),  # T = 1: one row of the shared expert, K = 1 in its weight gradients
+    (130, 16, 10, 256, 256, 384, "uniform"),  # k = 10, Is > I
+])
+def test_op_with_the_shared_expert_matches_reference(T, E, k, H, I, Is, routing):
+    """The shared expert's backward in the same kernel (its own tiles, weight 1, K = T in its weight gradients,
+    its f32 dx added after each token's slot sum) against the reference; the routed outputs as without it."""
+    case = f"op+shared:{T}x{E}x{k}x{H}x{I}x{Is}:{routing}"
+    args, idx = _op_problem(case, T, E, k, H, I, routing)
+    sw = _shared_weights(case, H, Is)
+    got = jax.jit(ops.experts_backward)(*args, **sw)
+    want = jax.jit(experts_backward_reference)(*args, **sw)
+    _check_op(case, args, got, want, idx)
+    alone = jax.jit(ops.experts_backward)(*args)  # the routed gradients do not see the shared tiles
+    for name in ("dw", "d_gate_up", "d_down", "dx_rows"):
+        np.testing.assert_array_equal(_bits(getattr(got, name)), _bits(getattr(alone, name)), f"{case}: {name}")
 
 
 def test_op_skips_out_of_range_pos_and_src_slot():
@@ -232,7 +266,8 @@ def test_op_status_bits():
 
 def test_op_bitwise_repeatable_whatever_the_sm_count():
     args, _ = _op_problem("sms", 400, 4, 2, 256, 384, "masked_empty")
-    outs = [jax.jit(functools.partial(ops.experts_backward, num_sms=n))(*args) for n in (None, None, 20, 3)]
+    sw = _shared_weights("sms", 256, 192)
+    outs = [jax.jit(functools.partial(ops.experts_backward, num_sms=n))(*args, **sw) for n in (None, None, 20, 3)]
     for n, out in zip((None, 20, 3), outs[1:]):
         for name, a, b in zip(out._fields, out, outs[0]):
             np.testing.assert_array_equal(_bits(a), _bits(b), f"num_sms={n}: {name} changed bits")
@@ -327,6 +362,23 @@ def test_layer_gradients_routings(case):
     _check_layer(f"grad:{case}", *_problem(f"grad:{case}", _shape(E, H, I, k, Is), T, case))
 
 
+@pytest.mark.parametrize("T,Is", [(300, 256), (130, 192), (1, 128)])
+def test_layer_gradients_with_the_shared_expert_in_the_op(T, Is, monkeypatch):
+    """moe._SHARED_IN_OP: the shared expert's backward in the experts' op (its tiles in the same kernel) rather
+    than XLA; the layer's gradients against the f32 reference as with it in XLA, the routed ones the same bits."""
+    moe_mod = importlib.import_module("mok_jax.moe")
+    E, H, I, k = 8, 256, 512, 4
+    x, idx, w, W, dy = _problem(f"grad:shared in op:{T}:{Is}", _shape(E, H, I, k, Is), T, "masked")
+    monkeypatch.setattr(moe_mod, "_SHARED_IN_OP", True)
+    got = jax.jit(_grad_fn(_MOK))(x, w, W, idx, dy)  # traced now, with the flag
+    _check_layer(f"grad:shared in op:{T}:{Is}", x, idx, w, W, dy, got=got)
+    monkeypatch.setattr(moe_mod, "_SHARED_IN_OP", False)
+    xla = jax.jit(_grad_fn(_MOK))(x, w, W, idx, dy)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(xla)):
+        if name in ("d topk_weight", "d gate_up", "d down"):
+            np.testing.assert_array_equal(_bits(a), _bits(b), f"T={T}, Is={Is}: {name}")
+
+
 @pytest.mark.parametrize("case,E,H,I,k,Is,T", [
     ("I384", 8, 320, 384, 2, 128, 300),  # I not a multiple of the kernel's 256 columns; H of 2.5 x 128
     ("one_token", 8, 256, 512, 4, 256, 1),
@@ -364,7 +416,7 @@ def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is):
     each rank's op on its experts' slots of every rank's tokens, the collectives replaced by what they compute),
     against jax.grad of mok at EP 1. Without a shared expert every gradient is the bits of EP 1 (each slot has one
     owner; the layouts keep global slot order, so the weight gradients' K order is EP 1's); with one, the shared
-    expert's XLA matmuls run per rank on T instead of ep * T rows, so dx and its weight gradients are compared
+    expert's backward runs per rank on T rows in XLA (at EP 1: in the op), so dx and its weight gradients are compared
     with the f32 reference instead (as the EP-1 layer is), and the routed weights' gradients still bit for bit."""
     from mok_jax.emulation import emulated_moe_backward
 

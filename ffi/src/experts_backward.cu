@@ -57,6 +57,17 @@ struct KernelParams {
   TileW::TmaB wd_b;   // dy_e [M, H]
   TileW::TmaA wg_a;   // x_e read as H x M
   TileW::TmaB wg_b;   // dgu [M, 2I]
+  // the shared expert's (set when it has rows): its rows are the tokens' own x and dy
+  TileGu::TmaA sgu_a;  // x [T, H]
+  TileGu::TmaB sgu_b;  // shared_gate_up [H, 2Is]
+  TileKK::TmaA sdh_a;  // dy [T, H]
+  TileKK::TmaB sdh_b;  // shared_down [Is, H] read as its transpose
+  TileKK::TmaA sdx_a;  // dgus [T, 2Is]
+  TileKK::TmaB sdx_b;  // shared_gate_up read as its transpose
+  TileW::TmaA swd_a;   // hws [T, Is] read as Is x T
+  TileW::TmaB swd_b;   // dy [T, H]
+  TileW::TmaA swg_a;   // x read as H x T
+  TileW::TmaB swg_b;   // dgus [T, 2Is]
   const uint4* x;
   const uint4* dy;
   const float* topk_weight;
@@ -77,13 +88,23 @@ struct KernelParams {
   Bf16* d_down;
   int32_t* status;
   int32_t* flags;
+  gemm::SwigluBackwardOut sbwd;  // the shared expert's epilogue: weight 1, no dw partials
+  float* gus;
+  float* dxs;
+  Bf16* d_shared_gate_up;
+  Bf16* d_shared_down;
   int32_t T, k, M, H, I, E;
+  int32_t Is, Ts;  // the shared expert's I and rows (T, or 0 without one)
 };
 
 // ---- the item list ------------------------------------------------------------------------------------
 struct Shape {
   int32_t nb_gu, nb_dh, nb_dx;        // column blocks of the row GEMMs (2I, I, H over 256)
   int32_t mb_wd, nb_wd, mb_wg, nb_wg;  // tiles of one expert's d_down [I, H] and d_gate_up [H, 2I]
+  int32_t s_nb_gu, s_nb_dh;           // the shared expert's column blocks of 2Is and Is
+  int32_t s_mb_wd, s_nb_wg;           // its weight-gradient tiles: d_shared_down [Is, H], d_shared_gate_up [H, 2Is]
+  int32_t s_mb, s_mb0;                // its m-blocks (of Ts rows), and the first one's index in the counters
+  int32_t shared[kKinds];             // the shared expert's items of each kind, first in the kind's range
   int32_t begin[kKinds + 1];           // the list: kind q holds items [begin[q], begin[q + 1])
 };
 
@@ -109,15 +130,16 @@ struct Flags {
   int32_t* gathered;  // [mb]: 1 when GATHER(mb) is done
   int32_t* gu;        // [mb]: GU tiles of m-block mb done
   int32_t* dh;        // [mb]: DH tiles of m-block mb done
-  int32_t* gathered_e;  // [E]: GATHER items of expert e done
-  int32_t* dh_e;        // [E]: DH tiles of expert e done
+  int32_t* gathered_e;  // [E + 1]: GATHER items of expert e done
+  int32_t* dh_e;        // [E + 1]: DH tiles of expert e done (index E: the shared expert's)
   int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets
 };
 __device__ __forceinline__ Flags flags(const KernelParams& p) {
-  const int mbs = ceil_div(p.M, kBlockM) + p.E;
+  const int mbs = ceil_div(p.M, kBlockM) + p.E + ceil_div(p.Ts, kBlockM);
   auto* ns = reinterpret_cast<unsigned long long*>(p.flags);
   int32_t* c = p.flags + kExpertsBackwardTimeWords;
-  return Flags{ns, ns + kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 3 * mbs + p.E, c + 3 * mbs + 2 * p.E};
+  const int es = p.E + 1;  // the experts, then the shared expert (index E)
+  return Flags{ns, ns + kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 3 * mbs + es, c + 3 * mbs + 2 * es};
 }
 
 // Spin (acquire) until *ctr >= target. False on timeout (status bit set) or when another wait already timed out.
@@ -142,15 +164,22 @@ __device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
   h.mb_wd = ceil_div(p.I, kBlockM), h.nb_wd = ceil_div(p.H, kBlockN);
   h.mb_wg = ceil_div(p.H, kBlockM), h.nb_wg = ceil_div(2 * p.I, kBlockN);
   const int nmb = s.table.tile_start[p.E];
+  const bool sh = p.Is > 0;
+  h.s_nb_gu = ceil_div(2 * p.Is, kBlockN), h.s_nb_dh = ceil_div(p.Is, kBlockN);
+  h.s_mb_wd = ceil_div(p.Is, kBlockM), h.s_nb_wg = ceil_div(2 * p.Is, kBlockN);
+  h.s_mb = ceil_div(p.Ts, kBlockM), h.s_mb0 = ceil_div(p.M, kBlockM) + p.E;
+  const int shared[kKinds] = {0, h.s_mb * h.s_nb_gu, h.s_mb * h.s_nb_dh, h.s_mb * h.nb_dx, 0,
+                              sh ? h.s_mb_wd * h.nb_wd : 0, sh ? h.mb_wg * h.s_nb_wg : 0, 0};
   const int count[kKinds] = {nmb, p.kept ? 0 : nmb * h.nb_gu, nmb * h.nb_dh, nmb * h.nb_dx, nmb,
                              p.E * h.mb_wd * h.nb_wd, p.E * h.mb_wg * h.nb_wg, ceil_div(p.T, kSlotTokens)};
   h.begin[0] = 0;
-  for (int q = 0; q < kKinds; ++q) h.begin[q + 1] = h.begin[q] + count[q];
+  for (int q = 0; q < kKinds; ++q) h.shared[q] = shared[q], h.begin[q + 1] = h.begin[q] + shared[q] + count[q];
   return h;
 }
 
 struct Item {
-  int32_t kind, index;      // index within its kind
+  int32_t kind, index;      // index within its kind (past the shared expert's items, among the routed ones)
+  int32_t shared;           // 1: a tile of the shared expert (group E)
   int32_t group, mb;        // expert; global m-block (row items and row GEMMs)
   int32_t row0, row_end;    // row GEMMs: the tile's first row, the group's end; row items: the m-block's rows
   int32_t m_block, n_block;
@@ -164,6 +193,22 @@ __device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shap
   while (i >= h.begin[q + 1]) ++q;
   it.kind = q;
   it.index = i - h.begin[q];
+  if (it.index < h.shared[q]) {  // the shared expert's tile: group E, rows [0, Ts) of its own operands
+    it.shared = 1, it.group = p.E;
+    if (q == kWDown || q == kWGateUp) {
+      const bool down = q == kWDown;
+      gemm::band_tile<kBlockM, kGroupM>(it.index, down ? p.Is : p.H, down ? h.nb_wd : h.s_nb_wg, &it.m_block,
+                                        &it.n_block);
+      it.k0 = 0, it.k_len = p.Ts;
+    } else {
+      const int nb = q == kGu ? h.s_nb_gu : q == kDh ? h.s_nb_dh : h.nb_dx;
+      gemm::band_tile<kBlockM, kGroupM>(it.index, p.Ts, nb, &it.m_block, &it.n_block);
+      it.mb = h.s_mb0 + it.m_block;
+      it.row0 = it.m_block * kBlockM, it.row_end = p.Ts;
+    }
+    return it;
+  }
+  it.index -= h.shared[q];
   switch (q) {
     case kGather:
     case kDwSum: {
@@ -209,6 +254,14 @@ __device__ __forceinline__ bool is_tile(int kind) { return kind != kGather && ki
 // ---- producer (one thread): wait for a tile's inputs, then its TMA loads ---------------------------------
 __device__ bool wait_inputs(const KernelParams& p, const SharedStorage& s, const Shape& h, const Item& it) {
   const Flags f = flags(p);
+  if (it.shared) {
+    switch (it.kind) {
+      case kGu: return true;  // x is an input
+      case kDh: return wait_count(f.gu + it.mb, h.s_nb_gu, p.status);
+      case kDx: return wait_count(f.dh + it.mb, h.s_nb_dh, p.status);
+      default: return wait_count(f.dh_e + p.E, h.s_mb * h.s_nb_dh, p.status);
+    }
+  }
   switch (it.kind) {
     case kGu: return wait_count(f.gathered + it.mb, 1, p.status);
     case kDh:
@@ -253,6 +306,29 @@ __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h
     gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
     const int col0 = it.n_block * kBlockN, col1 = col0 + kHalfN;
     bool ok = true;
+    if (it.shared) {
+      const int m0 = it.m_block * kBlockM;
+      switch (it.kind) {
+        case kGu:
+          ok = load<TileGu>(p.sgu_a, p.sgu_b, s, pos, {p.Ts, p.H, it.row0, 2 * p.Is, 1, 0, col0, col1}, p.status);
+          break;
+        case kDh:
+          ok = load<TileKK>(p.sdh_a, p.sdh_b, s, pos, {p.Ts, p.H, it.row0, p.Is, 1, 0, col0, col1}, p.status);
+          break;
+        case kDx:
+          ok = load<TileKK>(p.sdx_a, p.sdx_b, s, pos, {p.Ts, 2 * p.Is, it.row0, p.H, 1, 0, col0, col1}, p.status);
+          break;
+        case kWDown:
+          ok = load<TileW>(p.swd_a, p.swd_b, s, pos, {p.Is, p.Ts, m0, p.H, 1, 0, col0, col1, 0, p.Ts}, p.status);
+          break;
+        default:
+          ok = load<TileW>(p.swg_a, p.swg_b, s, pos, {p.H, p.Ts, m0, 2 * p.Is, 1, 0, col0, col1, 0, p.Ts},
+                           p.status);
+          break;
+      }
+      if (!ok) return;
+      continue;
+    }
     switch (it.kind) {
       case kGu:
         ok = load<TileGu>(p.gu_a, p.gu_b, s, pos, {p.M, p.H, it.row0, 2 * p.I, p.E, it.group, col0, col1}, p.status);
@@ -322,8 +398,9 @@ __device__ void dw_sum(const KernelParams& p, const Shape& h, const Item& it, in
   }
 }
 
-// Per token t of the item (one per consumer warp): dx[t] = sum_{j ascending} dx_e[pos[t, j]] in fp32,
-// dw[t, j] = dw_e[pos[t, j]]; a pos outside the groups' rows adds nothing (dw 0). Each lane sums 8 columns at a time, the
+// Per token t of the item (one per consumer warp): dx[t] = sum_{j ascending} dx_e[pos[t, j]] in fp32, then
+// + dxs[t] (the shared expert's, when there is one), dw[t, j] = dw_e[pos[t, j]]; a pos outside the groups'
+// rows adds nothing (dw 0). Each lane sums 8 columns at a time, the
 // rows of up to kSlotVecs slots loaded before any is added (in slot order).
 __device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const Item& it, int ct) {
   const int lane = ct % 32, t = it.index * kSlotTokens + ct / 32;
@@ -363,6 +440,12 @@ __device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const It
           acc[2 * q + 1] += f.y;
         }
       }
+    }
+    if (p.Ts > 0) {
+      const float4* xs = reinterpret_cast<const float4*>(p.dxs) + int64_t(t) * chunks * 2;
+      const float4 a = xs[2 * c], b = xs[2 * c + 1];
+      acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w;
+      acc[4] += b.x, acc[5] += b.y, acc[6] += b.z, acc[7] += b.w;
     }
     dx[2 * c] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     dx[2 * c + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -421,7 +504,8 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
       case kGu: {
         TileGu::Accumulator acc;
         if (!TileGu::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
-        TileGu::store_f32(acc, {p.gu, 2 * p.I, it.row0, it.row_end, col0, 2 * p.I}, wg, t);
+        const int n = 2 * (it.shared ? p.Is : p.I);
+        TileGu::store_f32(acc, {it.shared ? p.gus : p.gu, n, it.row0, it.row_end, col0, n}, wg, t);
         break;
       }
       case kDh: {
@@ -429,28 +513,38 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         if (!TileKK::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
         // the epilogue reads w_e and g, u with ordinary loads: acquire what the producer waited for (one thread,
         // so that every consumer leaves together if it fails)
-        if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb}, {1, p.kept ? 0 : h.nb_gu}, p.status,
+        if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb},
+                               {it.shared ? 0 : 1, it.shared ? h.s_nb_gu : p.kept ? 0 : h.nb_gu}, p.status,
                                f.wait_ns + kDh, ct))
           return;
-        gemm::swiglu_backward_store(acc, p.bwd, it.row0 + TileKK::kRowsPerConsumer * wg, it.row_end, col0, it.n_block,
-                                    t);
+        const int row0 = it.row0 + TileKK::kRowsPerConsumer * wg;
+        if (it.shared)  // weight 1, no router-weight partials
+          gemm::swiglu_backward_store<TileKK::Accumulator, 1, false>(acc, p.sbwd, row0, it.row_end, col0, it.n_block,
+                                                                     t);
+        else
+          gemm::swiglu_backward_store(acc, p.bwd, row0, it.row_end, col0, it.n_block, t);
         gemm::fence_proxy_async_global();  // DX and the weight gradients read dgu and hw through TMA
         break;
       }
       case kDx: {
         TileKK::Accumulator acc;
-        if (!TileKK::mma_tile(s.stages, pos, acc, 2 * p.I, ct, p.status)) return;
-        TileKK::store_bf16<false>(acc, s.epi[wg], {p.dx_e, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
+        if (!TileKK::mma_tile(s.stages, pos, acc, 2 * (it.shared ? p.Is : p.I), ct, p.status)) return;
+        if (it.shared)  // fp32: the slot sum adds it to the routed sum before the one rounding
+          TileKK::store_f32(acc, {p.dxs, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
+        else
+          TileKK::store_bf16<false>(acc, s.epi[wg], {p.dx_e, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
         break;
       }
       case kWDown:
       case kWGateUp: {
         const bool down = it.kind == kWDown;
-        const int m_dim = down ? p.I : p.H, n_dim = down ? p.H : 2 * p.I;
-        Bf16* out = (down ? p.d_down : p.d_gate_up) + int64_t(it.group) * m_dim * n_dim;
+        const int inter = it.shared ? p.Is : p.I;
+        const int m_dim = down ? inter : p.H, n_dim = down ? p.H : 2 * inter;
+        Bf16* out = it.shared ? (down ? p.d_shared_down : p.d_shared_gate_up)
+                              : (down ? p.d_down : p.d_gate_up) + int64_t(it.group) * m_dim * n_dim;
         const TileW::TileStore st{out, n_dim, it.m_block * kBlockM, m_dim, col0, n_dim};
-        if (it.k_len == 0) {  // an empty expert: exact zeros (the accumulator is not involved)
-          gemm::Sm90WeightGrad::fill_tile(st, ct, s.bad);  // zeros, or NaN after bad sizes
+        if (it.k_len == 0) {  // an empty expert (or no tokens): exact zeros (the accumulator is not involved)
+          gemm::Sm90WeightGrad::fill_tile(st, ct, s.bad && !it.shared);  // zeros, or NaN after bad sizes
           break;
         }
         TileW::Accumulator acc;
@@ -512,6 +606,18 @@ __device__ void run(const KernelParams& p) {
     cute::prefetch_tma_descriptor(p.wd_b.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.wg_a.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.wg_b.get_tma_descriptor());
+    if (p.Ts > 0) {
+      cute::prefetch_tma_descriptor(p.sgu_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.sgu_b.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.sdh_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.sdh_b.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.sdx_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.sdx_b.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.swd_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.swd_b.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.swg_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.swg_b.get_tma_descriptor());
+    }
   }
   if (warp == 1) {
     gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
@@ -558,6 +664,16 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   if (p.num_rows * 2 * p.intermediate > INT_MAX || p.num_rows * p.hidden > INT_MAX)
     return "rows M times H or 2I must be below 2^31";
   if (p.flags == nullptr) return "the dependency counters (flags) are missing";
+  if (p.shared_intermediate < 0 || p.shared_intermediate % 8 != 0)
+    return "shared_gate_up: the shared expert's intermediate size Is must be 0 (none) or a positive multiple of 8";
+  if (p.shared_intermediate > 0) {
+    if (!p.shared_gate_up || !p.shared_down || !p.d_shared_gate_up || !p.d_shared_down || !p.gus || !p.dgus ||
+        !p.hws || !p.dxs)
+      return "the shared expert's weights, gradients or scratch are missing";
+    if (p.num_rows == 0) return "src_slot: rows M must be at least 1 with a shared expert";
+    if (p.num_tokens * 2 * p.shared_intermediate > INT_MAX || p.hidden * 2 * p.shared_intermediate > INT_MAX)
+      return "tokens T and H times 2Is must be below 2^31";
+  }
   return nullptr;
 }
 
@@ -617,9 +733,36 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   k.status = p.status;
   k.flags = p.flags;
   k.T = int(p.num_tokens), k.k = int(p.top_k), k.M = M, k.H = H, k.I = I, k.E = E;
+  const int Is = int(p.shared_intermediate), T = int(p.num_tokens);
+  k.Is = Is, k.Ts = Is > 0 ? T : 0;
+  if (Is > 0) {
+    const auto* x = static_cast<const Bf16*>(p.x);
+    const auto* dy = static_cast<const Bf16*>(p.dy);
+    const auto* sgu = static_cast<const Bf16*>(p.shared_gate_up);
+    const auto* dgus = static_cast<const Bf16*>(p.dgus);
+    if (T > 0) {  // no descriptor of an empty matrix: without rows no shared tile loads anything
+      k.sgu_a = TileGu::make_tma_a(x, T, H);
+      k.sgu_b = TileGu::make_tma_b(sgu, 2 * Is, H, 1);
+      k.sdh_a = TileKK::make_tma_a(dy, T, H);
+      k.sdh_b = TileKK::make_tma_b(static_cast<const Bf16*>(p.shared_down), Is, H, 1);
+      k.sdx_a = TileKK::make_tma_a(dgus, T, 2 * Is);
+      k.sdx_b = TileKK::make_tma_b(sgu, H, 2 * Is, 1);
+      k.swd_a = TileW::make_tma_a(static_cast<const Bf16*>(p.hws), Is, T);
+      k.swd_b = TileW::make_tma_b(dy, H, T, 1);
+      k.swg_a = TileW::make_tma_a(x, H, T);
+      k.swg_b = TileW::make_tma_b(dgus, 2 * Is, T, 1);
+    }
+    k.gus = p.gus;
+    k.sbwd = gemm::SwigluBackwardOut{p.gus, nullptr, static_cast<__nv_bfloat16*>(p.dgus),
+                                     static_cast<__nv_bfloat16*>(p.hws), nullptr, Is, (Is + kBlockN - 1) / kBlockN};
+    k.dxs = p.dxs;
+    k.d_shared_gate_up = static_cast<Bf16*>(p.d_shared_gate_up);
+    k.d_shared_down = static_cast<Bf16*>(p.d_shared_down);
+  }
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
   MOK_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(p.flags, 0, size_t(experts_backward_flag_words(p.num_rows, p.num_experts)) * 4, stream));
+      cudaMemsetAsync(p.flags, 0,
+                      size_t(experts_backward_flag_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream));
   return launch_sm90a(&experts_backward_kernel, grid, kThreads, kSmemBytes, stream, k);
 }
 

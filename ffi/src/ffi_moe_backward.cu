@@ -27,7 +27,8 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
-                                 ffi::Buffer<ffi::F32> gu_in,
+                                 ffi::Buffer<ffi::F32> gu_in, ffi::Buffer<ffi::BF16> shared_gate_up,
+                                 ffi::Buffer<ffi::BF16> shared_down,
                                  ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw,
                                  ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
                                  ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e,
@@ -35,7 +36,10 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::ResultBuffer<ffi::F32> gu, ffi::ResultBuffer<ffi::BF16> dgu,
                                  ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
                                  ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
-                                 ffi::ResultBuffer<ffi::S32> flags, ExpertsBackwardAttrs attrs) {
+                                 ffi::ResultBuffer<ffi::S32> flags, ffi::ResultBuffer<ffi::BF16> d_shared_gate_up,
+                                 ffi::ResultBuffer<ffi::BF16> d_shared_down, ffi::ResultBuffer<ffi::F32> gus,
+                                 ffi::ResultBuffer<ffi::BF16> dgus, ffi::ResultBuffer<ffi::BF16> hws,
+                                 ffi::ResultBuffer<ffi::F32> dxs, ExpertsBackwardAttrs attrs) {
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_experts_backward";
   using mok::ffi_util::invalid;
@@ -58,6 +62,11 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                             std::to_string(2 * inter) + "] or f32[0, 2I] (none kept), got " +
                             dims_str(gu_in.dimensions()));
   const bool kept = m > 0 && gu_in.dimensions()[0] == m;
+  // the shared expert: shared_gate_up [H, 2Is], shared_down [Is, H]; [H, 0] and [0, H] for none
+  if (shared_gate_up.dimensions().size() != 2 || shared_gate_up.dimensions()[1] % 2 != 0)
+    return invalid(kOp, "shared_gate_up must be rank 2 [H, 2Is] ([H, 0]: no shared expert), got " +
+                            dims_str(shared_gate_up.dimensions()));
+  const int64_t s_inter = shared_gate_up.dimensions()[1] / 2, s_rows = s_inter > 0 ? t : 0;
   struct Want {
     const char* name;
     ffi::Span<const int64_t> got;
@@ -83,8 +92,16 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"dw_part", dw_part->dimensions(), {m, n_blocks}, "[M, ceil(I / 256)]"},
       {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dw_e", dw_e->dimensions(), {m}, "[M]"},
-      {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e)},
-       "[32 + 3 (ceil(M / 128) + E) + 2 E + 3]"},
+      {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e, s_rows)},
+       "[32 + 3 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 3], Ts = T with a shared expert, else 0"},
+      {"shared_gate_up", shared_gate_up.dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},
+      {"shared_down", shared_down.dimensions(), {s_inter, hidden}, "[Is, H]"},
+      {"d_shared_gate_up", d_shared_gate_up->dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},
+      {"d_shared_down", d_shared_down->dimensions(), {s_inter, hidden}, "[Is, H]"},
+      {"gus", gus->dimensions(), {s_rows, 2 * s_inter}, "[Ts, 2Is]"},
+      {"dgus", dgus->dimensions(), {s_rows, 2 * s_inter}, "[Ts, 2Is]"},
+      {"hws", hws->dimensions(), {s_rows, s_inter}, "[Ts, Is]"},
+      {"dxs", dxs->dimensions(), {s_rows, hidden}, "[Ts, H]"},
   };
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
@@ -130,6 +147,17 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.intermediate = inter;
   p.num_experts = e;
   p.num_sms = attrs.num_sms;
+  p.shared_intermediate = s_inter;
+  if (s_inter > 0) {
+    p.shared_gate_up = shared_gate_up.untyped_data();
+    p.shared_down = shared_down.untyped_data();
+    p.d_shared_gate_up = d_shared_gate_up->untyped_data();
+    p.d_shared_down = d_shared_down->untyped_data();
+    p.gus = gus->typed_data();
+    p.dgus = dgus->untyped_data();
+    p.hws = hws->untyped_data();
+    p.dxs = dxs->typed_data();
+  }
   if (const char* why = mok::experts_backward_unsupported(p)) return invalid(kOp, why);
   return mok::ffi_util::cuda_error(kOp, mok::launch_experts_backward(p, stream));
 }
@@ -148,6 +176,8 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Arg<ffi::Buffer<ffi::BF16>>() // gate_up
                     .Arg<ffi::Buffer<ffi::BF16>>() // down
                     .Arg<ffi::Buffer<ffi::F32>>()  // gu_in: kept g | u, or [0, 2I]
+                    .Arg<ffi::Buffer<ffi::BF16>>() // shared_gate_up [H, 2Is] ([H, 0]: none)
+                    .Arg<ffi::Buffer<ffi::BF16>>() // shared_down [Is, H]
                     .Ret<ffi::Buffer<ffi::F32>>()  // dx
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_gate_up
@@ -163,4 +193,10 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>() // dx_e (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // dw_e (scratch)
                     .Ret<ffi::Buffer<ffi::S32>>()  // flags (scratch: the kernel's dependency counters)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // d_shared_gate_up
+                    .Ret<ffi::Buffer<ffi::BF16>>() // d_shared_down
+                    .Ret<ffi::Buffer<ffi::F32>>()  // gus (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // dgus (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // hws (scratch)
+                    .Ret<ffi::Buffer<ffi::F32>>()  // dxs (scratch)
                     .Attrs<ExpertsBackwardAttrs>());

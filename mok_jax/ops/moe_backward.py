@@ -8,9 +8,14 @@ gathered rows and the kernel's scratch (gu, dgu, hw, the dw partials, the per-ro
 XLA allocates and this wrapper drops, except the per-row dx (``dx_rows``, for the expert-parallel backward).
 mok_jax.reference.experts_backward_reference has the same signature and semantics in pure JAX.
 
+With the shared expert's weights it also runs the shared expert's backward over the tokens' own rows (weight 1)
+and adds its dx to dx.
+
 The call's operands: x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in (f32[M, 2I] when ``gu``
-is given, else f32[0, 2I]); results: dx, dw, d_gate_up, d_down, status, then the scratch x_e, dy_e, w_e, gu
-(f32[0, 2I] when gu_in has the rows: XLA allocates nothing), dgu, hw, dw partials, dx_e, dw_e.
+is given, else f32[0, 2I]), shared_gate_up, shared_down (bf16[H, 0] and bf16[0, H] without a shared expert);
+results: dx, dw, d_gate_up, d_down, status, then the scratch x_e, dy_e, w_e, gu (aliased to gu_in when kept),
+dgu, hw, dw partials, dx_e, dw_e, flags, then d_shared_gate_up, d_shared_down and the shared expert's scratch
+gus, dgus, hws, dxs (their rows: T with a shared expert, else none).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is no
 
 _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate columns
 _DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
+_FLAGS = 9  # index of the dependency counters (and time words) among them
 
 
 # The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh).
@@ -45,17 +51,20 @@ ITEM_KINDS = ("gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up
 _TIME_WORDS = 4 * len(ITEM_KINDS)  # two u64 per kind (consumers' ns, ns waited), summed over the CTAs
 
 
-def _flag_words(rows: int, experts: int) -> int:
+def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
     """s32 words of the kernel's scratch flags (experts_backward_flag_words in experts_backward.cuh): the time
-    words, then the dependency counters."""
-    return _TIME_WORDS + 3 * (-(-rows // EXPERTS_BACKWARD_GROUP_ALIGN) + experts) + 2 * experts + 3
+    words, then the dependency counters (``shared_rows``: T with a shared expert, else 0)."""
+    blocks = lambda n: -(-n // EXPERTS_BACKWARD_GROUP_ALIGN)  # noqa: E731
+    return _TIME_WORDS + 3 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 3
 
 
 class ExpertsBackwardOutput(NamedTuple):
     """dx: f32[T, H] (the routed experts' part of d loss / d x); dw: f32[T, k] (d loss / d topk_weight, 0 for a
     slot without a row); d_gate_up: bf16[E, H, 2I]; d_down: bf16[E, I, H]; status: int32[] (0, or a bit mask of
     EXPERTS_BACKWARD_STATUS_*); dx_rows: bf16[M, H], each row's dx_r before the per-token sum (zeros past
-    sum(group_sizes) and for padding rows): what the expert-parallel backward sends back to the tokens' ranks."""
+    sum(group_sizes) and for padding rows): what the expert-parallel backward sends back to the tokens' ranks.
+    d_shared_gate_up: bf16[H, 2Is], d_shared_down: bf16[Is, H]: the shared expert's weight gradients when the
+    call was given its weights (dx then holds its part too), else None."""
 
     dx: jax.Array
     dw: jax.Array
@@ -63,12 +72,15 @@ class ExpertsBackwardOutput(NamedTuple):
     d_down: jax.Array
     status: jax.Array
     dx_rows: jax.Array
+    d_shared_gate_up: jax.Array | None = None
+    d_shared_down: jax.Array | None = None
 
 
 def experts_backward(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
-    gu: jax.Array | None = None, return_gu: bool = False, return_item_ns: bool = False,
+    gu: jax.Array | None = None, shared_gate_up: jax.Array | None = None, shared_down: jax.Array | None = None,
+    return_gu: bool = False, return_item_ns: bool = False,
 ) -> ExpertsBackwardOutput | tuple:
     """The routed SwiGLU experts' backward over padded expert-major rows, on the GPU.
 
@@ -104,6 +116,17 @@ def experts_backward(
     recompute and reads these; the outputs are the bits it gives when its recompute equals gu on the slots'
     rows (nothing else changes).
 
+    shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H] (both or neither): the shared expert, whose backward
+    the same kernel then runs over the T tokens' own rows, as one more expert of weight 1 (fp32 accumulation,
+    the routed roundings):
+
+        g, u = split(x @ shared_gate_up);  h = silu(g) * u;  dh = dy @ shared_down^T
+        dgu = bf16([dh u silu'(g), dh silu(g)]);  dx_s = dgu @ shared_gate_up^T          (fp32)
+        d_shared_down = bf16(bf16(h)^T dy);  d_shared_gate_up = bf16(x^T dgu)            (K = T, in token order)
+
+    and dx[t] becomes (the slot sum) + dx_s[t] in fp32. The shared expert's gradients do not depend on the group
+    sizes or their status.
+
     return_gu: a test and benchmark hook: also return the f32[M, 2I] g, u that the op used: its own recompute
     (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
     or ``gu`` itself when given. Returns (ExpertsBackwardOutput, gu) then.
@@ -124,11 +147,16 @@ def experts_backward(
     if tokens * hidden >= 2**31:
         raise ValueError(f"{where}: x: tokens T times H must be below 2^31 (the kernel's 32-bit offsets), got "
                          f"T = {tokens}, H = {hidden}")
+    shared = check_shared_args(shared_gate_up, shared_down, hidden, tokens, where)
     check_num_sms(num_sms)
     require_native(where)
     bf16, f32 = jnp.bfloat16, jnp.float32
     kept = gu is not None
     gu_in = gu if kept else jnp.zeros((0, 2 * inter), f32)  # [0, 2I]: none kept, the op recomputes them
+    s_inter = shared_down.shape[0] if shared else 0
+    s_rows = tokens if shared else 0
+    if not shared:
+        shared_gate_up, shared_down = jnp.zeros((hidden, 0), bf16), jnp.zeros((0, hidden), bf16)
     out = (
         jax.ShapeDtypeStruct((tokens, hidden), f32),  # dx
         jax.ShapeDtypeStruct((tokens, top_k), f32),  # dw
@@ -145,25 +173,62 @@ def experts_backward(
         jax.ShapeDtypeStruct((m, -(-inter // _DW_PART_COLS)), f32),
         jax.ShapeDtypeStruct((m, hidden), bf16),  # dx_e: the per-row dx (dx_rows)
         jax.ShapeDtypeStruct((m,), f32),
-        jax.ShapeDtypeStruct((_flag_words(m, num_experts),), jnp.int32),  # the kernel's dependency counters
+        jax.ShapeDtypeStruct((_flag_words(m, num_experts, s_rows),), jnp.int32),  # the dependency counters
+        jax.ShapeDtypeStruct((hidden, 2 * s_inter), bf16),  # d_shared_gate_up
+        jax.ShapeDtypeStruct((s_inter, hidden), bf16),  # d_shared_down
+        # the shared expert's scratch, dropped: gus (f32), dgus, hws = bf16(h), dxs (its f32 dx)
+        jax.ShapeDtypeStruct((s_rows, 2 * s_inter), f32),
+        jax.ShapeDtypeStruct((s_rows, 2 * s_inter), bf16),
+        jax.ShapeDtypeStruct((s_rows, s_inter), bf16),
+        jax.ShapeDtypeStruct((s_rows, hidden), f32),
     )
     # vmap: "sequential", as mok_grouped_ffn (ops/grouped_ffn.py): the op is pure and the handler takes one
     # problem's rank-2 tokens and rank-1 rows and group sizes.
     # kept: the scratch gu (result 8) is the kept buffer itself (operand 8), whose padding rows the op zeroes
     dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
         "mok_experts_backward", out, vmap_method="sequential", input_output_aliases={8: 8} if kept else None)(
-        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in,
+        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in, shared_gate_up, shared_down,
         num_sms=np.int32(0 if num_sms is None else num_sms))
-    result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[_DX_ROWS])
+    d_sgu, d_sdn = scratch[_FLAGS + 1], scratch[_FLAGS + 2]
+    result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[_DX_ROWS],
+                                   d_shared_gate_up=d_sgu if shared else None, d_shared_down=d_sdn if shared else None)
     extras = []
     if return_gu:
         # the recompute leaves the rows past the groups unwritten (nothing reads them); zeros, as the forward keeps
         used = jnp.sum(jnp.maximum(group_sizes, 0))
         extras.append(gu if kept else jnp.where((jnp.arange(m) < used)[:, None], scratch[3], 0.0))
     if return_item_ns:
-        words = scratch[-1][:_TIME_WORDS].reshape(2, len(ITEM_KINDS), 2)
+        words = scratch[_FLAGS][:_TIME_WORDS].reshape(2, len(ITEM_KINDS), 2)
         extras.append(_u64_as_f32(words))
     return (result, *extras) if extras else result
+
+
+def check_shared_args(shared_gate_up, shared_down, hidden: int, tokens: int, where: str, dtype=jnp.bfloat16) -> bool:
+    """Whether an experts' backward call has a shared expert; its weights' shapes and dtypes (``dtype``: x's),
+    checked here for the op and its reference (errors name the argument)."""
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError(f"{where}: shared_gate_up and shared_down come together (the shared expert), got "
+                         f"{'shared_gate_up' if shared_down is None else 'shared_down'} alone")
+    if shared_gate_up is None:
+        return False
+    for name, a in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
+        if getattr(a, "dtype", None) != dtype:
+            raise TypeError(f"{where}: {name} must be {jnp.dtype(dtype).name} (x's dtype), got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
+    if shared_gate_up.ndim != 2 or shared_gate_up.shape[0] != hidden or shared_gate_up.shape[1] % 2:
+        raise ValueError(f"{where}: shared_gate_up must be [H, 2Is] with H = {hidden} (x's columns), got "
+                         f"{tuple(shared_gate_up.shape)}")
+    s_inter = shared_gate_up.shape[1] // 2
+    if shared_down.shape != (s_inter, hidden):
+        raise ValueError(f"{where}: shared_down must be [Is, H] = {(s_inter, hidden)} (shared_gate_up's Is, x's H), "
+                         f"got {tuple(shared_down.shape)}")
+    if s_inter < 1 or s_inter % 8:
+        raise ValueError(f"{where}: shared_gate_up: the shared expert's Is must be a positive multiple of 8 (16-byte "
+                         f"rows for TMA), got {s_inter}")
+    if tokens * 2 * s_inter >= 2**31 or hidden * 2 * s_inter >= 2**31:
+        raise ValueError(f"{where}: shared_gate_up: T and H times 2Is must be below 2^31 (the kernel's 32-bit "
+                         f"offsets), got T = {tokens}, H = {hidden}, Is = {s_inter}")
+    return True
 
 
 def _u64_as_f32(words: jax.Array) -> jax.Array:

@@ -16,6 +16,11 @@ and per token t: dx[t] = sum_j dx_{pos[t, j]} in fp32 in slot order, dw[t, j] = 
 is outside [0, M) adds nothing and gets 0). Given the forward's kept g, u (``gu``, f32[M, 2I]), row r of expert e
 takes its g, u from gu[r] instead of x_r @ gate_up[e] (a row without a slot: zeros, whatever gu holds there);
 everything else is the same.
+
+With the shared expert's weights (shared_gate_up [H, 2Is], shared_down [Is, H]) its backward runs over the tokens'
+own rows, weight 1, with the same roundings, and its dx (f32, dgu_s @ shared_gate_up^T) is added to each token's
+slot sum: dx[t] = sum_j dx_{pos[t, j]} + dx_s[t]; d_shared_down = round(round(h)^T dy), d_shared_gate_up =
+round(x^T dgu_s).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
     EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
     ExpertsBackwardOutput,
+    check_shared_args,
 )
 from mok_jax.validation import check_experts_backward_args
 
@@ -50,14 +56,14 @@ def _status(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 def experts_backward_reference(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
-    gu: jax.Array | None = None,
+    gu: jax.Array | None = None, shared_gate_up: jax.Array | None = None, shared_down: jax.Array | None = None,
 ) -> ExpertsBackwardOutput:
     """mok_jax.ops.experts_backward in pure JAX (same signature, shapes and semantics; the module docstring has
     the math). x, dy, gate_up and down: bf16 or f32, one dtype (the dtype of every rounding and of d_gate_up and
     d_down; dx and dw are f32); topk_weight: f32[T, k]; pos: int32[T, k]; src_slot: int32[M]; group_sizes:
     int32[E]. num_sms is accepted and ignored. gu: None, or f32[M, 2I] (whatever the dtype of x), the forward's
     kept g | u per row (as mok_jax.ops.experts_backward takes them): row r of expert e then uses gu[r] as its g, u;
-    rows of no expert are not read.
+    rows of no expert are not read. shared_gate_up, shared_down: the shared expert (both or neither), in x's dtype.
 
     With bad group sizes (status != 0) d_gate_up and d_down are NaN, as the kernel's; dx and dw are not specified
     (here zeros).
@@ -67,6 +73,8 @@ def experts_backward_reference(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
         where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32), gu=gu)
     dtype = x.dtype
+    shared = check_shared_args(shared_gate_up, shared_down, hidden, tokens,
+                               "mok_jax.reference.experts_backward_reference", dtype)
     status = _status(group_sizes, m)
 
     # gather: a row whose slot is outside [0, T k) is padding (zeros)
@@ -110,6 +118,25 @@ def experts_backward_reference(
     for j in range(k):
         dx = dx + jnp.where(row_ok[:, j, None], dx_rows[row[:, j]], 0.0)
     dw = jnp.where(row_ok, dw_rows[row], 0.0)
+    d_shared = {}
+    if shared:
+        dx_s, d_sgu, d_sdn = _shared_backward(x, dy, shared_gate_up, shared_down)
+        dx = dx + dx_s
+        d_shared = dict(d_shared_gate_up=d_sgu, d_shared_down=d_sdn)
     poison = lambda g: jnp.where(status == 0, g, jnp.nan).astype(dtype)  # noqa: E731
     return ExpertsBackwardOutput(dx, dw, poison(jnp.stack(d_gate_up)), poison(jnp.stack(d_down)), status,
-                                 dx_rows=dx_rows.astype(dtype))
+                                 dx_rows=dx_rows.astype(dtype), **d_shared)
+
+
+def _shared_backward(x, dy, shared_gate_up, shared_down):
+    """The shared expert's part: (dx_s f32[T, H], d_shared_gate_up, d_shared_down), fp32 from the inputs with the
+    routed experts' roundings (weight 1)."""
+    dtype, s_inter = x.dtype, shared_down.shape[0]
+    rnd = lambda a: a.astype(dtype).astype(_F32)  # noqa: E731
+    x32, dy32 = x.astype(_F32), dy.astype(_F32)
+    wsgu, wsd = shared_gate_up.astype(_F32), shared_down.astype(_F32)
+    with jax.default_matmul_precision("highest"):
+        gu = x32 @ wsgu
+        h, dg, du = swiglu_backward(gu[:, :s_inter], gu[:, s_inter:], dy32 @ wsd.T)
+        dgu = rnd(jnp.concatenate([dg, du], axis=1))
+        return dgu @ wsgu.T, (x32.T @ dgu).astype(dtype), (rnd(h).T @ dy32).astype(dtype)

@@ -14,7 +14,13 @@
 //   d_down[e]    = bf16(sum_r bf16(w_r h_r)^T dy_r)          [I, H]
 //   d_gate_up[e] = bf16(sum_r x_r^T dgu_r)                   [H, 2I]; exact zeros for an empty expert
 // and per token: dx[t] = sum_{j = 0..k-1} dx_e[pos[t, j]] in fp32 in slot order, dw[t, j] = dw_e[pos[t, j]]
-// (0 for a masked slot). The caller adds the shared expert's dx.
+// (0 for a masked slot).
+//
+// With a shared expert (shared_gate_up [H, 2Is], shared_down [Is, H]; Is = 0: none) the same items run its
+// backward over the T tokens' own rows (x and dy, no gather; its weight is 1): gus = x @ shared_gate_up in fp32,
+// dh' = dy @ shared_down^T, dgus = bf16(SwiGLU backward of dh'), hws = bf16(h), dxs = dgus @ shared_gate_up^T in
+// fp32, d_shared_down = bf16(hws^T dy), d_shared_gate_up = bf16(x^T dgus) (K = T), and the slot sum adds dxs[t]
+// after the slots: dx[t] = (sum_j dx_e[pos[t, j]]) + dxs[t], in fp32.
 //
 // One persistent launch (num_sms CTAs, one per SM, 384 threads: a TMA producer thread and two consumer
 // warpgroups, as the forward megakernel). The CTAs take the items of one list by ticket (an atomic counter, in
@@ -30,6 +36,8 @@
 //   WDOWN(e, ..)   d_down[e] = hw^T dy_e, K = expert e's rows        after every GATHER and DH of expert e
 //   WGATEUP(e, ..) d_gate_up[e] = x_e^T dgu                          after the same
 //   SLOT(i)        8 tokens, one per warp: dx, dw (the slot sum)     after every DX and DWSUM
+// The shared expert's tiles come first within GU, DH, DX, WDOWN and WGATEUP (its GU tiles wait for nothing, so
+// CTAs take them while the gathers finish); they wait for the shared expert's earlier tiles as the routed ones do.
 // (GEMM tiles: 128 x 256 over 128B-swizzled TMA stages, mok/gemm/sm90_tile.cuh; the weight-gradient tiles
 // as sm90_weight_grad.cuh; band rasterisation as the grouped GEMM.) The producer waits for a tile's inputs
 // before its TMA loads; the consumers publish an item with a release after its stores. No wait can close
@@ -82,8 +90,17 @@ struct ExpertsBackwardParams {
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]
   void* dx_e;                  // scratch bf16 [M, H]
   float* dw_e;                 // scratch f32 [M]
-  int32_t* flags;              // scratch s32 [experts_backward_flag_words(M, E)]: dependency counters
+  int32_t* flags;              // scratch s32 [experts_backward_flag_words(M, E, Ts)]: dependency counters
+  const void* shared_gate_up;  // bf16 [H, 2Is], or nullptr with Is = 0 (no shared expert)
+  const void* shared_down;     // bf16 [Is, H]
+  void* d_shared_gate_up;      // bf16 [H, 2Is]
+  void* d_shared_down;         // bf16 [Is, H]
+  float* gus;                  // scratch f32 [T, 2Is]: the shared expert's g | u
+  void* dgus;                  // scratch bf16 [T, 2Is]
+  void* hws;                   // scratch bf16 [T, Is]
+  float* dxs;                  // scratch f32 [T, H]: the shared expert's dx
   int64_t num_tokens, top_k, num_rows, hidden, intermediate, num_experts;
+  int64_t shared_intermediate;  // Is; 0: no shared expert
   int32_t num_sms;             // 0 = every SM
 };
 
@@ -93,13 +110,16 @@ constexpr int kExpertsBackwardColBlock = 256;
 // Kinds of work item (GATHER .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
 // device time, two u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
 // consumers waited for inputs: integer sums, read by mok_jax.bench.backward), then the dependency counters:
-// three per m-block (at most ceil(M / 128) + E m-blocks), two per expert, and three totals (the last one
-// counts the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+// three per m-block (at most ceil(M / 128) + E routed m-blocks, then ceil(Ts / 128) of the shared expert's Ts
+// rows: T with a shared expert, else 0), two per expert and two for the shared expert, and three totals (the
+// last one counts the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
 constexpr int kExpertsBackwardKinds = 8;
 constexpr int64_t kExpertsBackwardTimeWords = 4 * kExpertsBackwardKinds;
-constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts) {
+constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int64_t shared_rows) {
   return kExpertsBackwardTimeWords +
-         3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts) + 2 * experts + 3;
+         3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +
+              (shared_rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock) +
+         2 * (experts + 1) + 3;
 }
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);

@@ -24,17 +24,20 @@ namespace mok::gemm {
 
 struct SwigluBackwardOut {
   const float* gu;          // [M, 2I]: g in columns [0, I), u in [I, 2I)
-  const float* w;           // [M]: the router weight of each row's slot (0 for padding rows)
+  const float* w;           // [M]: the router weight of each row's slot (0 for padding rows); unread without
+                            // a router weight (kWeighted = false: the shared expert's rows, weight 1)
   __nv_bfloat16* dgu;       // [M, 2I]: dg | du
   __nv_bfloat16* hw;        // [M, I]: bf16(w * h)
-  float* dw_part;           // [M, n_blocks]: per-tile partial sums of dh' * h
+  float* dw_part;           // [M, n_blocks]: per-tile partial sums of dh' * h; unwritten without a router weight
   int32_t inter;            // I
   int32_t n_blocks;         // ceil(I / 256)
 };
 
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
 // 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). row0: the warpgroup's first row.
-template <class Accumulator, int kBatch = 2>
+// kWeighted = false: rows without a router weight (w = 1, no dw partials: the shared expert), a separate
+// instance so that the routed epilogue keeps its code.
+template <class Accumulator, int kBatch = 2, bool kWeighted = true>
 __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o, int row0,
                                                       int row_end, int col0, int n_block, int t) {
   const int lane = t % 32, warp = t / 32;
@@ -45,7 +48,7 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
   for (int hh = 0; hh < 2; ++hh) {
     const int row = r_base + 8 * hh;
     const bool in = row < row_end;
-    const float w = in ? o.w[row] : 0.0f;
+    const float w = !in ? 0.0f : kWeighted ? o.w[row] : 1.0f;
     float sum = 0.0f;
     // Two column pairs at a time (four spill with fp32 g, u): their 4 loads are issued before any is used,
     // so the epilogue waits on memory once per batch rather than once per pair.
@@ -75,7 +78,7 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
           const float dhp = acc(i + e);
           // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly
           // past n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
-          if (col < o.inter) sum += dhp * h;
+          if (kWeighted && col < o.inter) sum += dhp * h;
           const float dh = w * dhp;
           dg[e] = dh * u[e] * s * (1.0f + g[e] * (1.0f - s));
           du[e] = dh * silu;
@@ -88,9 +91,11 @@ __device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, co
         }
       }
     }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (in && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = sum;
+    if constexpr (kWeighted) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (in && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = sum;
+    }
   }
 }
 
