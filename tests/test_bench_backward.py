@@ -42,3 +42,21 @@ def test_table_reports_both_keep_settings_against_the_floor():
     row = lines[2].split()
     # floor = 3 x 1 TFLOP at 500 TFLOP/s = 6 ms: 9 ms is 1.50x of it, 7.5 ms with keep 1.25x; 294 MB kept
     assert row[:5] == ["kimi-k2", "2.000", "9.000", "6.000", "1.50x"] and row[-3:] == ["7.500", "1.25x", "294"]
+
+
+def test_timeline_finds_the_idle_gaps_between_device_events():
+    """Span, busy time (the union of overlapping device events) and the gaps between them, per call; host events
+    do not count."""
+    gpu, host = 7, 1
+    ev = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}}]
+    for t0 in (0, 100):  # two calls: a, b overlapping a, then c after a 10 us gap
+        ev += [{"ph": "X", "name": "a", "pid": gpu, "ts": t0, "dur": 40},
+               {"ph": "X", "name": "b", "pid": gpu, "ts": t0 + 30, "dur": 20},
+               {"ph": "X", "name": "c", "pid": gpu, "ts": t0 + 60, "dur": 30}]
+    ev.append({"ph": "X", "name": "host", "pid": host, "ts": 500, "dur": 50})
+    tl = backward._timeline(ev, calls=2)
+    # span 0..190 us, busy 2 x (50 + 30) = 160 us: per call 95 us span, 80 busy, 15 idle
+    assert (tl["span_ms"], tl["busy_ms"], tl["events"]) == (0.095, 0.08, 3)
+    assert abs(tl["idle_ms"] - 0.015) < 1e-12
+    assert tl["gaps_us"] == [("b -> c", 10.0), ("c -> a", 5.0)]

@@ -8,16 +8,16 @@ ms of back-to-back calls (mok_jax.bench.timing):
 - ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it;
 - ``fwd+bwd keep``: the same with MoEConfig(keep="everything") (the forward keeps its fp32 g, u, the backward
   skips the gate/up recompute), and the kept bytes (``kept_bytes``, f32 [T k + 128 E, 2I]);
-- ``experts op``: ``ops.experts_backward`` alone on the tokens, dy and the padded expert-major layout of the same
-  routing (it gathers the rows, gives the routed experts' gradients and sums each token's slot rows of dx; the
-  layer's backward adds the layout and the shared expert's bf16 XLA backward);
+- ``experts op``: ``ops.experts_backward`` alone on the tokens, dy, the padded expert-major layout of the same
+  routing and the shared expert's weights, as the layer calls it (it gathers the rows, gives the routed and the
+  shared experts' gradients and sums each token's slot rows of dx; the layer's backward adds the layout);
 - ``items`` and ``items kept``: where the op's kernel time goes, recompute and kept g, u: per kind of work item,
   the ms per SM its consumers spent in such items and the ms spent waiting for their inputs (the kernel's own
   counters, summed over the CTAs and divided by the SM count);
 - with ``--trace DIR``: the device time of the op's kernel (one persistent launch: the row gather, gate/up
   recompute, down dgrad with the SwiGLU backward, gate/up dgrad, the two weight-gradient GEMMs, the router-weight
   and per-token sums) from a jax.profiler trace of a few calls, the kernels with the most device time in the op
-  and in the layer's fwd+bwd, and its TFLOP/s.
+  and in the layer's fwd+bwd, and its TFLOP/s; and the traced fwd+bwd's span, busy and idle time per call.
 The compute floor beside them: 3x the forward's FLOPs at the dense 8192^3 GEMM rate measured in the same
 process (the floor mok-bench and the issue use: ``fwd+bwd floor``).
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -62,29 +63,43 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
 
     grad = grad_of(cfg)
     grad_keep = grad_of(dataclasses.replace(cfg, keep="everything"))
+    moe_mod = importlib.import_module("mok_jax.moe")  # the module (mok_jax.moe the attribute is the function)
+
+    default = moe_mod._SHARED_IN_OP
+    moe_mod._SHARED_IN_OP = not default  # traced now: the other place for the shared expert's backward
+    try:
+        grad_other_shared = grad_of(cfg).lower(x, idx, w, W, dy).compile()
+    finally:
+        moe_mod._SHARED_IN_OP = default
     lay = padded_layout(idx, E, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-    op = jax.jit(ops.experts_backward)
-    op_args = (x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down)
+    # the op as the layer calls it: with the shared expert, whose backward it runs too
+    shared = dict(shared_gate_up=W.shared_gate_up, shared_down=W.shared_down) if W.has_shared else {}
+    op = jax.jit(lambda a, s: ops.experts_backward(*a, **s))
+    op_args = ((x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down), shared)
     status = int(op(*op_args).status)
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "E": E, "H": H, "I": I, "k": k, "fwd_flops": flops,
            "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
            "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
            "fwd+bwd": _timed(grad, (x, idx, w, W, dy), timing_kw),
            "fwd+bwd keep": _timed(grad_keep, (x, idx, w, W, dy), timing_kw),
+           "shared_in_op": bool(default),
+           "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
            "kept_bytes": lay.num_rows * 2 * I * 4,
            "experts op": _timed(op, op_args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
-    _, gu = jax.jit(lambda *a: ops.experts_backward(*a, return_gu=True))(*op_args)
-    op_kept = jax.jit(lambda *a: ops.experts_backward(*a[:-1], gu=a[-1]))
+    _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*op_args)
+    op_kept = jax.jit(lambda a, s, gu: ops.experts_backward(*a, **s, gu=gu))
     res["experts op kept"] = _timed(op_kept, (*op_args, gu), timing_kw)
     ctas = getattr(jax.devices()[0], "core_count", None) or 132  # the kernel runs one CTA per SM
     for label, extra in (("items", {}), ("items kept", {"gu": gu})):
-        _, ns = jax.jit(lambda *a, **kw: ops.experts_backward(*a, return_item_ns=True, **kw))(*op_args, **extra)
+        _, ns = jax.jit(lambda a, s, kw: ops.experts_backward(*a, **s, **kw, return_item_ns=True))(*op_args, extra)
         ns = jax.device_get(ns)
         res[label] = {kind: {"busy_ms": float(ns[0, q]) / ctas / 1e6, "wait_ms": float(ns[1, q]) / ctas / 1e6}
                       for q, kind in enumerate(ITEM_KINDS)}
-    # FLOPs the op executes (gate/up twice: the recompute and its dgrad) over the slots' rows.
-    res["op_flops"] = 2 * res["slots"] * H * I * (2 + 1 + 1 + 2 + 2)
+    # FLOPs the op executes (gate/up twice: the recompute and its dgrad) over the slots' rows, and the shared
+    # expert's over the tokens.
+    Is = W.shared_down.shape[0] if W.has_shared else 0
+    res["op_flops"] = 2 * (res["slots"] * I + tokens * Is) * H * (2 + 1 + 1 + 2 + 2)
     if trace:
         jax.block_until_ready(op(*op_args))
         with jax.profiler.trace(trace):
@@ -184,10 +199,15 @@ def table(res: dict) -> str:
             if c.get(what):
                 lines.append(f"{'':<18} {what}, ms per call: " + "; ".join(
                     f"{n[:70]} {ms:.3f} (x{cnt})" for n, ms, cnt in c[what]))
+        if c.get("fwd+bwd other shared"):
+            here, there = ("the op", "XLA") if c["shared_in_op"] else ("XLA", "the op")
+            lines.append(f"{'':<18} fwd+bwd with the shared expert's backward in {there} instead of {here}: "
+                         f"{c['fwd+bwd other shared']['ms']:.3f} ms (in {here}: {fb:.3f})")
         if c.get("fwd+bwd_timeline"):
             tl = c["fwd+bwd_timeline"]
-            lines.append(f"{'':<18} fwd+bwd on the GPU, ms per call: span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}, "
-                         f"idle {tl['idle_ms']:.3f} ({tl['events']} device events); largest gaps (us per call): "
+            lines.append(f"{'':<18} fwd+bwd on the GPU, ms per call: span {tl['span_ms']:.3f}, "
+                         f"busy {tl['busy_ms']:.3f}, idle {tl['idle_ms']:.3f} ({tl['events']} device events); "
+                         "largest gaps (us per call): "
                          + "; ".join(f"{k} {v:.0f}" for k, v in tl["gaps_us"]))
     return "\n".join(lines)
 
