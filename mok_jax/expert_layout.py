@@ -9,7 +9,9 @@ the slots keep their (t, j) row-major order. With T tokens, k slots and E expert
 rows, an upper bound of sum(group_sizes) (each group pads fewer than ``block`` rows); rows past the sum are
 unused. Masked slots (id -1) and invalid ids get no row.
 
-Deterministic: one stable sort, gathers, and one scatter whose indices are a permutation (unique).
+Deterministic: one stable sort, gathers, and one scatter whose indices are a permutation (unique). The binary
+searches are unrolled (``method="scan_unrolled"``): the default ``"scan"`` is a while loop of a few small kernels
+per step, which on the GPU cost more launches than the layout's own work.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def padded_layout(topk_idx: jax.Array, num_experts: int, block: int = 128) -> Pa
     key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # no row: sorts last
     order = jnp.argsort(key, stable=True).astype(jnp.int32)  # slots grouped by expert, (t, j) order within
     sorted_key = key[order]
-    first = jnp.searchsorted(sorted_key, experts, side="left").astype(jnp.int32)  # expert e's first sorted slot
-    counts = jnp.searchsorted(sorted_key, experts, side="right").astype(jnp.int32) - first
+    search = dict(method="scan_unrolled")  # no while loop (see the module docstring); the same results
+    first = jnp.searchsorted(sorted_key, experts, side="left", **search).astype(jnp.int32)  # e's first sorted slot
+    counts = jnp.searchsorted(sorted_key, experts, side="right", **search).astype(jnp.int32) - first
     group_sizes = (counts + block - 1) // block * block
     ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
     starts = ends - group_sizes
@@ -73,7 +76,7 @@ def padded_layout(topk_idx: jax.Array, num_experts: int, block: int = 128) -> Pa
 
     # row -> slot: row r of expert e (the group whose end is past r) is its (r - starts[e])-th slot, if it has one
     row = jnp.arange(m, dtype=jnp.int32)
-    e_row = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)  # == E past sum(group_sizes)
+    e_row = jnp.searchsorted(ends, row, side="right", **search).astype(jnp.int32)  # == E past sum(group_sizes)
     e_safe = jnp.minimum(e_row, num_experts - 1)
     offset = row - starts[e_safe]
     used = (e_row < num_experts) & (offset < counts[e_safe])

@@ -144,6 +144,13 @@ def test_padded_layout_small_blocks_and_errors():
         padded_layout(jnp.zeros((4, 2), jnp.int32), 4, block=True)
 
 
+def test_padded_layout_lowers_without_a_loop():
+    """No while loop in the layout (its binary searches unrolled): on the GPU each step of a loop is a few launches
+    of tiny kernels, about 130 for the bench shapes, and the device idles between them."""
+    text = jax.jit(lambda i: padded_layout(i, 12)).lower(jax.ShapeDtypeStruct((2048, 8), jnp.int32)).as_text()
+    assert "stablehlo.while" not in text
+
+
 def test_gather_rows_zero_fills():
     vals = jnp.arange(12.0).reshape(4, 3)
     out = gather_rows(vals, jnp.array([2, -1, 0], jnp.int32))
