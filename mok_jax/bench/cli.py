@@ -35,6 +35,11 @@ NVLINK_GBPS = 394.0  # peer copy GPU0 -> GPU1 of the 2-GPU H200 machine (NV18), 
 GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice", "impls": ("mok", "xla", "xla-capacity")}
 ONE_GPU_EXPERTS = "E/32"  # default --experts-per-gpu on a machine with one GPU (and no --ep-mode given)
 CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("reference", "xla", "xla-capacity")}
+# ms a timed sample lasts (at least 3 calls, mok_jax.bench.timing), and the most calls in it. On CPU shorter: its
+# times are indicative only, and with 64 calls of an EP program in flight the 8 host devices' collectives abort
+# (XLA's CPU rendezvous times out waiting for threads the queued calls hold).
+TARGET_SAMPLE_MS = {"gpu": 100.0, "cpu": 20.0}
+MAX_CALLS_PER_SAMPLE = {"gpu": 64, "cpu": 16}
 CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
 IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-keep")
 MOK_IMPLS = ("mok", "mok-keep")  # the megakernel: kernel knobs apply (mok-keep: MoEConfig(keep="everything"))
@@ -126,7 +131,7 @@ class BenchOptions:
     capacity_factor: float = 1.25
     warmup: int = 3
     samples: int = 20
-    target_sample_ms: float = 100.0
+    target_sample_ms: float | None = None  # None: TARGET_SAMPLE_MS of the platform
     ragged_samples: int = 3
     experts_per_gpu: str | None = None  # 'N' or 'E/d'; None: the split of ep_mode
     granularity: tuple[int, ...] | None = None  # mok knobs; None: mok_jax.tuning picks
@@ -170,7 +175,7 @@ class BenchOptions:
         need(self.capacity_factor > 0, "--capacity-factor must be > 0")
         need(self.warmup >= 1 and self.samples >= 1 and self.ragged_samples >= 1,
              "--warmup, --samples and --ragged-samples must be >= 1")
-        need(self.target_sample_ms > 0, "--target-sample-ms must be > 0")
+        need(self.target_sample_ms is None or self.target_sample_ms > 0, "--target-sample-ms must be > 0")
         need(self.peak_tflops is None or self.peak_tflops > 0, "--peak-tflops must be > 0")
         need(self.nvlink_gbps is None or self.nvlink_gbps > 0, "--nvlink-gbps must be > 0")
         need(self.devices is None or self.devices >= 1, "--devices must be >= 1")
@@ -249,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("timing and rooflines")
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--samples", type=int, default=20, help="timed samples (each several calls)")
-    t.add_argument("--target-sample-ms", type=float, default=100.0, help="calls per sample chosen to last this long")
+    t.add_argument("--target-sample-ms", type=float, help="calls per sample chosen to last this long (default "
+                   f"{TARGET_SAMPLE_MS['gpu']:g} on GPU, {TARGET_SAMPLE_MS['cpu']:g} on CPU)")
     t.add_argument("--ragged-samples", type=int, default=3, help="samples for 'ragged' (slow: 1 call each)")
     t.add_argument("--peak-tflops", type=float, help=f"compute roofline (default on GPU: {PEAK_TFLOPS['bf16']:g} "
                    "bf16, one H200; on CPU: none)")
@@ -759,8 +765,10 @@ def _measure(r: dict, step, args, *, slow: bool, opts: BenchOptions, peak: float
     jax.block_until_ready(step(*args))
     r["first_call_s"] = time.perf_counter() - t0
     r["warmup"] = 1 if slow else opts.warmup
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    target = opts.target_sample_ms or TARGET_SAMPLE_MS[platform]
     timing = time_fn(step, *args, warmup=r["warmup"], samples=opts.ragged_samples if slow else opts.samples,
-                     target_sample_ms=opts.target_sample_ms, max_calls_per_sample=1 if slow else 64)
+                     target_sample_ms=target, max_calls_per_sample=1 if slow else MAX_CALLS_PER_SAMPLE[platform])
     _fill_timing(r, timing, peak)
 
 
