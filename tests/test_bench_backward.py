@@ -60,3 +60,17 @@ def test_timeline_finds_the_idle_gaps_between_device_events():
     assert (tl["span_ms"], tl["busy_ms"], tl["events"]) == (0.095, 0.08, 3)
     assert abs(tl["idle_ms"] - 0.015) < 1e-12
     assert tl["gaps_us"] == [("b -> c", 10.0), ("c -> a", 5.0)]
+
+
+def test_clock_samples_parse_mhz_watts_and_reasons():
+    from mok_jax.bench.breakdown import _Clocks, _parse_clock_line
+
+    assert _parse_clock_line("1980, 412.30, 0x0000000000000000\n") == (1980.0, 412.3, 0)
+    assert _parse_clock_line("1215, 280.1, 0x0000000000000024") == (1215.0, 280.1, 0x24)
+    assert _parse_clock_line("1215, 280.1, [N/A]") == (1215.0, 280.1, 0)
+    assert _parse_clock_line("[N/A], [N/A], [N/A]") is None
+    clk = _Clocks()
+    clk.samples = [(1980.0, 300.0, 0), (1215.0, 280.0, 0x24), (1500.0, 290.0, 0x4)]
+    got = clk.summary()
+    assert (got["sm_mhz"], got["sm_mhz_min"], got["watts"]) == (1500.0, 1215.0, 290.0)
+    assert got["clock_reasons"] == ["sw power cap", "sw thermal"]

@@ -203,6 +203,11 @@ def table(res: dict) -> str:
             here, there = ("the op", "XLA") if c["shared_in_op"] else ("XLA", "the op")
             lines.append(f"{'':<18} fwd+bwd with the shared expert's backward in {there} instead of {here}: "
                          f"{c['fwd+bwd other shared']['ms']:.3f} ms (in {here}: {fb:.3f})")
+        fbc = c["fwd+bwd"]
+        if fbc.get("sm_mhz"):
+            lines.append(f"{'':<18} SM clock while fwd+bwd was timed: median {fbc['sm_mhz']:.0f} MHz, lowest "
+                         f"{fbc['sm_mhz_min']:.0f}; clock event reasons seen: "
+                         f"{', '.join(fbc.get('clock_reasons') or []) or 'none'}")
         if c.get("fwd+bwd_timeline"):
             tl = c["fwd+bwd_timeline"]
             lines.append(f"{'':<18} fwd+bwd on the GPU, ms per call: span {tl['span_ms']:.3f}, "

@@ -41,17 +41,36 @@ __all__ = ["main", "run"]
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
 
 
+# nvidia-smi's clock event reasons (bits of clocks_event_reasons.active) that can hold the SM clock down.
+_CLOCK_REASONS = {0x2: "applications clocks", 0x4: "sw power cap", 0x8: "hw slowdown", 0x10: "sync boost",
+                  0x20: "sw thermal", 0x40: "hw thermal", 0x80: "hw power brake", 0x100: "display clocks"}
+
+
 class _Clocks:
-    """nvidia-smi's SM clock (MHz) and power (W), sampled every 50 ms while the block runs."""
+    """nvidia-smi's SM clock (MHz), power (W) and clock event reasons, sampled every 50 ms while the block runs."""
+
+    _query: str | None = None  # the fields this nvidia-smi answers (the reasons need driver 535 or later)
 
     def __init__(self):
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float, int]] = []
         self._proc = None
+
+    @classmethod
+    def _fields(cls) -> str:
+        if cls._query is None:
+            full = "clocks.sm,power.draw,clocks_event_reasons.active"
+            try:
+                ok = subprocess.run(["nvidia-smi", f"--query-gpu={full}", "--format=csv,noheader"],
+                                    capture_output=True, timeout=10).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+            cls._query = full if ok else "clocks.sm,power.draw"
+        return cls._query
 
     def __enter__(self):
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+                ["nvidia-smi", f"--query-gpu={self._fields()}", "--format=csv,noheader,nounits", "-lms", "50"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self._proc = None
@@ -62,11 +81,9 @@ class _Clocks:
 
     def _read(self):
         for line in self._proc.stdout:
-            try:
-                mhz, watts = (float(v) for v in line.split(",")[:2])
-            except ValueError:
-                continue
-            self.samples.append((mhz, watts))
+            sample = _parse_clock_line(line)
+            if sample is not None:
+                self.samples.append(sample)
 
     def __exit__(self, *exc):
         if self._proc is not None:
@@ -78,8 +95,27 @@ class _Clocks:
         if not self.samples:
             return {"sm_mhz": None, "watts": None}
         mhz = [s[0] for s in self.samples]
+        reasons = 0
+        for s in self.samples:
+            reasons |= s[2]
         return {"sm_mhz": statistics.median(mhz), "sm_mhz_min": min(mhz),
-                "watts": statistics.median(s[1] for s in self.samples)}
+                "watts": statistics.median(s[1] for s in self.samples),
+                "clock_reasons": [name for bit, name in _CLOCK_REASONS.items() if reasons & bit]}
+
+
+def _parse_clock_line(line: str) -> tuple[float, float, int] | None:
+    """(MHz, W, reason bits) of one nvidia-smi line "1980, 412.3, 0x0000000000000004"; None for a line that is not
+    one (a header, "[N/A]"). A missing or unreadable reasons field reads as 0."""
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        mhz, watts = float(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        return None
+    try:
+        reasons = int(parts[2], 16) if len(parts) > 2 else 0
+    except ValueError:
+        reasons = 0
+    return mhz, watts, reasons
 
 
 def _timed(fn, args, timing_kw) -> dict:
