@@ -46,28 +46,55 @@ constexpr int kWorkSlots = 2;             // tickets the producer hands the cons
 enum Kind : int32_t { kGather, kGu, kDh, kDx, kDwSum, kWDown, kWGateUp, kSlot, kKinds };
 static_assert(kKinds == kExpertsBackwardKinds, "the kinds the time words count");
 
-struct KernelParams {
-  TileGu::TmaA gu_a;  // x_e [M, H]
-  TileGu::TmaB gu_b;  // gate_up [E][H, 2I]
-  TileKK::TmaA dh_a;  // dy_e [M, H]
-  TileKK::TmaB dh_b;  // down [E][I, H] read as down^T
-  TileKK::TmaA dx_a;  // dgu [M, 2I]
+// The TMA descriptors of the five GEMMs over one set of rows: the routed experts' gathered rows (M of them,
+// x_e, dy_e, dgu, hw; the weights of E experts) or the shared expert's (the T tokens' x and dy, dgus, hws; one
+// weight matrix each), with I the experts' intermediate size.
+struct Operands {
+  TileGu::TmaA gu_a;  // x rows [rows, H]
+  TileGu::TmaB gu_b;  // gate_up [groups][H, 2I]
+  TileKK::TmaA dh_a;  // dy rows [rows, H]
+  TileKK::TmaB dh_b;  // down [groups][I, H] read as down^T
+  TileKK::TmaA dx_a;  // dgu [rows, 2I]
   TileKK::TmaB dx_b;  // gate_up read as gate_up^T
-  TileW::TmaA wd_a;   // hw [M, I] read as I x M
-  TileW::TmaB wd_b;   // dy_e [M, H]
-  TileW::TmaA wg_a;   // x_e read as H x M
-  TileW::TmaB wg_b;   // dgu [M, 2I]
-  // the shared expert's (set when it has rows): its rows are the tokens' own x and dy
-  TileGu::TmaA sgu_a;  // x [T, H]
-  TileGu::TmaB sgu_b;  // shared_gate_up [H, 2Is]
-  TileKK::TmaA sdh_a;  // dy [T, H]
-  TileKK::TmaB sdh_b;  // shared_down [Is, H] read as its transpose
-  TileKK::TmaA sdx_a;  // dgus [T, 2Is]
-  TileKK::TmaB sdx_b;  // shared_gate_up read as its transpose
-  TileW::TmaA swd_a;   // hws [T, Is] read as Is x T
-  TileW::TmaB swd_b;   // dy [T, H]
-  TileW::TmaA swg_a;   // x read as H x T
-  TileW::TmaB swg_b;   // dgus [T, 2Is]
+  TileW::TmaA wd_a;   // hw [rows, I] read as I x rows
+  TileW::TmaB wd_b;   // dy rows [rows, H]
+  TileW::TmaA wg_a;   // x rows read as H x rows
+  TileW::TmaB wg_b;   // dgu [rows, 2I]
+};
+
+__device__ void prefetch(const Operands& o) {
+  cute::prefetch_tma_descriptor(o.gu_a.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.gu_b.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.dh_a.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.dh_b.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.dx_a.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.dx_b.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.wd_a.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.wd_b.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.wg_a.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.wg_b.get_tma_descriptor());
+}
+
+// Host: the descriptors over rows x of x_rows / dy_rows (and dgu, hw of as many rows), weights of `groups` experts.
+Operands make_operands(const Bf16* x_rows, const Bf16* dy_rows, const Bf16* gate_up, const Bf16* down, const Bf16* dgu,
+                       const Bf16* hw, int rows, int H, int I, int groups) {
+  Operands o;
+  o.gu_a = TileGu::make_tma_a(x_rows, rows, H);
+  o.gu_b = TileGu::make_tma_b(gate_up, 2 * I, H, groups);
+  o.dh_a = TileKK::make_tma_a(dy_rows, rows, H);
+  o.dh_b = TileKK::make_tma_b(down, I, H, groups);
+  o.dx_a = TileKK::make_tma_a(dgu, rows, 2 * I);
+  o.dx_b = TileKK::make_tma_b(gate_up, H, 2 * I, groups);
+  o.wd_a = TileW::make_tma_a(hw, I, rows);
+  o.wd_b = TileW::make_tma_b(dy_rows, H, rows, 1);
+  o.wg_a = TileW::make_tma_a(x_rows, H, rows);
+  o.wg_b = TileW::make_tma_b(dgu, 2 * I, rows, 1);
+  return o;
+}
+
+struct KernelParams {
+  Operands routed;
+  Operands shared;  // set when the shared expert has rows
   const uint4* x;
   const uint4* dy;
   const float* topk_weight;
@@ -282,6 +309,26 @@ __device__ __forceinline__ bool load(const TmaA& a, const TmaB& b, SharedStorage
   return Tile::load_tile(a, b, s.stages, pos, t, status);
 }
 
+// The TMA loads of tile item `it` over one set of operands (the routed experts' or the shared expert's): `rows`
+// rows, intermediate size `inter`, `groups` weight matrices of which the tile's is `group`. Weight-gradient tiles
+// reduce over the item's k range.
+__device__ __forceinline__ bool load_item(const Operands& o, SharedStorage& s, gemm::RingPos& pos, const Item& it,
+                                          int rows, int H, int inter, int groups, int group, int32_t* status) {
+  const int col0 = it.n_block * kBlockN, col1 = col0 + kHalfN, m0 = it.m_block * kBlockM;
+  switch (it.kind) {
+    case kGu:
+      return load<TileGu>(o.gu_a, o.gu_b, s, pos, {rows, H, it.row0, 2 * inter, groups, group, col0, col1}, status);
+    case kDh:
+      return load<TileKK>(o.dh_a, o.dh_b, s, pos, {rows, H, it.row0, inter, groups, group, col0, col1}, status);
+    case kDx:
+      return load<TileKK>(o.dx_a, o.dx_b, s, pos, {rows, 2 * inter, it.row0, H, groups, group, col0, col1}, status);
+    case kWDown:
+      return load<TileW>(o.wd_a, o.wd_b, s, pos, {inter, rows, m0, H, 1, 0, col0, col1, it.k0, it.k_len}, status);
+    default:
+      return load<TileW>(o.wg_a, o.wg_b, s, pos, {H, rows, m0, 2 * inter, 1, 0, col0, col1, it.k0, it.k_len}, status);
+  }
+}
+
 // Items go out by ticket (one atomic counter): a CTA that runs fast takes more of them, and since tickets are
 // claimed in list order every wait still points to an earlier, already claimed item.
 __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h) {
@@ -304,50 +351,8 @@ __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h
     if (const uint64_t waited = gemm::global_timer_ns() - t0; waited > 0)
       atomicAdd(f.wait_ns + it.kind, (unsigned long long)waited);
     gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
-    const int col0 = it.n_block * kBlockN, col1 = col0 + kHalfN;
-    bool ok = true;
-    if (it.shared) {
-      const int m0 = it.m_block * kBlockM;
-      switch (it.kind) {
-        case kGu:
-          ok = load<TileGu>(p.sgu_a, p.sgu_b, s, pos, {p.Ts, p.H, it.row0, 2 * p.Is, 1, 0, col0, col1}, p.status);
-          break;
-        case kDh:
-          ok = load<TileKK>(p.sdh_a, p.sdh_b, s, pos, {p.Ts, p.H, it.row0, p.Is, 1, 0, col0, col1}, p.status);
-          break;
-        case kDx:
-          ok = load<TileKK>(p.sdx_a, p.sdx_b, s, pos, {p.Ts, 2 * p.Is, it.row0, p.H, 1, 0, col0, col1}, p.status);
-          break;
-        case kWDown:
-          ok = load<TileW>(p.swd_a, p.swd_b, s, pos, {p.Is, p.Ts, m0, p.H, 1, 0, col0, col1, 0, p.Ts}, p.status);
-          break;
-        default:
-          ok = load<TileW>(p.swg_a, p.swg_b, s, pos, {p.H, p.Ts, m0, 2 * p.Is, 1, 0, col0, col1, 0, p.Ts},
-                           p.status);
-          break;
-      }
-      if (!ok) return;
-      continue;
-    }
-    switch (it.kind) {
-      case kGu:
-        ok = load<TileGu>(p.gu_a, p.gu_b, s, pos, {p.M, p.H, it.row0, 2 * p.I, p.E, it.group, col0, col1}, p.status);
-        break;
-      case kDh:
-        ok = load<TileKK>(p.dh_a, p.dh_b, s, pos, {p.M, p.H, it.row0, p.I, p.E, it.group, col0, col1}, p.status);
-        break;
-      case kDx:
-        ok = load<TileKK>(p.dx_a, p.dx_b, s, pos, {p.M, 2 * p.I, it.row0, p.H, p.E, it.group, col0, col1}, p.status);
-        break;
-      case kWDown:
-        ok = load<TileW>(p.wd_a, p.wd_b, s, pos,
-                         {p.I, p.M, it.m_block * kBlockM, p.H, 1, 0, col0, col1, it.k0, it.k_len}, p.status);
-        break;
-      default:
-        ok = load<TileW>(p.wg_a, p.wg_b, s, pos,
-                         {p.H, p.M, it.m_block * kBlockM, 2 * p.I, 1, 0, col0, col1, it.k0, it.k_len}, p.status);
-        break;
-    }
+    const bool ok = it.shared ? load_item(p.shared, s, pos, it, p.Ts, p.H, p.Is, 1, 0, p.status)
+                              : load_item(p.routed, s, pos, it, p.M, p.H, p.I, p.E, it.group, p.status);
     if (!ok) return;
   }
 }
@@ -596,28 +601,8 @@ __device__ void run(const KernelParams& p) {
       cutlass::arch::ClusterBarrier::init(&s.work_empty[i], kConsumers / 32);
     }
     cutlass::arch::fence_barrier_init();
-    cute::prefetch_tma_descriptor(p.gu_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.gu_b.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.dh_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.dh_b.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.dx_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.dx_b.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.wd_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.wd_b.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.wg_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.wg_b.get_tma_descriptor());
-    if (p.Ts > 0) {
-      cute::prefetch_tma_descriptor(p.sgu_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.sgu_b.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.sdh_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.sdh_b.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.sdx_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.sdx_b.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.swd_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.swd_b.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.swg_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.swg_b.get_tma_descriptor());
-    }
+    prefetch(p.routed);
+    if (p.Ts > 0) prefetch(p.shared);
   }
   if (warp == 1) {
     gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
@@ -701,16 +686,7 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const auto* hw = static_cast<const Bf16*>(p.hw);
   const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no GU items
   KernelParams k{};
-  k.gu_a = TileGu::make_tma_a(x_e, M, H);
-  k.gu_b = TileGu::make_tma_b(gate_up, 2 * I, H, E);
-  k.dh_a = TileKK::make_tma_a(dy_e, M, H);
-  k.dh_b = TileKK::make_tma_b(down, I, H, E);
-  k.dx_a = TileKK::make_tma_a(dgu, M, 2 * I);
-  k.dx_b = TileKK::make_tma_b(gate_up, H, 2 * I, E);
-  k.wd_a = TileW::make_tma_a(hw, I, M);
-  k.wd_b = TileW::make_tma_b(dy_e, H, M, 1);
-  k.wg_a = TileW::make_tma_a(x_e, H, M);
-  k.wg_b = TileW::make_tma_b(dgu, 2 * I, M, 1);
+  k.routed = make_operands(x_e, dy_e, gate_up, down, dgu, hw, M, H, I, E);
   k.x = static_cast<const uint4*>(p.x);
   k.dy = static_cast<const uint4*>(p.dy);
   k.topk_weight = p.topk_weight;
@@ -736,22 +712,10 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const int Is = int(p.shared_intermediate), T = int(p.num_tokens);
   k.Is = Is, k.Ts = Is > 0 ? T : 0;
   if (Is > 0) {
-    const auto* x = static_cast<const Bf16*>(p.x);
-    const auto* dy = static_cast<const Bf16*>(p.dy);
-    const auto* sgu = static_cast<const Bf16*>(p.shared_gate_up);
-    const auto* dgus = static_cast<const Bf16*>(p.dgus);
-    if (T > 0) {  // no descriptor of an empty matrix: without rows no shared tile loads anything
-      k.sgu_a = TileGu::make_tma_a(x, T, H);
-      k.sgu_b = TileGu::make_tma_b(sgu, 2 * Is, H, 1);
-      k.sdh_a = TileKK::make_tma_a(dy, T, H);
-      k.sdh_b = TileKK::make_tma_b(static_cast<const Bf16*>(p.shared_down), Is, H, 1);
-      k.sdx_a = TileKK::make_tma_a(dgus, T, 2 * Is);
-      k.sdx_b = TileKK::make_tma_b(sgu, H, 2 * Is, 1);
-      k.swd_a = TileW::make_tma_a(static_cast<const Bf16*>(p.hws), Is, T);
-      k.swd_b = TileW::make_tma_b(dy, H, T, 1);
-      k.swg_a = TileW::make_tma_a(x, H, T);
-      k.swg_b = TileW::make_tma_b(dgus, 2 * Is, T, 1);
-    }
+    if (T > 0)  // no descriptor of an empty matrix: without rows no shared tile loads anything
+      k.shared = make_operands(static_cast<const Bf16*>(p.x), static_cast<const Bf16*>(p.dy),
+                               static_cast<const Bf16*>(p.shared_gate_up), static_cast<const Bf16*>(p.shared_down),
+                               static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws), T, H, Is, 1);
     k.gus = p.gus;
     k.sbwd = gemm::SwigluBackwardOut{p.gus, nullptr, static_cast<__nv_bfloat16*>(p.dgus),
                                      static_cast<__nv_bfloat16*>(p.hws), nullptr, Is, (Is + kBlockN - 1) / kBlockN};
