@@ -127,14 +127,42 @@ def check_num_sms(num_sms) -> None:
         raise ValueError(f"num_sms must be None (all SMs) or a positive int, got {num_sms!r}")
 
 
+def _check_shared_expert(shared_gate_up, shared_down, hidden: int, tokens: int, where: str, dtype) -> None:
+    """The shared expert's weights of an experts' backward call (none, or both): shapes and dtypes (``dtype``:
+    x's); errors name the argument."""
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError(f"{where}: shared_gate_up and shared_down come together (the shared expert), got "
+                         f"{'shared_gate_up' if shared_down is None else 'shared_down'} alone")
+    if shared_gate_up is None:
+        return
+    for name, a in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
+        if getattr(a, "dtype", None) != dtype:
+            raise TypeError(f"{where}: {name} must be {jnp.dtype(dtype).name} (x's dtype), got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
+    if shared_gate_up.ndim != 2 or shared_gate_up.shape[0] != hidden or shared_gate_up.shape[1] % 2:
+        raise ValueError(f"{where}: shared_gate_up must be [H, 2Is] with H = {hidden} (x's columns), got "
+                         f"{tuple(shared_gate_up.shape)}")
+    s_inter = shared_gate_up.shape[1] // 2
+    if shared_down.shape != (s_inter, hidden):
+        raise ValueError(f"{where}: shared_down must be [Is, H] = {(s_inter, hidden)} (shared_gate_up's Is, x's H), "
+                         f"got {tuple(shared_down.shape)}")
+    if s_inter < 1 or s_inter % 8:
+        raise ValueError(f"{where}: shared_gate_up: the shared expert's Is must be a positive multiple of 8 (16-byte "
+                         f"rows for TMA), got {s_inter}")
+    if tokens * 2 * s_inter >= 2**31 or hidden * 2 * s_inter >= 2**31:
+        raise ValueError(f"{where}: shared_gate_up: T and H times 2Is must be below 2^31 (the kernel's 32-bit "
+                         f"offsets), got T = {tokens}, H = {hidden}, Is = {s_inter}")
+
+
 def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, *, where: str,
-                                dtypes=(jnp.bfloat16,), max_experts: int | None = None, gu=None
-                                ) -> tuple[int, int, int, int, int, int]:
+                                dtypes=(jnp.bfloat16,), max_experts: int | None = None, gu=None,
+                                shared_gate_up=None, shared_down=None) -> tuple[int, int, int, int, int, int]:
     """Shapes and dtypes of the experts' backward arguments (mok_jax.ops.experts_backward and its reference);
     returns (T, k, M, H, I, E). ``where`` opens each message; ``dtypes``: the floating dtypes allowed for x (dy
     and the weights must be x's); ``max_experts``: the most experts the caller takes (None: no limit); ``gu``:
-    None, or the forward's kept g, u, which must be float32[M, 2I] whatever x's dtype. The values of pos,
-    src_slot, group_sizes and gu are not checked (they are device values)."""
+    None, or the forward's kept g, u, which must be float32[M, 2I] whatever x's dtype; ``shared_gate_up``,
+    ``shared_down``: None, or the shared expert's [H, 2Is] and [Is, H] in x's dtype (both or neither). The values
+    of pos, src_slot, group_sizes and gu are not checked (they are device values)."""
     for name, a, rank, shape in (("x", x, 2, "[T, H]"), ("dy", dy, 2, "[T, H]"),
                                  ("topk_weight", topk_weight, 2, "[T, k]"), ("pos", pos, 2, "[T, k]"),
                                  ("src_slot", src_slot, 1, "[M]"),
@@ -179,4 +207,5 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
         if tuple(gu.shape) != want:
             raise ValueError(f"{where}: gu (the kept g, u) must be [M, 2I] = {want} (src_slot's rows, twice "
                              f"gate_up's I), got {tuple(gu.shape)}")
+    _check_shared_expert(shared_gate_up, shared_down, hidden, tokens, where, dtype)
     return tokens, top_k, m, hidden, inter, num_experts

@@ -137,7 +137,7 @@ def experts_backward(
     where = "mok_jax.ops.experts_backward"
     tokens, top_k, m, hidden, inter, num_experts = check_experts_backward_args(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, where=where,
-        max_experts=EXPERTS_BACKWARD_MAX_EXPERTS, gu=gu)
+        max_experts=EXPERTS_BACKWARD_MAX_EXPERTS, gu=gu, shared_gate_up=shared_gate_up, shared_down=shared_down)
     if m * max(hidden, 2 * inter) >= 2**31:
         raise ValueError(f"{where}: src_slot: rows M times H and times 2I must be below 2^31 (the kernel's 32-bit "
                          f"offsets), got M = {m}, H = {hidden}, I = {inter}")
@@ -147,7 +147,7 @@ def experts_backward(
     if tokens * hidden >= 2**31:
         raise ValueError(f"{where}: x: tokens T times H must be below 2^31 (the kernel's 32-bit offsets), got "
                          f"T = {tokens}, H = {hidden}")
-    shared = check_shared_args(shared_gate_up, shared_down, hidden, tokens, where)
+    shared = shared_gate_up is not None
     check_num_sms(num_sms)
     require_native(where)
     bf16, f32 = jnp.bfloat16, jnp.float32
@@ -201,34 +201,6 @@ def experts_backward(
         words = scratch[_FLAGS][:_TIME_WORDS].reshape(2, len(ITEM_KINDS), 2)
         extras.append(_u64_as_f32(words))
     return (result, *extras) if extras else result
-
-
-def check_shared_args(shared_gate_up, shared_down, hidden: int, tokens: int, where: str, dtype=jnp.bfloat16) -> bool:
-    """Whether an experts' backward call has a shared expert; its weights' shapes and dtypes (``dtype``: x's),
-    checked here for the op and its reference (errors name the argument)."""
-    if (shared_gate_up is None) != (shared_down is None):
-        raise ValueError(f"{where}: shared_gate_up and shared_down come together (the shared expert), got "
-                         f"{'shared_gate_up' if shared_down is None else 'shared_down'} alone")
-    if shared_gate_up is None:
-        return False
-    for name, a in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
-        if getattr(a, "dtype", None) != dtype:
-            raise TypeError(f"{where}: {name} must be {jnp.dtype(dtype).name} (x's dtype), got "
-                            f"{getattr(a, 'dtype', type(a).__name__)}")
-    if shared_gate_up.ndim != 2 or shared_gate_up.shape[0] != hidden or shared_gate_up.shape[1] % 2:
-        raise ValueError(f"{where}: shared_gate_up must be [H, 2Is] with H = {hidden} (x's columns), got "
-                         f"{tuple(shared_gate_up.shape)}")
-    s_inter = shared_gate_up.shape[1] // 2
-    if shared_down.shape != (s_inter, hidden):
-        raise ValueError(f"{where}: shared_down must be [Is, H] = {(s_inter, hidden)} (shared_gate_up's Is, x's H), "
-                         f"got {tuple(shared_down.shape)}")
-    if s_inter < 1 or s_inter % 8:
-        raise ValueError(f"{where}: shared_gate_up: the shared expert's Is must be a positive multiple of 8 (16-byte "
-                         f"rows for TMA), got {s_inter}")
-    if tokens * 2 * s_inter >= 2**31 or hidden * 2 * s_inter >= 2**31:
-        raise ValueError(f"{where}: shared_gate_up: T and H times 2Is must be below 2^31 (the kernel's 32-bit "
-                         f"offsets), got T = {tokens}, H = {hidden}, Is = {s_inter}")
-    return True
 
 
 def _u64_as_f32(words: jax.Array) -> jax.Array:

@@ -36,7 +36,6 @@ from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
     EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
     ExpertsBackwardOutput,
-    check_shared_args,
 )
 from mok_jax.validation import check_experts_backward_args
 
@@ -71,10 +70,10 @@ def experts_backward_reference(
     del num_sms
     tokens, k, m, hidden, inter, num_experts = check_experts_backward_args(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
-        where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32), gu=gu)
+        where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32), gu=gu,
+        shared_gate_up=shared_gate_up, shared_down=shared_down)
     dtype = x.dtype
-    shared = check_shared_args(shared_gate_up, shared_down, hidden, tokens,
-                               "mok_jax.reference.experts_backward_reference", dtype)
+    shared = shared_gate_up is not None
     status = _status(group_sizes, m)
 
     # gather: a row whose slot is outside [0, T k) is padding (zeros)
