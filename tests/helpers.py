@@ -138,3 +138,18 @@ def run_processes(argvs: list[list[str]], *, env: dict, cwd, timeout: float) -> 
                 q.kill()
             outs.append(p.communicate()[0])
     return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def bits(a) -> np.ndarray:
+    """a's raw bits (16- or 32-bit elements), for bit-for-bit comparisons."""
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_bits(case: str, got, want) -> None:
+    """Every field of two outputs of the experts' backward (NamedTuples) the same bits; a field None in one is
+    None in the other."""
+    for name, a, b in zip(want._fields, got, want):
+        assert (a is None) == (b is None), f"{case}: {name}"
+        if a is not None:
+            np.testing.assert_array_equal(bits(a), bits(b), f"{case}: {name} changed bits")

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_bits
 from test_moe_backward import I_, M_, _call_types, _custom_call_lines, _layout_problem, _op_args
 
 from mok_jax import _native
@@ -21,11 +22,6 @@ from mok_jax.ops import experts_backward
 from mok_jax.reference import experts_backward_reference
 
 _F32 = jnp.float32
-
-
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
 @functools.partial(jax.jit, static_argnames="top_k")
@@ -42,14 +38,6 @@ def _reference_gu(x, src_slot, group_sizes, gate_up, *, top_k):
         for e in range(gate_up.shape[0]):
             gu = jnp.where((expert_of_row == e)[:, None], x32 @ gate_up[e].astype(_F32), gu)
     return gu
-
-
-def _assert_same_bits(case, got, want):
-    for name, a, b in zip(want._fields, got, want):
-        assert (a is None) == (b is None), f"{case}: {name}"
-        if a is None:
-            continue
-        np.testing.assert_array_equal(_bits(a), _bits(b), f"{case}: {name} changed bits")
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -73,12 +61,12 @@ def test_reference_fed_its_own_gu_gives_its_bits(case, T, E, k, H, I, dtype):
     want = ref(*args)
     gu = _reference_gu(x, src_slot, gs, gate_up, top_k=k)
     assert gu.shape == (src_slot.shape[0], 2 * I) and gu.dtype == _F32
-    _assert_same_bits(case, ref(*args, gu=gu), want)
+    assert_same_bits(case, ref(*args, gu=gu), want)
     past = jnp.arange(src_slot.shape[0]) >= jnp.sum(gs)
     assert bool(past.any()), "M = T k + 128 E leaves rows past the groups"
-    _assert_same_bits(f"{case}: NaN past the groups", ref(*args, gu=jnp.where(past[:, None], jnp.nan, gu)), want)
+    assert_same_bits(f"{case}: NaN past the groups", ref(*args, gu=jnp.where(past[:, None], jnp.nan, gu)), want)
     pad = (src_slot < 0) & ~past  # padding rows inside the groups: zeros whatever gu holds, as the op makes them
-    _assert_same_bits(f"{case}: NaN in padding rows", ref(*args, gu=jnp.where(pad[:, None], jnp.nan, gu)), want)
+    assert_same_bits(f"{case}: NaN in padding rows", ref(*args, gu=jnp.where(pad[:, None], jnp.nan, gu)), want)
 
 
 def test_reference_reads_the_given_gu():

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe_backward_gpu import _bits, _check_op, _check_rows, _op_problem
+from helpers import assert_same_bits
+from test_moe_backward_gpu import _check_op, _check_rows, _op_problem
 
 from mok_jax import ops
 from mok_jax.expert_layout import gather_rows
@@ -53,13 +54,6 @@ def _xla_gu(x, src_slot, group_sizes, gate_up, *, top_k):
     return gu
 
 
-def _assert_same_bits(case, got, want):
-    for name, a, b in zip(want._fields, got, want):
-        assert (a is None) == (b is None), f"{case}: {name}"
-        if a is not None:
-            np.testing.assert_array_equal(_bits(a), _bits(b), f"{case}: {name} changed bits")
-
-
 _CASES = [
     (300, 8, 4, 256, 512, "uniform"),  # rows past the sum (M = T k + 128 E)
     (200, 8, 2, 320, 384, "masked_empty"),  # empty experts, masked slots; I not a multiple of 256; H = 2.5 x 128
@@ -86,14 +80,14 @@ def test_op_fed_its_own_gu_gives_its_bits(T, E, k, H, I, routing):
     assert gu.shape == (args[4].shape[0], 2 * I) and gu.dtype == _F32
     kept = jax.jit(lambda *a, num_sms=None: ops.experts_backward(*a[:-1], gu=a[-1], num_sms=num_sms),
                    static_argnames="num_sms")
-    _assert_same_bits(case, kept(*args, gu), want)
-    _assert_same_bits(f"{case}: num_sms=3", kept(*args, gu, num_sms=3), want)
+    assert_same_bits(case, kept(*args, gu), want)
+    assert_same_bits(f"{case}: num_sms=3", kept(*args, gu, num_sms=3), want)
     past = jnp.arange(gu.shape[0]) >= jnp.sum(args[5])
     assert bool(past.any())
-    _assert_same_bits(f"{case}: NaN past the groups", kept(*args, jnp.where(past[:, None], jnp.nan, gu)), want)
+    assert_same_bits(f"{case}: NaN past the groups", kept(*args, jnp.where(past[:, None], jnp.nan, gu)), want)
     # padding rows inside the groups: the op zeroes them itself (the forward leaves them unwritten)
     pad = (args[4] < 0) & ~past
-    _assert_same_bits(f"{case}: NaN in padding rows", kept(*args, jnp.where(pad[:, None], jnp.nan, gu)), want)
+    assert_same_bits(f"{case}: NaN in padding rows", kept(*args, jnp.where(pad[:, None], jnp.nan, gu)), want)
     # what return_gu gives is the forward's g, u: XLA's matmul of the same rows, zeros where no slot is
     ref = _xla_gu(args[0], args[4], args[5], args[6], top_k=k)
     _check_rows(f"{case}: gu", gu, ref, GU_ROW_TOL, GU_ROW_TOL)
