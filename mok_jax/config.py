@@ -15,6 +15,7 @@ from typing import Literal
 __all__ = ["KernelConfig", "ModelShape", "MoEConfig", "list_models", "load_model"]
 
 Implementation = Literal["xla", "mok"]
+KEEP = ("nothing", "ring", "everything")  # MoEConfig.keep: least to most memory
 ScoreFunc = Literal["softmax", "sigmoid"]
 
 
@@ -157,12 +158,16 @@ class MoEConfig:
         ``jax.export``: set False to export the layer (invalid ids still give NaN rows, and the megakernel
         still records them for ``Workspace.check()``).
     keep: what ``implementation="mok"``'s forward keeps for its backward beyond the inputs, trading memory for
-        recompute: "nothing" (the backward recomputes the routed experts' gate/up GEMM) or "everything" (the
+        recompute: "nothing" (the backward recomputes the routed experts' gate/up GEMM), "everything" (the
         forward also writes its fp32 gate/up accumulators g | u of every slot into its backward's rows, and
         the backward skips that GEMM: two thirds of the routed experts' forward FLOPs, a quarter of their
-        backward's). Kept per rank and layer: f32 [M, 2I] with M = ep T k + 128 L rows (the static bound of a
-        dropless layout, ep times the rows a uniform routing uses at EP > 1). The gradients are the same bits
-        either way. Ignored by ``implementation="xla"``.
+        backward's), or "ring" (only those of the microbatches still in the forward's receive ring at its end:
+        the last ``ring_slots`` microbatches of ``granularity`` tokens, as the call's KernelConfig resolves
+        them; the backward recomputes the rest). Kept per rank and layer: "everything" f32 [M, 2I] with M = ep
+        T k + 128 L rows (the static bound of a dropless layout, ep times the rows a uniform routing uses at
+        EP > 1); "ring" f32 [ep T' k, 2I] with T' <= ring_slots * granularity the ring's tokens per rank, so
+        bounded by the ring, not by T (when every token fits in the ring it keeps what "everything" keeps). The
+        gradients are the same bits for each. Ignored by ``implementation="xla"``.
     """
 
     implementation: Implementation = "xla"
@@ -177,9 +182,8 @@ class MoEConfig:
                  f"MoEConfig.implementation must be 'xla' or 'mok', got {self.implementation!r}")
         _require(self.ep_axis is None or (isinstance(self.ep_axis, str) and self.ep_axis),
                  f"MoEConfig.ep_axis must be a mesh axis name or None, got {self.ep_axis!r}", TypeError)
-        _require(self.keep in ("nothing", "everything"),
-                 f"MoEConfig.keep must be 'nothing' or 'everything' (keeping only what the ring kept is not built "
-                 f"yet), got {self.keep!r}")
+        _require(self.keep in KEEP,
+                 f"MoEConfig.keep must be one of {', '.join(map(repr, KEEP))}, got {self.keep!r}")
         _require(isinstance(self.checkify_ids, bool),
                  f"MoEConfig.checkify_ids must be a bool, got {self.checkify_ids!r}", TypeError)
         _require(self.kernel is None or isinstance(self.kernel, KernelConfig),

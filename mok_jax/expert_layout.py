@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PaddedLayout", "gather_rows", "padded_layout"]
+__all__ = ["PaddedLayout", "gather_rows", "kept_blocks", "padded_layout"]
 
 
 class PaddedLayout(NamedTuple):
@@ -93,3 +93,13 @@ def gather_rows(values: jax.Array, src: jax.Array) -> jax.Array:
     picked = values[jnp.maximum(src, 0)]
     mask = (src >= 0).reshape(src.shape + (1,) * (values.ndim - 1))
     return jnp.where(mask, picked, jnp.zeros((), values.dtype))
+
+
+def kept_blocks(src_slot: jax.Array, row_of: jax.Array, kept_rows: int, slots: int, block: int = 128) -> jax.Array:
+    """int32[ceil(M / block)]: 1 for each block of ``block`` layout rows whose every slot row (src_slot in [0,
+    slots)) has a kept row (row_of in [0, kept_rows)), else 0; padding rows need none. The experts' backward
+    takes g, u from the kept rows in such a block and recomputes every other block."""
+    m = src_slot.shape[0]
+    ok = ((row_of >= 0) & (row_of < kept_rows)) | (src_slot < 0) | (src_slot >= slots)
+    ok = jnp.concatenate([ok, jnp.ones((-m % block,), bool)])
+    return jnp.all(ok.reshape(-1, block), axis=1).astype(jnp.int32)

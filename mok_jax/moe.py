@@ -47,6 +47,7 @@ from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
 from mok_jax.expert_layout import PaddedLayout, padded_layout
 from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
+from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
 from mok_jax.validation import check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
@@ -57,10 +58,17 @@ class KeptGateUp(NamedTuple):
     """What implementation='mok' keeps with MoEConfig(keep="everything"): gu f32[M, 2I], the forward's fp32
     gate/up accumulators (g | u) of every slot of this rank's experts, in the rows of ``layout`` (the padded
     expert-major layout its backward runs on; rows no slot takes are not written: the backward op zeroes the
-    padding rows it reads)."""
+    padding rows it reads). With keep="ring" and tokens past the ring, gu is f32[ep T' k, 2I], those of the
+    slots of the ring's T' tokens per rank, and ``row`` int32[M] gives each layout row's row of gu (-1: none,
+    the backward recomputes it); else row is None."""
 
     gu: jax.Array
     layout: PaddedLayout
+    row: jax.Array | None = None
+
+    def op_args(self) -> dict:
+        """The experts' backward op's keywords for these kept rows."""
+        return dict(gu=self.gu) if self.row is None else dict(gu_part=self.gu, gu_part_row=self.row)
 
 
 class MoEResiduals(NamedTuple):
@@ -113,10 +121,8 @@ def _report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
         + ") nor -1 (masked); that token's output row is NaN", first // k, first % k, topk_idx.reshape(-1)[first])
 
 
-def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig, keep: PaddedLayout | None = None):
-    """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
-    ``keep`` (this rank's backward layout, ``_rank_layout``) it returns (y, the kept g | u in its rows)."""
-    from mok_jax import ops
+def _workspace(config: MoEConfig, x, topk_idx, weights: MoEWeights):
+    """The megakernel's workspace for this call: the config's, or (without an EP axis) a local one."""
     from mok_jax.workspace import local_workspace
 
     ep = _ep_size(config)
@@ -132,7 +138,17 @@ def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfi
         ws = local_workspace(max_tokens=tokens, hidden_size=x.shape[1], top_k=k, num_experts=num_experts)
     if ws.config.ep != ep:
         raise ValueError(f"MoEConfig.workspace spans {ws.config.ep} EP ranks, the mesh axis {config.ep_axis!r} {ep}")
-    kept = {} if keep is None else dict(keep_pos=keep.pos.reshape(1, -1), keep_rows=keep.num_rows)
+    return ws
+
+
+def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig,
+                 keep: tuple[jax.Array, int] | None = None):
+    """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
+    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: f32[rows, 2I])."""
+    from mok_jax import ops
+
+    ws = _workspace(config, x, topk_idx, weights)
+    kept = {} if keep is None else dict(keep_pos=keep[0].reshape(1, -1), keep_rows=keep[1])
     y, _, *gu = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
                                 weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=config.kernel,
                                 **kept)
@@ -159,16 +175,43 @@ def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
     return padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)
 
 
+def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout):
+    """What the forward keeps for ``config.keep`` ("ring" or "everything") in this rank's backward ``layout``:
+    (keep_pos int32[ep T k], the kept buffer's rows, row), where keep_pos gives each slot of the EP group (flat (s T +
+    t) k + j) its row in the kept buffer (outside it: not kept) and row is KeptGateUp.row.
+
+    "everything", and "ring" when every token fits in the ring: the layout's own rows (keep_pos = pos, M rows, row
+    None). "ring" otherwise: the slots of tokens t >= the first ring token (of each source rank), numbered in
+    layout order, ep (T - t0) k rows."""
+    tokens, k = topk_idx.shape
+    ep = _ep_size(config)
+    m = layout.num_rows
+    if config.keep == "ring":
+        kernel = config.kernel  # else the knobs the forward call resolves (its workspace's tuned table)
+        if kernel is None:
+            kernel = resolve_kernel(_workspace(config, x, topk_idx, weights), None, tokens=tokens, hidden=x.shape[1],
+                                    inter=weights.intermediate_size, top_k=k, local_experts=weights.num_local_experts)
+        t0 = first_ring_token(kernel, tokens)
+        if t0 > 0:
+            slot = layout.src_slot  # (s T + t) k + j, -1 for padding
+            mine = (slot >= 0) & (slot < ep * tokens * k) & ((slot // k) % tokens >= t0)
+            row = jnp.where(mine, jnp.cumsum(mine.astype(jnp.int32)) - 1, -1).astype(jnp.int32)
+            keep_pos = jnp.concatenate([row, jnp.full((1,), -1, jnp.int32)])[layout.pos.reshape(-1)]  # pos M: none
+            return keep_pos, ep * (tokens - t0) * k, row
+    return layout.pos.reshape(-1), m, None
+
+
 def _moe_fwd(x, topk_idx, topk_weight, weights, config):
-    if config.implementation == "mok" and config.keep == "everything":
+    if config.implementation == "mok" and config.keep != "nothing":
         ep, num_local = _ep_size(config), weights.num_local_experts
         if ep == 1:
             layout = _rank_layout(topk_idx, num_local, 0)
         else:
             layout = _rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
                                   jax.lax.axis_index(config.ep_axis))
-        y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=layout)
-        return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout))
+        keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout)
+        y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows))
+        return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout, row))
     y = _forward(x, topk_idx, topk_weight, weights, config)
     return y, MoEResiduals(x, topk_idx, topk_weight, weights)
 
@@ -243,7 +286,7 @@ def _routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, exp
     slots in global (t, j) order, as the EP-1 layout does, so each slot's dx row and dw and each expert's weight
     gradient are the bits of EP size 1."""
     layout = _rank_layout(topk_idx, gate_up.shape[0], rank) if kept is None else kept.layout
-    gu = {} if kept is None else dict(gu=kept.gu)
+    gu = {} if kept is None else kept.op_args()
     out = experts_fn(x, dy, topk_weight, layout.pos, layout.src_slot, layout.group_sizes, gate_up, down, **gu)
     # pos is M (one past the rows) for the other ranks' slots: they pick the appended zero row
     rows = jnp.concatenate([out.dx_rows, jnp.zeros((1, x.shape[1]), out.dx_rows.dtype)])
@@ -322,7 +365,7 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     if ep == 1:
         # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
         layout = _rank_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
-        extra = {} if kept is None else dict(gu=kept.gu)
+        extra = {} if kept is None else kept.op_args()
         fused_shared = weights.has_shared and _SHARED_IN_OP
         if fused_shared:
             extra.update(shared_gate_up=weights.shared_gate_up.astype(x.dtype),

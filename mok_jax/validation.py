@@ -156,11 +156,14 @@ def _check_shared_expert(shared_gate_up, shared_down, hidden: int, tokens: int, 
 
 def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, *, where: str,
                                 dtypes=(jnp.bfloat16,), max_experts: int | None = None, gu=None,
-                                shared_gate_up=None, shared_down=None) -> tuple[int, int, int, int, int, int]:
+                                shared_gate_up=None, shared_down=None, gu_part=None,
+                                gu_part_row=None) -> tuple[int, int, int, int, int, int]:
     """Shapes and dtypes of the experts' backward arguments (mok_jax.ops.experts_backward and its reference);
     returns (T, k, M, H, I, E). ``where`` opens each message; ``dtypes``: the floating dtypes allowed for x (dy
     and the weights must be x's); ``max_experts``: the most experts the caller takes (None: no limit); ``gu``:
-    None, or the forward's kept g, u, which must be float32[M, 2I] whatever x's dtype; ``shared_gate_up``,
+    None, or the forward's kept g, u, which must be float32[M, 2I] whatever x's dtype; ``gu_part``, ``gu_part_row``:
+    None, or some rows' kept g, u, float32[R, 2I], and int32[M], each row's row of them (both or neither; not with
+    ``gu``); ``shared_gate_up``,
     ``shared_down``: None, or the shared expert's [H, 2Is] and [Is, H] in x's dtype (both or neither). The values
     of pos, src_slot, group_sizes and gu are not checked (they are device values)."""
     for name, a, rank, shape in (("x", x, 2, "[T, H]"), ("dy", dy, 2, "[T, H]"),
@@ -207,5 +210,22 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
         if tuple(gu.shape) != want:
             raise ValueError(f"{where}: gu (the kept g, u) must be [M, 2I] = {want} (src_slot's rows, twice "
                              f"gate_up's I), got {tuple(gu.shape)}")
+    if (gu_part is None) != (gu_part_row is None):
+        raise ValueError(f"{where}: gu_part and gu_part_row (some rows' kept g, u and each row's row of them) must "
+                         f"both be given or both be None")
+    if gu_part is not None:
+        if gu is not None:
+            raise ValueError(f"{where}: gu (every row's kept g, u) and gu_part (some rows') are exclusive")
+        if getattr(gu_part, "dtype", None) != jnp.float32 or getattr(gu_part, "ndim", None) != 2 \
+                or gu_part.shape[1] != 2 * inter:
+            raise ValueError(f"{where}: gu_part (some rows' kept g, u) must be float32[R, 2I] with 2I = {2 * inter}, "
+                             f"got {getattr(gu_part, 'dtype', type(gu_part).__name__)}"
+                             f"{list(getattr(gu_part, 'shape', ()))}")
+        if getattr(gu_part_row, "dtype", None) != jnp.int32 or tuple(getattr(gu_part_row, "shape", ())) != (m,):
+            raise ValueError(f"{where}: gu_part_row (each row's row of gu_part) must be int32[M] = int32[{m}] "
+                             f"(src_slot's rows), got {getattr(gu_part_row, 'dtype', type(gu_part_row).__name__)}"
+                             f"{list(getattr(gu_part_row, 'shape', ()))}")
+        if gu_part.shape[0] >= 2**31:
+            raise ValueError(f"{where}: gu_part: rows R must be below 2^31, got {gu_part.shape[0]}")
     _check_shared_expert(shared_gate_up, shared_down, hidden, tokens, where, dtype)
     return tokens, top_k, m, hidden, inter, num_experts

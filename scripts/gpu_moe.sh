@@ -2,7 +2,7 @@
 # The MoE layer's kernels on a lent H200, in one command: environment, the GPU tests of the megakernel and of
 # the grouped FFN (whose GEMM pieces it shares), then mok-bench against the JAX baselines in the same process.
 # Logs under $OUT (the device tool's folder) or ./out. A short summary is printed last.
-# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline train backward curve zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
+# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline train backward ring curve zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
 # (SKIP_TESTS=1 skips the tests; BENCH_STEPS='' skips the benchmarks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,9 @@ for s in ${BENCH_STEPS-headline granularity}; do
     backward) step backward ${BACKWARD_LIMIT:-300} $PY -m mok_jax.bench.backward --model "$MODELS" \
                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} --trace "$LOGS/backward_trace" --json "$LOGS/backward.json"
               rm -rf "$LOGS/backward_trace" ;;
+    ring) step ring ${RING_LIMIT:-300} $PY -m mok_jax.bench.backward --model "${RING_MODELS:-kimi-k2,qwen3.5-397b-a17b}" \
+            --tokens ${RING_TOKENS:-8192} --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} \
+            --json "$LOGS/backward_ring.json" ;;
     curve) step curve 200 $PY -m mok_jax.bench.train_curve --steps ${CURVE_STEPS:-50} --json "$LOGS/train_curve.json" \
              --plot "$LOGS/train_curve.png" ;;
     zipf) step zipf 150 "${BENCH[@]}" --model "$MODELS" --tokens 2048 --routing zipf --zipf-s 1.2 \

@@ -1,5 +1,6 @@
-"""MoEConfig(keep="everything") on CPU: the forward of implementation="mok" keeps its fp32 g, u in its backward's
-padded layout and the backward skips the gate/up recompute (issue 10, the memory knob).
+"""MoEConfig(keep="everything" | "ring") on CPU: the forward of implementation="mok" keeps its fp32 g, u (of every
+slot in its backward's padded layout, or of the slots of the tokens still in its ring, in a buffer of their own)
+and the backward skips the gate/up recompute of what was kept (issue 10, the memory knob).
 
 The kernels need a GPU; here the megakernel is replaced by the xla forward plus g, u computed exactly as the
 experts' backward reference recomputes them, and the native op by that reference: so the glue (the layouts, the
@@ -32,8 +33,9 @@ HI = lambda: jax.default_matmul_precision("highest")  # noqa: E731
 
 def test_keep_values():
     assert MoEConfig(keep="everything").keep == "everything" and MoEConfig().keep == "nothing"
-    with pytest.raises(ValueError, match="MoEConfig.keep must be 'nothing' or 'everything'.*ring"):
-        MoEConfig(keep="ring")
+    assert MoEConfig(keep="ring").keep == "ring"
+    with pytest.raises(ValueError, match="MoEConfig.keep must be one of 'nothing', 'ring', 'everything', got 'all'"):
+        MoEConfig(keep="all")
 
 
 def _recomputed_gu(x, gate_up, layout, k):
@@ -50,15 +52,26 @@ def _recomputed_gu(x, gate_up, layout, k):
 
 
 def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None):
-    """The megakernel's outputs on CPU: the xla forward, and with ``keep`` the kept g, u of the rank's layout (at
-    EP > 1 over every rank's tokens, as the kernel sees them)."""
+    """The megakernel's outputs on CPU: the xla forward, and with ``keep`` = (keep_pos, rows) the kept g, u: each
+    slot's row of the rank's layout (at EP > 1 over every rank's tokens, as the kernel sees them) written to its
+    keep_pos row of f32[rows, 2I] (slots outside it are not kept)."""
     y = moe_mod._forward_xla(x, topk_idx, topk_weight, weights, config)
     if keep is None:
         return y
-    k = topk_idx.shape[1]
-    xs = x if config.ep_axis is None else jax.lax.all_gather(x, config.ep_axis, tiled=True)
+    keep_pos, rows = keep
+    k, L = topk_idx.shape[1], weights.num_local_experts
+    xs, ids, rank = x, topk_idx, 0
+    if config.ep_axis is not None:
+        gather = lambda a: jax.lax.all_gather(a, config.ep_axis, tiled=True)  # noqa: E731
+        xs, ids, rank = gather(x), gather(topk_idx), jax.lax.axis_index(config.ep_axis)
+    layout = moe_mod._rank_layout(ids, L, rank)
     with HI():
-        return y, _recomputed_gu(xs, weights.gate_up, keep, k)
+        gu = _recomputed_gu(xs, weights.gate_up, layout, k)
+    pos = layout.pos.reshape(-1)
+    mine = (pos < layout.num_rows) & (keep_pos >= 0) & (keep_pos < rows)
+    picked = jnp.concatenate([gu, jnp.zeros((1, gu.shape[1]), gu.dtype)])[pos]
+    kept = jnp.zeros((rows + 1, gu.shape[1]), jnp.float32).at[jnp.where(mine, keep_pos, rows)].set(picked)
+    return y, kept[:rows]
 
 
 @pytest.fixture
@@ -80,14 +93,14 @@ def _problem(T, E=8, H=32, I=24, k=3, Is=16, seed=0):
     return x, jnp.asarray(idx), w, W, dy
 
 
-def _grads(keep, x, idx, w, W, dy, mesh=None):
+def _grads(keep, x, idx, w, W, dy, mesh=None, kernel=None):
     if mesh is None:
-        cfg = MoEConfig(implementation="mok", keep=keep)
+        cfg = MoEConfig(implementation="mok", keep=keep, kernel=kernel)
         layer = lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg)  # noqa: E731
         args = (x, idx, w, W, dy)
     else:
         spec = jax.sharding.PartitionSpec
-        cfg = MoEConfig(implementation="mok", ep_axis="ep", keep=keep)
+        cfg = MoEConfig(implementation="mok", ep_axis="ep", keep=keep, kernel=kernel)
         specs = (spec("ep"), spec("ep"), spec("ep"), MoEWeights(spec("ep"), spec("ep"), spec(), spec()))
         layer = jax.shard_map(lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg), mesh=mesh, in_specs=specs,
                               out_specs=spec("ep"))
@@ -149,6 +162,98 @@ def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monk
     assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xf32>)" in fwd, fwd
     [bwd] = [line for line in text.splitlines() if "custom_call @mok_experts_backward(" in line]
     # the kept buffer: the ninth operand (then the shared expert's weights, here none: [H, 0] and [0, H])
-    assert f"tensor<{M}x{2 * I}xf32>, tensor<{H}x0xbf16>, tensor<0x{H}xbf16>)" in bwd.split("->")[0], bwd
+    assert (f"tensor<{M}x{2 * I}xf32>, tensor<0x{2 * I}xf32>, tensor<0xi32>, tensor<0xi32>, tensor<{H}x0xbf16>, "
+            f"tensor<0x{H}xbf16>)") in bwd.split("->")[0], bwd
     # ... handed to the op as its gu scratch (result 8), whose padding rows it zeroes in place
     assert re.search(r"output_operand_alias<output_tuple_indices = \[8\], operand_index = 8,", bwd), bwd
+
+
+def test_first_ring_token_cuts_microbatches_as_the_kernel_plan():
+    """G = min(granularity, T) rounded up to 64-token chunks; the ring holds the last ring_slots microbatches."""
+    from mok_jax.ops.moe_forward import first_ring_token
+
+    cfg = lambda g, s: mj.KernelConfig(granularity=g, ring_slots=s)  # noqa: E731
+    assert first_ring_token(cfg(512, 2), 1200) == 512  # microbatches [0, 512) [512, 1024) [1024, 1200)
+    assert first_ring_token(cfg(512, 1), 1200) == 1024
+    assert first_ring_token(cfg(512, 3), 1200) == 0  # every microbatch in the ring
+    assert first_ring_token(cfg(576, 1), 1000) == 576
+    assert first_ring_token(cfg(512, 1), 100) == 0  # one microbatch of 128 (100 rounded up to a chunk)
+
+
+_RING = mj.KernelConfig(granularity=512, ring_slots=2)  # 1200 tokens: microbatches 1 and 2 in the ring
+
+
+def test_keep_ring_plan_keeps_the_ring_tokens_slots():
+    """keep="ring": the slots of tokens >= the first ring token, numbered in layout order, and nothing else; the
+    layout has 128-row blocks of both kinds (copied, recomputed), so the tests below exercise both."""
+    from mok_jax.expert_layout import kept_blocks
+
+    T, k, E = 1200, 3, 8
+    x, idx, w, W, dy = _problem(T, E=E, k=k)
+    layout = moe_mod._rank_layout(idx, E, 0)
+    cfg = MoEConfig(implementation="mok", keep="ring", kernel=_RING)
+    keep_pos, rows, row = moe_mod._keep_plan(cfg, x, idx, W, layout)
+    assert rows == (T - 512) * k < layout.num_rows
+    pos, keep_pos, row = np.asarray(layout.pos).reshape(-1), np.asarray(keep_pos), np.asarray(row)
+    src = np.asarray(layout.src_slot)
+    want = (src >= 0) & (src // k >= 512)
+    np.testing.assert_array_equal(row >= 0, want)
+    np.testing.assert_array_equal(row[want], np.arange(want.sum()))  # layout order, no gaps
+    has_row = pos < layout.num_rows
+    np.testing.assert_array_equal(keep_pos[has_row], row[pos[has_row]])
+    assert (keep_pos[~has_row] == -1).all()
+    blocks = np.asarray(kept_blocks(layout.src_slot, jnp.asarray(row), rows, T * k))
+    used = int(np.sum(np.asarray(layout.group_sizes))) // 128
+    assert 0 < blocks[:used].sum() < used, blocks[:used]
+    # every token in the ring: what "everything" keeps
+    every = MoEConfig(implementation="mok", keep="ring", kernel=mj.KernelConfig(granularity=512, ring_slots=3))
+    keep_pos, rows, row = moe_mod._keep_plan(every, x, idx, W, layout)
+    assert row is None and rows == layout.num_rows
+    np.testing.assert_array_equal(np.asarray(keep_pos), pos)
+
+
+@pytest.mark.parametrize("ring_slots", [1, 2])
+def test_keep_ring_gives_the_gradients_of_recompute(fake_kernels, ring_slots):
+    x, idx, w, W, dy = _problem(1200, seed=ring_slots)
+    kernel = mj.KernelConfig(granularity=512, ring_slots=ring_slots)
+    _assert_same(_grads("ring", x, idx, w, W, dy, kernel=kernel), _grads("nothing", x, idx, w, W, dy, kernel=kernel),
+                 f"ring_slots={ring_slots}")
+
+
+def test_keep_ring_at_ep_size_two(fake_kernels, cpu_devices):
+    """At EP 2 each source rank's ring tokens are kept: the owner's kept rows come from both ranks' tokens."""
+    x, idx, w, W, dy = _problem(2400, seed=5)
+    mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
+    ring = _grads("ring", x, idx, w, W, dy, mesh, kernel=_RING)
+    _assert_same(ring, _grads("nothing", x, idx, w, W, dy, mesh, kernel=_RING), "EP 2")
+
+
+def test_keep_ring_lowers_to_a_part_kept_forward_and_backward(monkeypatch):
+    """jax.grad of the real ops with keep="ring" and tokens past the ring: the forward returns keep_gu [1, (T - t0)
+    k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the block flags [ceil(M / 128)], and its gu
+    scratch is its own (no alias)."""
+    from mok_jax.workspace import CommConfig, Workspace
+
+    mf = importlib.import_module("mok_jax.ops.moe_forward")
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    T, H, I, E, k = 1200, 64, 32, 4, 2
+    M, rows = T * k + 128 * E, (T - 512) * k
+    ws = Workspace(ws_id=7, config=CommConfig(ep=1, max_tokens=T, hidden_size=H, top_k=k, num_experts=E), mesh=None,
+                   axis_name=None, local=[])
+    for mod in (moe_mod, mf, mb):
+        monkeypatch.setattr(mod, "require_native", lambda what: None)
+    monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
+    cfg = MoEConfig(implementation="mok", keep="ring", workspace=ws, kernel=_RING)
+    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+    idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
+    w = jnp.ones((T, k), jnp.float32)
+    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
+    f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))
+    text = f.lower(x, w, W).as_text()
+    [fwd] = [line for line in text.splitlines() if "custom_call @mok_moe_forward(" in line]
+    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{rows}x{2 * I}xf32>)" in fwd, fwd
+    [bwd] = [line for line in text.splitlines() if "custom_call @mok_experts_backward(" in line]
+    assert (f"tensor<0x{2 * I}xf32>, tensor<{rows}x{2 * I}xf32>, tensor<{M}xi32>, tensor<{-(-M // 128)}xi32>, "
+            f"tensor<{H}x0xbf16>") in bwd.split("->")[0], bwd
+    assert "output_operand_alias" not in bwd, bwd

@@ -146,3 +146,92 @@ def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
         assert back.shape == (M, 2 * I) and back.dtype == _F32, given
         assert out.dx.shape == (T, H) and out.dx_rows.shape == (M, H), given
     assert len(_custom_call_lines(text, "mok_experts_backward")) == 1
+
+
+# ----------------------------------------------------------------------------- part of g, u kept (keep="ring")
+
+
+def _part(gu, src_slot, tokens, k, first):
+    """gu_part and gu_part_row for the slots of tokens >= first (as keep="ring" keeps the ring's), in row order."""
+    mine = np.asarray((src_slot >= 0) & (src_slot // k >= first))
+    row = jnp.asarray(np.where(mine, np.cumsum(mine) - 1, -1).astype(np.int32))
+    return gu[np.nonzero(mine)[0]], row, mine
+
+
+def test_reference_with_part_kept_gu_copies_whole_blocks_and_recomputes_the_rest():
+    """Blocks of 128 rows whose slot rows all have a kept row use those (a changed value shows, in its token's dx
+    only); a block with one row short is recomputed (NaN in its kept rows changes nothing); fed its own recompute
+    the reference gives its bits."""
+    from mok_jax.expert_layout import kept_blocks
+
+    T, E, k, H, I = 600, 2, 2, 16, 8
+    args, _ = _layout_problem(3, T, E, k, H, I)
+    x, _, _, pos, src_slot, gs, gate_up, _ = args
+    ref = jax.jit(lambda *a: experts_backward_reference(*a[:-2], gu_part=a[-2], gu_part_row=a[-1]))
+    want = jax.jit(experts_backward_reference)(*args)
+    gu = _reference_gu(x, src_slot, gs, gate_up, top_k=k)
+    part, row, mine = _part(gu, src_slot, T, k, T // 2)
+    blocks = np.asarray(kept_blocks(src_slot, row, part.shape[0], T * k))
+    copied = np.repeat(blocks, 128)[: src_slot.shape[0]] == 1
+    used = int(np.sum(np.asarray(gs))) // 128
+    assert 0 < blocks[:used].sum() < used, blocks
+    assert_same_bits("own recompute", ref(*args, part, row), want)
+    assert_same_bits("NaN in recomputed blocks", ref(*args, part.at[np.asarray(row)[mine & ~copied]].set(jnp.nan),
+                                                      row), want)
+    r = int(np.flatnonzero(mine & copied)[0])  # a copied row: its token's dx changes, no other
+    got = ref(*args, part.at[int(row[r])].add(1.0), row)
+    t = int(src_slot[r]) // k
+    np.testing.assert_array_equal(np.flatnonzero(np.any(np.asarray(got.dx) != np.asarray(want.dx), axis=1)), [t])
+    # no kept row at all: every block recomputes
+    assert_same_bits("nothing kept", ref(*args, jnp.zeros((0, 2 * I), _F32), jnp.full(src_slot.shape, -1)), want)
+
+
+def test_kept_blocks_flags_blocks_whose_slot_rows_all_have_a_kept_row():
+    from mok_jax.expert_layout import kept_blocks
+
+    src = jnp.asarray([0, 1, -1, -1, 2, 3, 4, -1, 5], jnp.int32)  # blocks of 4: rows 0-3, 4-7, 8 (+ 3 padding)
+    row = jnp.asarray([0, 1, 5, -1, 2, -1, 3, -1, 9], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 4, 6, block=4)), [1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 10, 6, block=4)), [1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 10, 5, block=4)), [1, 0, 1])  # slot 5: padding
+
+
+_BAD_PART = [
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32)), ValueError, "gu_part and gu_part_row .* both be given or both be None"),
+    (dict(gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError, "gu_part and gu_part_row .* both"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.int32),
+          gu=jnp.zeros((M_, 2 * I_), _F32)), ValueError, r"gu \(every row's kept g, u\) and gu_part .* exclusive"),
+    (dict(gu_part=jnp.zeros((4, I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError,
+     rf"gu_part \(some rows' kept g, u\) must be float32\[R, 2I\] with 2I = {2 * I_}, got float32\[4, {I_}\]"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), jnp.bfloat16), gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError,
+     r"gu_part .* must be float32\[R, 2I\].*got bfloat16"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_ - 1,), jnp.int32)), ValueError,
+     rf"gu_part_row \(each row's row of gu_part\) must be int32\[M\] = int32\[{M_}\] .*got int32\[{M_ - 1}\]"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.float32)), ValueError,
+     r"gu_part_row .* must be int32\[M\].*got float32"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", _BAD_PART)
+def test_op_rejects_a_bad_gu_part_naming_it(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        experts_backward(**_op_args(), **kw)
+    with pytest.raises(exc, match=match):
+        experts_backward_reference(**_op_args(), **kw)
+
+
+def test_op_lowers_with_the_part_kept_gu_after_gu_in(monkeypatch):
+    """gu_part given: operands ..., gu_in f32[0, 2I], gu_part f32[R, 2I], gu_part_row s32[M], the block flags
+    s32[ceil(M / 128)]; the scratch gu is the op's own (no alias)."""
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    T, k, M, H, I, E, R = 100, 3, 812, 64, 384, 4, 150
+    sds = jax.ShapeDtypeStruct
+    args = (sds((T, H), jnp.bfloat16), sds((T, H), jnp.bfloat16), sds((T, k), _F32), sds((T, k), jnp.int32),
+            sds((M,), jnp.int32), sds((E,), jnp.int32), sds((E, H, 2 * I), jnp.bfloat16),
+            sds((E, I, H), jnp.bfloat16))
+    text = jax.jit(lambda *a: mb.experts_backward(*a[:-2], gu_part=a[-2], gu_part_row=a[-1])).lower(
+        *args, sds((R, 2 * I), _F32), sds((M,), jnp.int32)).as_text()
+    [call] = _custom_call_lines(text, "mok_experts_backward")
+    assert _call_types(T, k, M, H, I, E, 0, part_rows=R) in call, call
+    assert "output_operand_alias" not in call, call

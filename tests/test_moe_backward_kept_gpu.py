@@ -21,7 +21,7 @@ from helpers import assert_same_bits
 from test_moe_backward_gpu import _check_op, _check_rows, _op_problem
 
 from mok_jax import ops
-from mok_jax.expert_layout import gather_rows
+from mok_jax.expert_layout import gather_rows, kept_blocks
 from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
@@ -114,3 +114,39 @@ def test_op_with_kept_gu_writes_the_status():
         for name in ("d_gate_up", "d_down"):
             g = np.asarray(getattr(out, name), np.float32)
             assert np.all(np.isnan(g)) if bits else np.all(np.isfinite(g)), f"group sizes {sizes}: {name}"
+
+
+@pytest.mark.parametrize("T,E,k,H,I", [(1200, 4, 2, 256, 384), (700, 8, 3, 320, 512)])
+def test_op_with_part_kept_gu(T, E, k, H, I):
+    """gu_part with the g, u of the slots of tokens >= T / 2 (as keep="ring" keeps the ring's tokens'): a 128-row
+    block whose slot rows all have one copies them, the others recompute. Fed its own recompute's rows, the op
+    gives the bits of the op that recomputes everything, for any SM count; NaN in the rows that only the
+    recomputed blocks hold changes nothing; and with gu_part + 1 the g, u it used (return_gu) are those in the
+    copied blocks (zeros in their padding rows) and its recompute elsewhere, as the reference takes them."""
+    case = f"part:{T}x{E}x{k}x{H}x{I}"
+    args, idx = _op_problem(case, T, E, k, H, I)
+    src = args[4]
+    op = jax.jit(lambda *a, num_sms=None: ops.experts_backward(*a[:-2], gu_part=a[-2], gu_part_row=a[-1],
+                                                               num_sms=num_sms, return_gu=True),
+                 static_argnames="num_sms")
+    want, gu = jax.jit(functools.partial(ops.experts_backward, return_gu=True))(*args)
+    mine = np.asarray((src >= 0) & (src // k >= T // 2))
+    row = jnp.asarray(np.where(mine, np.cumsum(mine) - 1, -1).astype(np.int32))
+    part = gu[np.nonzero(mine)[0]]
+    blocks = np.asarray(kept_blocks(src, row, part.shape[0], T * k))
+    used = int(np.sum(np.asarray(args[5]))) // 128
+    assert 0 < blocks[:used].sum() < used, f"{case}: want blocks of both kinds, got {blocks[:used]}"
+    copied = np.repeat(blocks, 128)[: src.shape[0]] == 1
+    got, got_gu = op(*args, part, row)
+    assert_same_bits(case, got, want)
+    assert_same_bits(f"{case}: num_sms=3", op(*args, part, row, num_sms=3)[0], want)
+    recomputed_rows = np.asarray(row)[mine & ~copied]
+    assert recomputed_rows.size, case
+    assert_same_bits(f"{case}: NaN in rows of recomputed blocks", op(*args, part.at[recomputed_rows].set(jnp.nan),
+                                                                      row)[0], want)
+    got, got_gu = op(*args, part + 1, row)
+    want_gu = np.where(copied[:, None] & mine[:, None], np.asarray(gu) + 1, np.where(copied[:, None], 0, gu))
+    np.testing.assert_array_equal(np.asarray(got_gu), want_gu, f"{case}: the g, u the op used")
+    ref = jax.jit(lambda *a: experts_backward_reference(*a[:-2], gu_part=a[-2], gu_part_row=a[-1]))(*args, part + 1,
+                                                                                                   row)
+    _check_op(f"{case}: gu_part + 1", args, got, ref, idx)

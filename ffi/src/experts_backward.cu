@@ -106,6 +106,10 @@ struct KernelParams {
   float* w_e;
   float* gu;          // the recompute's scratch, or the kept g | u
   int32_t kept;       // g, u kept: no GU items; GATHER zeroes gu's padding rows
+  const float* gu_part;        // part of them kept: the kept rows, each row's row of them, the blocks they cover
+  const int32_t* gu_part_row;  // (nullptr: none)
+  const int32_t* gu_block;
+  int32_t gu_part_rows, gu_blocks;
   gemm::SwigluBackwardOut bwd;
   Bf16* dx_e;
   float* dw_e;
@@ -278,6 +282,11 @@ __device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shap
 
 __device__ __forceinline__ bool is_tile(int kind) { return kind != kGather && kind != kDwSum && kind != kSlot; }
 
+// Whether m-block mb's g, u were kept (gu_part): its GATHER copies them, its GU items do nothing.
+__device__ __forceinline__ bool block_kept(const KernelParams& p, int mb) {
+  return p.gu_block != nullptr && mb < p.gu_blocks && p.gu_block[mb] != 0;
+}
+
 // ---- producer (one thread): wait for a tile's inputs, then its TMA loads ---------------------------------
 __device__ bool wait_inputs(const KernelParams& p, const SharedStorage& s, const Shape& h, const Item& it) {
   const Flags f = flags(p);
@@ -345,7 +354,9 @@ __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h
     if (++w == kWorkSlots) w = 0, phase ^= 1;
     if (i < 0) return;
     const Item it = decode(p, s, h, i);
-    if (!is_tile(it.kind) || ((it.kind == kWDown || it.kind == kWGateUp) && it.k_len == 0)) continue;
+    if (!is_tile(it.kind) || ((it.kind == kWDown || it.kind == kWGateUp) && it.k_len == 0) ||
+        (it.kind == kGu && !it.shared && block_kept(p, it.mb)))
+      continue;
     const uint64_t t0 = gemm::global_timer_ns();
     if (!wait_inputs(p, s, h, it)) return;
     if (const uint64_t waited = gemm::global_timer_ns() - t0; waited > 0)
@@ -359,12 +370,15 @@ __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h
 
 // ---- consumers: row items --------------------------------------------------------------------------------
 // Rows [row0, row_end): x_e[r] = x[s / k], dy_e[r] = dy[s / k], w_e[r] = topk_weight[s] for the row's slot s,
-// zeros for a padding row (or a slot id out of range), and with kept g, u zeros in a padding row's g | u.
+// zeros for a padding row (or a slot id out of range), and with kept g, u zeros in a padding row's g | u. In a
+// block of part-kept g, u (block_kept) also gu[r] = gu_part[gu_part_row[r]] (zeros for a row without one: a
+// padding row, what the recompute gives it); the block's DH items read it after this item's release.
 // One warp per row, kGatherVecs 16-byte vectors of each source in flight per lane.
 __device__ void gather(const KernelParams& p, const Item& it, int ct) {
   const int lane = ct % 32, warp = ct / 32;
   const int chunks = p.H / 8;
   const int64_t slots = int64_t(p.T) * p.k;
+  const bool copy_gu = block_kept(p, it.mb);
   for (int r = it.row0 + warp; r < it.row_end; r += kConsumers / 32) {
     const int64_t slot = p.src_slot[r];
     const bool valid = slot >= 0 && slot < slots;
@@ -388,6 +402,14 @@ __device__ void gather(const KernelParams& p, const Item& it, int ct) {
         float4* g = reinterpret_cast<float4*>(p.gu + int64_t(r) * 2 * p.I);
         for (int c = lane; c < p.I / 2; c += 32) g[c] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
+    }
+    if (copy_gu) {
+      const int32_t src = p.gu_part_row[r];
+      const bool has = src >= 0 && src < p.gu_part_rows;
+      const float4* gs = reinterpret_cast<const float4*>(p.gu_part + int64_t(has ? src : 0) * 2 * p.I);
+      float4* g = reinterpret_cast<float4*>(p.gu + int64_t(r) * 2 * p.I);
+#pragma unroll 4
+      for (int c = lane; c < p.I / 2; c += 32) g[c] = has ? __ldg(gs + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (lane == 0) p.w_e[r] = valid ? p.topk_weight[slot] : 0.0f;
   }
@@ -507,6 +529,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     switch (it.kind) {
       case kGather: gather(p, it, ct); break;
       case kGu: {
+        if (!it.shared && block_kept(p, it.mb)) break;  // its GATHER copied the kept g, u
         TileGu::Accumulator acc;
         if (!TileGu::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
         const int n = 2 * (it.shared ? p.Is : p.I);
@@ -649,6 +672,12 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   if (p.num_rows * 2 * p.intermediate > INT_MAX || p.num_rows * p.hidden > INT_MAX)
     return "rows M times H or 2I must be below 2^31";
   if (p.flags == nullptr) return "the dependency counters (flags) are missing";
+  if (p.gu_part != nullptr) {
+    if (p.gu_kept != nullptr) return "gu_part: a part of g, u kept, and all of them (gu): give one";
+    if (p.gu_part_row == nullptr || p.gu_block == nullptr) return "gu_part: its row map or block flags are missing";
+    if (p.gu_part_rows < 0 || p.gu_part_rows * 2 * p.intermediate > INT64_MAX / 4 || p.gu_part_rows > INT_MAX)
+      return "gu_part: its rows must be in [0, 2^31)";
+  }
   if (p.shared_intermediate < 0 || p.shared_intermediate % 8 != 0)
     return "shared_gate_up: the shared expert's intermediate size Is must be 0 (none) or a positive multiple of 8";
   if (p.shared_intermediate > 0) {
@@ -698,6 +727,10 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   k.w_e = p.w_e;
   k.gu = kept ? p.gu_kept : static_cast<float*>(p.gu);
   k.kept = kept;
+  if (p.gu_part != nullptr) {
+    k.gu_part = p.gu_part, k.gu_part_row = p.gu_part_row, k.gu_block = p.gu_block;
+    k.gu_part_rows = int(p.gu_part_rows), k.gu_blocks = (M + kBlockM - 1) / kBlockM;
+  }
   k.bwd = gemm::SwigluBackwardOut{k.gu, p.w_e, static_cast<__nv_bfloat16*>(p.dgu), static_cast<__nv_bfloat16*>(p.hw),
                                   p.dw_part, I, (I + kBlockN - 1) / kBlockN};
   k.dx_e = static_cast<Bf16*>(p.dx_e);

@@ -1,7 +1,9 @@
 // XLA FFI handler for mok/experts_backward.cuh: mok_experts_backward.
 //   x: bf16[T, H], dy: bf16[T, H], topk_weight: f32[T, k], pos: s32[T, k], src_slot: s32[M], group_sizes: s32[E],
 //   gate_up: bf16[E, H, 2I], down: bf16[E, I, H], gu_in: f32[M, 2I] (the forward's kept g | u) or f32[0, 2I]
-//   (none kept: the op recomputes them into its scratch gu)
+//   (none kept: the op recomputes them into its scratch gu), gu_part: f32[R, 2I] (some rows' kept g | u) or
+//   f32[0, 2I], gu_part_row: s32[M] (each row's row of gu_part) or s32[0], gu_block: s32[ceil(M / 128)] (1: the
+//   m-block's slot rows are all in gu_part) or s32[0], shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H]
 //   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
@@ -27,7 +29,9 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
-                                 ffi::Buffer<ffi::F32> gu_in, ffi::Buffer<ffi::BF16> shared_gate_up,
+                                 ffi::Buffer<ffi::F32> gu_in, ffi::Buffer<ffi::F32> gu_part,
+                                 ffi::Buffer<ffi::S32> gu_part_row, ffi::Buffer<ffi::S32> gu_block,
+                                 ffi::Buffer<ffi::BF16> shared_gate_up,
                                  ffi::Buffer<ffi::BF16> shared_down,
                                  ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw,
                                  ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
@@ -62,6 +66,19 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                             std::to_string(2 * inter) + "] or f32[0, 2I] (none kept), got " +
                             dims_str(gu_in.dimensions()));
   const bool kept = m > 0 && gu_in.dimensions()[0] == m;
+  // part kept: gu_part [R, 2I] with gu_part_row [M] and gu_block [ceil(M / 128)], or [0, 2I], [0], [0]
+  const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
+  const bool part = gu_part_row.element_count() != 0;
+  if (gu_part.dimensions().size() != 2 || gu_part.dimensions()[1] != 2 * inter)
+    return invalid(kOp, "gu_part must be f32[R, 2I] with 2I = " + std::to_string(2 * inter) + ", got " +
+                            dims_str(gu_part.dimensions()));
+  if (part ? !dims_are(gu_part_row.dimensions(), {m}) || !dims_are(gu_block.dimensions(), {m_blocks})
+           : gu_part.dimensions()[0] != 0 || gu_block.element_count() != 0)
+    return invalid(kOp, "gu_part_row and gu_block must be s32[M] and s32[ceil(M / 128)] = [" + std::to_string(m) +
+                            "], [" + std::to_string(m_blocks) + "], or all three of gu_part, gu_part_row and "
+                            "gu_block empty; got " + dims_str(gu_part.dimensions()) + ", " +
+                            dims_str(gu_part_row.dimensions()) + ", " + dims_str(gu_block.dimensions()));
+  if (part && kept) return invalid(kOp, "gu (all rows kept) and gu_part (some rows kept) are exclusive");
   // the shared expert: shared_gate_up [H, 2Is], shared_down [Is, H]; [H, 0] and [0, H] for none
   if (shared_gate_up.dimensions().size() != 2 || shared_gate_up.dimensions()[1] % 2 != 0)
     return invalid(kOp, "shared_gate_up must be rank 2 [H, 2Is] ([H, 0]: no shared expert), got " +
@@ -125,6 +142,12 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
         err != cudaSuccess)
       return mok::ffi_util::cuda_error(kOp, err);
   p.gu_kept = kept ? gu->typed_data() : nullptr;
+  if (part) {
+    p.gu_part = gu_part.typed_data();
+    p.gu_part_row = gu_part_row.typed_data();
+    p.gu_block = gu_block.typed_data();
+    p.gu_part_rows = gu_part.dimensions()[0];
+  }
   p.dx = dx->typed_data();
   p.dw = dw->typed_data();
   p.d_gate_up = d_gate_up->untyped_data();
@@ -176,6 +199,9 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Arg<ffi::Buffer<ffi::BF16>>() // gate_up
                     .Arg<ffi::Buffer<ffi::BF16>>() // down
                     .Arg<ffi::Buffer<ffi::F32>>()  // gu_in: kept g | u, or [0, 2I]
+                    .Arg<ffi::Buffer<ffi::F32>>()  // gu_part: some rows' kept g | u, or [0, 2I]
+                    .Arg<ffi::Buffer<ffi::S32>>()  // gu_part_row [M], or [0]
+                    .Arg<ffi::Buffer<ffi::S32>>()  // gu_block [ceil(M / 128)], or [0]
                     .Arg<ffi::Buffer<ffi::BF16>>() // shared_gate_up [H, 2Is] ([H, 0]: none)
                     .Arg<ffi::Buffer<ffi::BF16>>() // shared_down [Is, H]
                     .Ret<ffi::Buffer<ffi::F32>>()  // dx

@@ -8,6 +8,9 @@ ms of back-to-back calls (mok_jax.bench.timing):
 - ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it;
 - ``fwd+bwd keep``: the same with MoEConfig(keep="everything") (the forward keeps its fp32 g, u, the backward
   skips the gate/up recompute), and the kept bytes (``kept_bytes``, f32 [T k + 128 E, 2I]);
+- ``fwd+bwd ring``: with MoEConfig(keep="ring") (only the g, u of the slots of the tokens still in the forward's
+  ring: the last ring_slots microbatches; the backward recomputes the others), and its kept bytes
+  (``ring_kept_bytes``: f32 [T' k, 2I] for the ring's T' tokens; "everything"'s when every token fits);
 - ``experts op``: ``ops.experts_backward`` alone on the tokens, dy, the padded expert-major layout of the same
   routing and the shared expert's weights, as the layer calls it (it gathers the rows, gives the routed and the
   shared experts' gradients and sums each token's slot rows of dx; the layer's backward adds the layout);
@@ -50,6 +53,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     from mok_jax.expert_layout import padded_layout
     from mok_jax.moe import moe
     from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
+    from mok_jax.ops.moe_forward import first_ring_token
 
     m, x, idx, w, W, flops = _problem(model_name, tokens, seed)
     E, H, I, k = W.gate_up.shape[0], m.hidden_size, m.intermediate_size, m.top_k
@@ -63,6 +67,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
 
     grad = grad_of(cfg)
     grad_keep = grad_of(dataclasses.replace(cfg, keep="everything"))
+    grad_ring = grad_of(dataclasses.replace(cfg, keep="ring"))
     moe_mod = importlib.import_module("mok_jax.moe")  # the module (mok_jax.moe the attribute is the function)
 
     default = moe_mod._SHARED_IN_OP
@@ -77,14 +82,18 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     op = jax.jit(lambda a, s: ops.experts_backward(*a, **s))
     op_args = ((x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down), shared)
     status = int(op(*op_args).status)
+    t0 = first_ring_token(cfg.kernel, tokens)  # keep="ring" keeps the slots of tokens t0..: all when 0
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "E": E, "H": H, "I": I, "k": k, "fwd_flops": flops,
            "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
            "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
            "fwd+bwd": _timed(grad, (x, idx, w, W, dy), timing_kw),
            "fwd+bwd keep": _timed(grad_keep, (x, idx, w, W, dy), timing_kw),
+           "fwd+bwd ring": _timed(grad_ring, (x, idx, w, W, dy), timing_kw),
            "shared_in_op": bool(default),
            "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
            "kept_bytes": lay.num_rows * 2 * I * 4,
+           "ring_tokens": tokens - t0,
+           "ring_kept_bytes": ((tokens - t0) * k if t0 else lay.num_rows) * 2 * I * 4,
            "experts op": _timed(op, op_args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
     _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*op_args)
@@ -179,14 +188,15 @@ def table(res: dict) -> str:
     rate = res["dense"]["tflops"] if "tflops" in res["dense"] else None
     lines = [f"dense bf16 8192^3 GEMM: {rate:.0f} TFLOP/s" if rate else "dense GEMM: not measured"]
     lines.append(f"{'model':<18} {'fwd ms':>8} {'fwd+bwd':>8} {'floor':>7} {'x floor':>8} {'bwd':>7} {'op ms':>7} "
-                 f"{'op TF/s':>8} {'keep':>8} {'x floor':>8} {'kept MB':>8}")
+                 f"{'op TF/s':>8} {'keep':>8} {'x floor':>8} {'kept MB':>8} {'ring':>8} {'ring MB':>8}")
     for c in res["cases"]:
         floor = 3 * c["fwd_flops"] / (rate * 1e12) * 1e3 if rate else float("nan")
         fb = c["fwd+bwd"]["ms"]
         lines.append(f"{c['model']:<18} {c['fwd']['ms']:>8.3f} {fb:>8.3f} {floor:>7.3f} {fb / floor:>7.2f}x "
                      f"{fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
                      f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f} {c['fwd+bwd keep']['ms']:>8.3f} "
-                     f"{c['fwd+bwd keep']['ms'] / floor:>7.2f}x {c['kept_bytes'] / 1e6:>8.0f}")
+                     f"{c['fwd+bwd keep']['ms'] / floor:>7.2f}x {c['kept_bytes'] / 1e6:>8.0f} "
+                     f"{c['fwd+bwd ring']['ms']:>8.3f} {c['ring_kept_bytes'] / 1e6:>8.0f}")
         for label in ("items", "items kept"):
             if c.get(label):
                 parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}" for n, v in c[label].items()

@@ -12,7 +12,9 @@ With the shared expert's weights it also runs the shared expert's backward over 
 and adds its dx to dx.
 
 The call's operands: x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in (f32[M, 2I] when ``gu``
-is given, else f32[0, 2I]), shared_gate_up, shared_down (bf16[H, 0] and bf16[0, H] without a shared expert);
+is given, else f32[0, 2I]), gu_part, gu_part_row and the blocks they cover (f32[R, 2I], int32[M], int32[ceil(M /
+128)] when ``gu_part`` is given, else f32[0, 2I], int32[0], int32[0]), shared_gate_up, shared_down (bf16[H, 0] and
+bf16[0, H] without a shared expert);
 results: dx, dw, d_gate_up, d_down, status, then the scratch x_e, dy_e, w_e, gu (aliased to gu_in when kept),
 dgu, hw, dw partials, dx_e, dw_e, flags, then d_shared_gate_up, d_shared_down and the shared expert's scratch
 gus, dgus, hws, dxs (their rows: T with a shared expert, else none).
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mok_jax._native import require_native
+from mok_jax.expert_layout import kept_blocks
 from mok_jax.validation import check_experts_backward_args, check_num_sms
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPERTS_BACKWARD_MAX_TOP_K",
@@ -80,6 +83,7 @@ def experts_backward(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
     gu: jax.Array | None = None, shared_gate_up: jax.Array | None = None, shared_down: jax.Array | None = None,
+    gu_part: jax.Array | None = None, gu_part_row: jax.Array | None = None,
     return_gu: bool = False, return_item_ns: bool = False,
 ) -> ExpertsBackwardOutput | tuple:
     """The routed SwiGLU experts' backward over padded expert-major rows, on the GPU.
@@ -116,6 +120,12 @@ def experts_backward(
     recompute and reads these; the outputs are the bits it gives when its recompute equals gu on the slots'
     rows (nothing else changes).
 
+    gu_part, gu_part_row: None, or some rows' kept g | u (MoEConfig(keep="ring")): f32[R, 2I], and int32[M], row
+    r's row of gu_part (outside [0, R): none). A block of 128 rows whose every slot row has one takes its g, u
+    from there (``mok_jax.expert_layout.kept_blocks``; its padding rows get zeros), every other block is
+    recomputed, all its rows. Again the outputs are the bits of the recompute when gu_part equals it on those
+    rows. Not with ``gu``.
+
     shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H] (both or neither): the shared expert, whose backward
     the same kernel then runs over the T tokens' own rows, as one more expert of weight 1 (fp32 accumulation,
     the routed roundings):
@@ -128,6 +138,7 @@ def experts_backward(
     sizes or their status.
 
     return_gu: a test and benchmark hook: also return the f32[M, 2I] g, u that the op used: its own recompute
+    (with ``gu_part``: and the rows it took from there)
     (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
     or ``gu`` itself when given. Returns (ExpertsBackwardOutput, gu) then.
 
@@ -137,7 +148,8 @@ def experts_backward(
     where = "mok_jax.ops.experts_backward"
     tokens, top_k, m, hidden, inter, num_experts = check_experts_backward_args(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, where=where,
-        max_experts=EXPERTS_BACKWARD_MAX_EXPERTS, gu=gu, shared_gate_up=shared_gate_up, shared_down=shared_down)
+        max_experts=EXPERTS_BACKWARD_MAX_EXPERTS, gu=gu, shared_gate_up=shared_gate_up, shared_down=shared_down,
+        gu_part=gu_part, gu_part_row=gu_part_row)
     if m * max(hidden, 2 * inter) >= 2**31:
         raise ValueError(f"{where}: src_slot: rows M times H and times 2I must be below 2^31 (the kernel's 32-bit "
                          f"offsets), got M = {m}, H = {hidden}, I = {inter}")
@@ -153,6 +165,11 @@ def experts_backward(
     bf16, f32 = jnp.bfloat16, jnp.float32
     kept = gu is not None
     gu_in = gu if kept else jnp.zeros((0, 2 * inter), f32)  # [0, 2I]: none kept, the op recomputes them
+    if gu_part is None:
+        gu_part, gu_part_row, gu_block = jnp.zeros((0, 2 * inter), f32), jnp.zeros((0,), jnp.int32), \
+            jnp.zeros((0,), jnp.int32)
+    else:
+        gu_block = kept_blocks(src_slot, gu_part_row, gu_part.shape[0], tokens * top_k, EXPERTS_BACKWARD_GROUP_ALIGN)
     s_inter = shared_down.shape[0] if shared else 0
     s_rows = tokens if shared else 0
     if not shared:
@@ -187,8 +204,8 @@ def experts_backward(
     # kept: the scratch gu (result 8) is the kept buffer itself (operand 8), whose padding rows the op zeroes
     dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
         "mok_experts_backward", out, vmap_method="sequential", input_output_aliases={8: 8} if kept else None)(
-        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in, shared_gate_up, shared_down,
-        num_sms=np.int32(0 if num_sms is None else num_sms))
+        x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in, gu_part, gu_part_row, gu_block,
+        shared_gate_up, shared_down, num_sms=np.int32(0 if num_sms is None else num_sms))
     d_sgu, d_sdn = scratch[_FLAGS + 1], scratch[_FLAGS + 2]
     result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[_DX_ROWS],
                                    d_shared_gate_up=d_sgu if shared else None, d_shared_down=d_sdn if shared else None)

@@ -18,7 +18,7 @@ from mok_jax._native import require_native
 from mok_jax import tuning
 from mok_jax.config import KernelConfig
 
-__all__ = ["TIMING_MODES", "moe_forward", "scratch_bytes"]
+__all__ = ["TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
 _MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks in ffi/include/mok/moe/forward.cuh
 
@@ -48,6 +48,24 @@ def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, to
         lib.mok_moe_unsupported(*args, buf, len(buf))
         raise ValueError(f"implementation='mok' does not support this call: {buf.value.decode()}")
     return n
+
+
+def resolve_kernel(ws, kernel: KernelConfig | None, *, tokens: int, hidden: int, inter: int, top_k: int,
+                   local_experts: int) -> KernelConfig:
+    """The knobs a call of ``moe_forward`` on workspace ``ws`` with this per-rank problem runs with: ``kernel``, else
+    the tuned table of the workspace's device, else the heuristic (mok_jax.tuning)."""
+    key = tuning.ProblemKey(hidden=hidden, intermediate=inter, top_k=top_k, experts_per_rank=local_experts,
+                            ep=ws.config.ep, tokens=tokens)
+    return tuning.resolve(kernel, key, ws.device_kind)
+
+
+def first_ring_token(kernel: KernelConfig, tokens: int) -> int:
+    """The first of a rank's ``tokens`` whose microbatch is still in the receive ring when the forward ends: the
+    last ``ring_slots`` microbatches (0 when every microbatch fits). Microbatches as mok/moe/plan.cuh's make_plan
+    cuts them: G = min(granularity, T) rounded up to whole 64-token chunks, microbatch m = tokens [m G, (m + 1) G)."""
+    g = -(-min(kernel.granularity, tokens) // 64) * 64
+    microbatches = -(-tokens // g)
+    return max(0, microbatches - kernel.ring_slots) * g
 
 
 # Timing variants (mok/moe/forward.cuh, TimingMode): a stage's row moves left out of the call, or done twice.
@@ -147,8 +165,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
             raise ValueError(f"mok_jax.ops.moe_forward: keep_rows must be an int in [1, 2^31) with keep_pos, got "
                              f"{keep_rows!r}")
     require_native("mok_jax.ops.moe_forward")
-    key = tuning.ProblemKey(hidden=H, intermediate=inter, top_k=k, experts_per_rank=L, ep=cfg.ep, tokens=T)
-    kernel = tuning.resolve(kernel, key, ws.device_kind)
+    kernel = resolve_kernel(ws, kernel, tokens=T, hidden=H, inter=inter, top_k=k, local_experts=L)
     nbytes = scratch_bytes(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L, ep=cfg.ep,
                            kernel=kernel, identity_experts=identity_experts)
     out = (

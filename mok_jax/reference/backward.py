@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mok_jax.expert_layout import gather_rows
+from mok_jax.expert_layout import gather_rows, kept_blocks
 from mok_jax.reference.experts import swiglu_backward
 from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_GROUP_ALIGN,
@@ -56,13 +56,16 @@ def experts_backward_reference(
     x: jax.Array, dy: jax.Array, topk_weight: jax.Array, pos: jax.Array, src_slot: jax.Array,
     group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
     gu: jax.Array | None = None, shared_gate_up: jax.Array | None = None, shared_down: jax.Array | None = None,
+    gu_part: jax.Array | None = None, gu_part_row: jax.Array | None = None,
 ) -> ExpertsBackwardOutput:
     """mok_jax.ops.experts_backward in pure JAX (same signature, shapes and semantics; the module docstring has
     the math). x, dy, gate_up and down: bf16 or f32, one dtype (the dtype of every rounding and of d_gate_up and
     d_down; dx and dw are f32); topk_weight: f32[T, k]; pos: int32[T, k]; src_slot: int32[M]; group_sizes:
     int32[E]. num_sms is accepted and ignored. gu: None, or f32[M, 2I] (whatever the dtype of x), the forward's
     kept g | u per row (as mok_jax.ops.experts_backward takes them): row r of expert e then uses gu[r] as its g, u;
-    rows of no expert are not read. shared_gate_up, shared_down: the shared expert (both or neither), in x's dtype.
+    rows of no expert are not read. gu_part, gu_part_row: None, or some rows' kept g | u and each row's row of them
+    (as the op takes them): rows of a block of 128 whose slot rows all have one use those (kept_blocks), the other
+    blocks recompute. shared_gate_up, shared_down: the shared expert (both or neither), in x's dtype.
 
     With bad group sizes (status != 0) d_gate_up and d_down are NaN, as the kernel's; dx and dw are not specified
     (here zeros).
@@ -71,7 +74,7 @@ def experts_backward_reference(
     tokens, k, m, hidden, inter, num_experts = check_experts_backward_args(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down,
         where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32), gu=gu,
-        shared_gate_up=shared_gate_up, shared_down=shared_down)
+        shared_gate_up=shared_gate_up, shared_down=shared_down, gu_part=gu_part, gu_part_row=gu_part_row)
     dtype = x.dtype
     shared = shared_gate_up is not None
     status = _status(group_sizes, m)
@@ -84,6 +87,13 @@ def experts_backward_reference(
     w32 = gather_rows(topk_weight.reshape(-1), slot).astype(_F32)
     if gu is not None:  # a row without a slot may hold anything: zeros, as the op's gather makes them
         gu = jnp.where(slot_ok[:, None], gu.astype(_F32), 0.0)
+    from_part = None
+    if gu_part is not None:  # rows of the kept blocks: their kept row (zeros without one), the others recomputed
+        rows = gu_part.shape[0]
+        block = kept_blocks(src_slot, gu_part_row, rows, tokens * k, EXPERTS_BACKWARD_GROUP_ALIGN)
+        from_part = jnp.repeat(block, EXPERTS_BACKWARD_GROUP_ALIGN)[:m] == 1
+        has = (gu_part_row >= 0) & (gu_part_row < rows)
+        part = gather_rows(gu_part, jnp.where(has, gu_part_row, -1)) if rows else jnp.zeros((m, 2 * inter), _F32)
 
     ends = jnp.cumsum(group_sizes)
     expert_of_row = jnp.searchsorted(ends, jnp.arange(m), side="right")  # == E past sum(group_sizes)
@@ -95,6 +105,8 @@ def experts_backward_reference(
             mine = (expert_of_row == e) & (status == 0)
             # fp32, as the forward's epilogue has it (or as the forward kept it)
             gu_e = x32 @ gate_up[e].astype(_F32) if gu is None else gu
+            if from_part is not None:
+                gu_e = jnp.where(from_part[:, None], part, gu_e)
             g, u = gu_e[:, :inter], gu_e[:, inter:]
             dh_raw = dy32 @ down[e].astype(_F32).T
             h, dg, du = swiglu_backward(g, u, w32[:, None] * dh_raw)

@@ -29,6 +29,7 @@
 // grid barrier:
 //   GATHER(m)      x_e, dy_e, w_e of m-block m (128 rows); one warp per row, 16-byte copies
 //   GU(m, n)       gu = x_e @ gate_up, fp32 out                      after GATHER(m); none when g, u are kept
+//                  (a no-op in a block of part-kept g, u: its GATHER copied them)
 //   DH(m, n)       dh' = dy_e @ down^T, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
 //                                                                    after GATHER(m) and every GU(m, .)
 //   DX(m, n)       dx_e = dgu @ gate_up^T, K-major B, bf16 out       after every DH(m, .)
@@ -51,6 +52,12 @@
 // accumulators; rows that hold no slot may hold anything: GATHER zeroes the padding rows inside the groups
 // (what the recompute gives them), and rows past the groups are never read. The outputs are then the bits the
 // op gives when its own recompute equals the kept rows: DH reads the same values, nothing else changes.
+//
+// Part of them kept (gu_part, MoEConfig(keep="ring")): gu_part f32 [R, 2I] holds some rows' g | u, row r's at
+// gu_part_row[r] (outside [0, R): none), and gu_block[m] (s32 [ceil(M / 128)]) is 1 when every slot row of
+// m-block m has one. Such a block's GATHER also copies its rows' g | u from gu_part into gu (zeros for a row
+// without one: a padding row) and its GU items run no GEMM; every other block is recomputed, all its rows. So
+// again the outputs are the bits of the recompute when gu_part equals it on those rows.
 //
 // status (written every call: zeroed by the launcher, bits or-ed in): 0, or kGroupedFfnStatus* bits (bad
 // sizes: every group is then empty, dx and dw are zero and the weight gradients NaN) |
@@ -76,6 +83,10 @@ struct ExpertsBackwardParams {
   const void* gate_up;         // bf16 [E, H, 2I]
   const void* down;            // bf16 [E, I, H]
   float* gu_kept;              // f32 [M, 2I]: the forward's kept g | u (== gu), or nullptr (GU recomputes)
+  const float* gu_part;        // f32 [gu_part_rows, 2I]: some rows' kept g | u, or nullptr (not with gu_kept)
+  const int32_t* gu_part_row;  // s32 [M]: row r's row of gu_part (outside [0, gu_part_rows): none)
+  const int32_t* gu_block;     // s32 [ceil(M / 128)]: 1 = every slot row of the m-block is in gu_part
+  int64_t gu_part_rows;
   float* dx;                   // f32 [T, H]
   float* dw;                   // f32 [T, k]
   void* d_gate_up;             // bf16 [E, H, 2I]
