@@ -264,12 +264,22 @@ struct Sm90Fp8GroupedGemm {
       const float* bs1 = p.b_scale + (int64_t(tc.group) * b_blocks + (b_in1 ? col1 : 0) / kFp8ScaleBlock) * n_k;
       CUTE_UNROLL
       for (int i = 0; i < size(total0); ++i) total0(i) = 0.0f, total1(i) = 0.0f;
+      // The scales of k block kb + 1 are loaded while block kb's wgmmas run. Loaded at the top of their own block,
+      // their L2 latency stalled it (ncu, kimi-k2: long-scoreboard stalls a third of the warps' stall cycles, the
+      // tensor pipe 53% busy); loaded one block ahead the GEMMs took 970 and 526 us instead of 984 and 546, but
+      // the stall stays, at the compiler's copy of `next` into the block's registers before its first wgmma (a
+      // fifth of the stall samples). Copied into shared memory by cp.async instead, they took 1010 and 595 us.
+      auto scales = [&](int kb, float* v) {
+        v[0] = in0 ? __ldg(p.a_scale + int64_t(kb) * p.num_rows + row0) : 0.0f;
+        v[1] = in1 ? __ldg(p.a_scale + int64_t(kb) * p.num_rows + row1) : 0.0f;
+        v[2] = b_in0 ? __ldg(bs0 + kb) : 0.0f;
+        v[3] = b_in1 ? __ldg(bs1 + kb) : 0.0f;
+      };
+      float next[4];
+      scales(0, next);
       for (int kb = 0; kb < n_k; ++kb) {
-        // Scales first: their loads fly while this block's wgmmas run.
-        const float a0 = in0 ? __ldg(p.a_scale + int64_t(kb) * p.num_rows + row0) : 0.0f;
-        const float a1 = in1 ? __ldg(p.a_scale + int64_t(kb) * p.num_rows + row1) : 0.0f;
-        const float b0 = b_in0 ? __ldg(bs0 + kb) : 0.0f;
-        const float b1 = b_in1 ? __ldg(bs1 + kb) : 0.0f;
+        const float a0 = next[0], a1 = next[1], b0 = next[2], b1 = next[3];
+        if (kb + 1 < n_k) scales(kb + 1, next);
         if (!mbarrier_wait(&s.full[stage], phase, p.status)) return;
         Tensor sA = make_tensor(make_smem_ptr(s.a + stage * kStageElemsA + wg * kRowsPerConsumer * kBlockK),
                                 SmemLayoutAWg{});
