@@ -135,32 +135,38 @@ def test_keep_everything_at_ep_sizes_above_one(fake_kernels, cpu_devices, ep):
                  f"EP {ep} against EP 1")
 
 
-def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monkeypatch):
-    """jax.grad of the real ops with keep="everything": the forward call takes keep_pos [1, T k] and returns
-    keep_gu [1, M, 2I]; the backward call takes that [M, 2I] buffer, aliased to its gu scratch."""
+def _lowered_calls(monkeypatch, keep, T, kernel, H=64, I=32, E=4, k=2):
+    """The forward and backward custom-call lines of jax.grad of the real ops with ``keep`` (no GPU: the native
+    library's checks are switched off and the workspace is a stand-in)."""
     from mok_jax.workspace import CommConfig, Workspace
 
     mf = importlib.import_module("mok_jax.ops.moe_forward")
     mb = importlib.import_module("mok_jax.ops.moe_backward")
-    T, H, I, E, k = 40, 64, 32, 4, 2
-    M = T * k + 128 * E
     ws = Workspace(ws_id=7, config=CommConfig(ep=1, max_tokens=T, hidden_size=H, top_k=k, num_experts=E), mesh=None,
                    axis_name=None, local=[])
     for mod in (moe_mod, mf, mb):
         monkeypatch.setattr(mod, "require_native", lambda what: None)
     monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
-    cfg = MoEConfig(implementation="mok", keep="everything", workspace=ws,
-                    kernel=mj.KernelConfig(granularity=512, comm_sms_fwd=8))
+    cfg = MoEConfig(implementation="mok", keep=keep, workspace=ws, kernel=kernel)
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
     w = jnp.ones((T, k), jnp.float32)
     W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
     f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
-    text = f.lower(x, w, W).as_text()
-    [fwd] = [line for line in text.splitlines() if "custom_call @mok_moe_forward(" in line]
+    lines = f.lower(x, w, W).as_text().splitlines()
+    [fwd] = [line for line in lines if "custom_call @mok_moe_forward(" in line]
+    [bwd] = [line for line in lines if "custom_call @mok_experts_backward(" in line]
+    return fwd, bwd
+
+
+def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monkeypatch):
+    """jax.grad of the real ops with keep="everything": the forward call takes keep_pos [1, T k] and returns
+    keep_gu [1, M, 2I]; the backward call takes that [M, 2I] buffer, aliased to its gu scratch."""
+    T, H, I, E, k = 40, 64, 32, 4, 2
+    M = T * k + 128 * E
+    fwd, bwd = _lowered_calls(monkeypatch, "everything", T, mj.KernelConfig(granularity=512, comm_sms_fwd=8))
     assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xf32>)" in fwd, fwd
-    [bwd] = [line for line in text.splitlines() if "custom_call @mok_experts_backward(" in line]
     # the kept buffer: the ninth operand (then the shared expert's weights, here none: [H, 0] and [0, H])
     assert (f"tensor<{M}x{2 * I}xf32>, tensor<0x{2 * I}xf32>, tensor<0xi32>, tensor<0xi32>, tensor<{H}x0xbf16>, "
             f"tensor<0x{H}xbf16>)") in bwd.split("->")[0], bwd
@@ -232,28 +238,10 @@ def test_keep_ring_lowers_to_a_part_kept_forward_and_backward(monkeypatch):
     """jax.grad of the real ops with keep="ring" and tokens past the ring: the forward returns keep_gu [1, (T - t0)
     k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the block flags [ceil(M / 128)], and its gu
     scratch is its own (no alias)."""
-    from mok_jax.workspace import CommConfig, Workspace
-
-    mf = importlib.import_module("mok_jax.ops.moe_forward")
-    mb = importlib.import_module("mok_jax.ops.moe_backward")
     T, H, I, E, k = 1200, 64, 32, 4, 2
     M, rows = T * k + 128 * E, (T - 512) * k
-    ws = Workspace(ws_id=7, config=CommConfig(ep=1, max_tokens=T, hidden_size=H, top_k=k, num_experts=E), mesh=None,
-                   axis_name=None, local=[])
-    for mod in (moe_mod, mf, mb):
-        monkeypatch.setattr(mod, "require_native", lambda what: None)
-    monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
-    cfg = MoEConfig(implementation="mok", keep="ring", workspace=ws, kernel=_RING)
-    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
-    idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
-    w = jnp.ones((T, k), jnp.float32)
-    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
-    f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg).astype(jnp.float32)),
-                         argnums=(0, 1, 2)))
-    text = f.lower(x, w, W).as_text()
-    [fwd] = [line for line in text.splitlines() if "custom_call @mok_moe_forward(" in line]
+    fwd, bwd = _lowered_calls(monkeypatch, "ring", T, _RING)
     assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{rows}x{2 * I}xf32>)" in fwd, fwd
-    [bwd] = [line for line in text.splitlines() if "custom_call @mok_experts_backward(" in line]
     assert (f"tensor<0x{2 * I}xf32>, tensor<{rows}x{2 * I}xf32>, tensor<{M}xi32>, tensor<{-(-M // 128)}xi32>, "
             f"tensor<{H}x0xbf16>") in bwd.split("->")[0], bwd
     assert "output_operand_alias" not in bwd, bwd
