@@ -51,7 +51,7 @@ from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
 from mok_jax.validation import check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
-__all__ = ["moe"]
+__all__ = ["kept_rows", "moe"]
 
 
 class KeptGateUp(NamedTuple):
@@ -175,6 +175,19 @@ def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
     return padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)
 
 
+def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int, ep: int = 1) -> int:
+    """Rows of the f32 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
+    MoEConfig(keep=keep) and the resolved knobs ``kernel`` (a KernelConfig; "ring" reads granularity and ring_slots)
+    for ``tokens`` per rank: 0 for "nothing"; ep T k + 128 L for "everything" (the dropless layout's bound), and for
+    "ring" when every token fits in the ring; else ep (T - t0) k for the ring's tokens [t0, T)."""
+    if keep == "nothing":
+        return 0
+    t0 = first_ring_token(kernel, tokens) if keep == "ring" else 0
+    if t0:
+        return ep * (tokens - t0) * top_k
+    return ep * tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts
+
+
 def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout):
     """What the forward keeps for ``config.keep`` ("ring" or "everything") in this rank's backward ``layout``:
     (keep_pos int32[ep T k], the kept buffer's rows, row), where keep_pos gives each slot of the EP group (flat (s T +
@@ -197,7 +210,8 @@ def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: Padd
             mine = (slot >= 0) & (slot < ep * tokens * k) & ((slot // k) % tokens >= t0)
             row = jnp.where(mine, jnp.cumsum(mine.astype(jnp.int32)) - 1, -1).astype(jnp.int32)
             keep_pos = jnp.concatenate([row, jnp.full((1,), -1, jnp.int32)])[layout.pos.reshape(-1)]  # pos M: none
-            return keep_pos, ep * (tokens - t0) * k, row
+            return keep_pos, kept_rows("ring", kernel, tokens=tokens, top_k=k, local_experts=weights.num_local_experts,
+                                       ep=ep), row
     return layout.pos.reshape(-1), m, None
 
 

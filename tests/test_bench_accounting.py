@@ -199,3 +199,14 @@ def test_mok_keep_residuals_are_the_kept_fp32_gate_up_rows():
     kept = acc.mok_memory_per_rank(s, T, KernelConfig(), keep="everything")["residual_bytes_per_rank"]
     assert kept == (2 * T * 8 + 128 * s.experts_per_gpu) * 2 * 2048 * 4
     assert acc.mok_memory_per_rank(s, T, KernelConfig())["residual_bytes_per_rank"] == 0
+
+
+def test_mok_ring_residuals_are_the_ring_tokens_rows():
+    """mok-ring (MoEConfig(keep="ring")) keeps f32 [ep T' k, 2I] for the ring's T' tokens per rank: with 8192
+    tokens in microbatches of 2048 and 3 ring slots the last 6144; when every token fits, what mok-keep keeps."""
+    s = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
+    ring = lambda T, g, slots: acc.mok_memory_per_rank(  # noqa: E731
+        s, T, KernelConfig(granularity=g, ring_slots=slots), keep="ring")["residual_bytes_per_rank"]
+    assert ring(8192, 2048, 3) == 2 * 6144 * 8 * 2 * 2048 * 4
+    assert ring(2048, 2048, 3) == acc.mok_memory_per_rank(s, 2048, KernelConfig(), keep="everything")[
+        "residual_bytes_per_rank"]

@@ -135,7 +135,8 @@ def test_capacity_drop_count_one_expert(cpu_devices):
 
 def test_build_and_errors(cpu_devices):
     mesh = _mesh(2)
-    assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok", "mok-keep"}
+    assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring",
+                                              "mok-keep"}
     with pytest.raises(ValueError, match="unknown implementation"):
         baselines.build("dense", mesh)
     with pytest.raises(ValueError, match="capacity factor"):

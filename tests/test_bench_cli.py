@@ -374,6 +374,9 @@ def test_table_and_memory_lines():
     assert "scratch 100.0 MB..369.2 MB over 2 kernel settings" in lines[0] and "residuals 0 B" in lines[0]
     assert "T=4096" in lines[1] and "scratch 5.0 kB" in lines[1]
     assert report.format_memory([{**rows[0], "impl": "xla", "kernel": None}]) == ""
+    for impl, kept in (("mok-ring", "the forward's fp32 g, u of the ring's tokens"), ("mok-keep", "the forward's fp32")):
+        line = report.format_memory([{**rows[0], "impl": impl, "residual_bytes_per_rank": 805_306_368}])
+        assert line.startswith(f"{impl} memory per rank") and f"residuals 805.3 MB ({kept}" in line, line
     table = report.format_table(rows)
     assert table.splitlines()[0].split()[5] == "kernel" and "g=2048" in table
     assert "kernel" not in report.format_table([{**rows[0], "impl": "xla", "kernel": None}]).splitlines()[0]

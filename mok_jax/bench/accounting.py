@@ -248,15 +248,17 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "not
     residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs: 0 with
         MoEConfig(keep="nothing") (implementation "mok": its custom_vjp saves only x, the routing and the
         weights, and its backward recomputes the experts from them); with keep="everything" ("mok-keep") the
-        fp32 g, u in the backward's rows, f32 [ep T k + 128 L, 2I] (the dropless bound of that layout).
+        fp32 g, u in the backward's rows, f32 [ep T k + 128 L, 2I] (the dropless bound of that layout); with
+        keep="ring" ("mok-ring") those of the ring's tokens only (mok_jax.moe.kept_rows).
     """
+    from mok_jax.moe import kept_rows
     from mok_jax.ops.moe_forward import scratch_bytes
     from mok_jax.workspace import CommConfig
 
-    kept_rows = shape.num_gpus * tokens * shape.top_k + 128 * shape.experts_per_gpu
+    rows = kept_rows(keep, kernel, tokens=tokens, top_k=shape.top_k, local_experts=shape.experts_per_gpu,
+                     ep=shape.num_gpus)
     out: dict[str, int | None] = {"workspace_bytes_per_rank": None, "scratch_bytes_per_rank": None,
-                                  "residual_bytes_per_rank": kept_rows * 2 * shape.intermediate_size * 4
-                                  if keep == "everything" else 0}
+                                  "residual_bytes_per_rank": rows * 2 * shape.intermediate_size * 4}
     try:
         out["workspace_bytes_per_rank"] = CommConfig(
             ep=shape.num_gpus, max_tokens=tokens, hidden_size=shape.hidden_size, top_k=shape.top_k,

@@ -51,7 +51,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
     from mok_jax.config import MoEConfig
     from mok_jax.expert_layout import padded_layout
-    from mok_jax.moe import moe
+    from mok_jax.moe import kept_rows, moe
     from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
     from mok_jax.ops.moe_forward import first_ring_token
 
@@ -83,6 +83,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     op_args = ((x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down), shared)
     status = int(op(*op_args).status)
     t0 = first_ring_token(cfg.kernel, tokens)  # keep="ring" keeps the slots of tokens t0..: all when 0
+    rows_of = dict(tokens=tokens, top_k=k, local_experts=E)
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "E": E, "H": H, "I": I, "k": k, "fwd_flops": flops,
            "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
            "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
@@ -91,9 +92,9 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
            "fwd+bwd ring": _timed(grad_ring, (x, idx, w, W, dy), timing_kw),
            "shared_in_op": bool(default),
            "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
-           "kept_bytes": lay.num_rows * 2 * I * 4,
+           "kept_bytes": kept_rows("everything", cfg.kernel, **rows_of) * 2 * I * 4,
            "ring_tokens": tokens - t0,
-           "ring_kept_bytes": ((tokens - t0) * k if t0 else lay.num_rows) * 2 * I * 4,
+           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * 4,
            "experts op": _timed(op, op_args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
     _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*op_args)

@@ -31,6 +31,8 @@ weighted sum over a token's k slots runs in fp32 in slot order before the final 
   differentiable at every EP size (at EP > 1 the backward's communication runs over XLA collectives).
 - ``mok-keep``: ``mok`` with MoEConfig(keep="everything"): the forward keeps its fp32 g, u for the backward,
   which then skips its gate/up recompute (the same outputs and gradients; fwd+bwd is where it differs).
+- ``mok-ring``: ``mok`` with MoEConfig(keep="ring"): only the g, u of the tokens still in the forward's ring (the
+  last ring_slots microbatches) are kept, the rest recomputed; the same as ``mok-keep`` when every token fits.
 
 Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
 ``/shared``) so profiler traces read by name.
@@ -290,7 +292,7 @@ def mok(mesh: Mesh, *, axis: str = "ep", kernel: KernelConfig | None = None, kee
 BASELINES: dict[str, Callable[..., MoEFn]] = {
     "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "reference": reference,
 }
-MOK_IMPLEMENTATIONS = {"mok": "nothing", "mok-keep": "everything"}  # name -> MoEConfig.keep
+MOK_IMPLEMENTATIONS = {"mok": "nothing", "mok-ring": "ring", "mok-keep": "everything"}  # name -> MoEConfig.keep
 IMPLEMENTATIONS = (*BASELINES, *MOK_IMPLEMENTATIONS)
 
 

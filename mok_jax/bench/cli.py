@@ -41,8 +41,9 @@ CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("refer
 TARGET_SAMPLE_MS = {"gpu": 100.0, "cpu": 20.0}
 MAX_CALLS_PER_SAMPLE = {"gpu": 64, "cpu": 16}
 CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
-IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-keep")
-MOK_IMPLS = ("mok", "mok-keep")  # the megakernel: kernel knobs apply (mok-keep: MoEConfig(keep="everything"))
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring", "mok-keep")
+# the megakernel: kernel knobs apply (mok-ring: MoEConfig(keep="ring"), mok-keep: MoEConfig(keep="everything"))
+MOK_IMPLS = ("mok", "mok-ring", "mok-keep")
 DTYPES = ("bf16", "fp8")
 CPU_NOTICE = ("CPU NUMBERS: no GPU found, so mok-bench ran the pure-JAX paths on CPU devices; the times below "
               "are CPU times, not GPU performance, and no GPU roofline applies to them.")

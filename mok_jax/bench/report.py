@@ -255,11 +255,18 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+_KEPT = {  # what each mok implementation's residuals are
+    "mok": "the forward keeps only its inputs",
+    "mok-ring": "the forward's fp32 g, u of the ring's tokens, per layer",
+    "mok-keep": "the forward's fp32 g, u, per layer",
+}
+
+
 def format_memory(results: Iterable[dict]) -> str:
     """One line per (model, tokens) of the mok forward's device memory per rank (from the mok fwd rows)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        if r["impl"] in ("mok", "mok-keep") and r.get("workspace_bytes_per_rank") is not None:
+        if r["impl"] in _KEPT and r.get("workspace_bytes_per_rank") is not None:
             groups.setdefault((r["model"], r["ep_mode"], r["tokens_per_gpu"], r["impl"]), []).append(r)
     lines = []
     for (model, mode, tokens, impl), rs in groups.items():
@@ -270,7 +277,7 @@ def format_memory(results: Iterable[dict]) -> str:
             known = sorted(v for v in scratch if v is not None)
             scratch_txt = f"{_bytes(known[0])}..{_bytes(known[-1])} over {len(rs)} kernel settings" if known else "?"
         workspace = _bytes(rs[0]["workspace_bytes_per_rank"])
-        kept = "the forward keeps only its inputs" if impl == "mok" else "the forward's fp32 g, u, per layer"
+        kept = _KEPT[impl]
         lines.append(f"{impl} memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per "
                      f"layer), scratch {scratch_txt} (per call), residuals "
                      f"{_bytes(rs[0]['residual_bytes_per_rank'])} ({kept})")
