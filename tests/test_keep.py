@@ -218,18 +218,52 @@ def test_keep_ring_plan_keeps_the_ring_tokens_slots():
     np.testing.assert_array_equal(np.asarray(keep_pos), pos)
 
 
-@pytest.mark.parametrize("ring_slots", [1, 2])
-def test_keep_ring_gives_the_gradients_of_recompute(fake_kernels, ring_slots):
-    x, idx, w, W, dy = _problem(1200, seed=ring_slots)
-    kernel = mj.KernelConfig(granularity=512, ring_slots=ring_slots)
+def _copied_and_recomputed(config, x, idx, W, layout):
+    """(copied, recomputed) 128-row blocks of the layout's used rows under keep="ring"."""
+    from mok_jax.expert_layout import kept_blocks
+
+    _, rows, row = moe_mod._keep_plan(config, x, idx, W, layout)
+    used = int(np.sum(np.asarray(layout.group_sizes))) // 128
+    blocks = np.asarray(kept_blocks(layout.src_slot, row, rows, idx.size))[:used]
+    return int(blocks.sum()), int(used - blocks.sum())
+
+
+@pytest.mark.parametrize("T,granularity,ring_slots", [(1200, 512, 2), (2048, 1024, 1)])
+def test_keep_ring_gives_the_gradients_of_recompute(fake_kernels, T, granularity, ring_slots):
+    x, idx, w, W, dy = _problem(T, seed=ring_slots)
+    kernel = mj.KernelConfig(granularity=granularity, ring_slots=ring_slots)
+    copied, recomputed = _copied_and_recomputed(MoEConfig(implementation="mok", keep="ring", kernel=kernel), x, idx,
+                                                W, moe_mod._rank_layout(idx, W.num_local_experts, 0))
+    assert copied and recomputed, (copied, recomputed)
     _assert_same(_grads("ring", x, idx, w, W, dy, kernel=kernel), _grads("nothing", x, idx, w, W, dy, kernel=kernel),
                  f"ring_slots={ring_slots}")
 
 
 def test_keep_ring_at_ep_size_two(fake_kernels, cpu_devices):
-    """At EP 2 each source rank's ring tokens are kept: the owner's kept rows come from both ranks' tokens."""
+    """At EP 2 each source rank's ring tokens are kept (its local tokens >= the first ring token, 512 of 1200):
+    each owner's plan keeps exactly the slots of those tokens of both ranks, and the gradients are the bits of
+    keep="nothing"."""
     x, idx, w, W, dy = _problem(2400, seed=5)
     mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
+    spec = jax.sharding.PartitionSpec
+    cfg = MoEConfig(implementation="mok", ep_axis="ep", keep="ring", kernel=_RING)
+
+    def plan(x, idx):
+        ids = jax.lax.all_gather(idx, "ep", tiled=True)
+        layout = moe_mod._rank_layout(ids, W.num_local_experts // 2, jax.lax.axis_index("ep"))
+        keep_pos, _, row = moe_mod._keep_plan(cfg, x, idx, W, layout)
+        return keep_pos[None], layout.src_slot[None], row[None]
+
+    put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec("ep")))  # noqa: E731
+    keep_pos, src, row = jax.jit(jax.shard_map(plan, mesh=mesh, in_specs=(spec("ep"), spec("ep")),
+                                               out_specs=spec("ep")))(put(x), put(idx))
+    keep_pos, src, row = (np.asarray(a) for a in (keep_pos, src, row))
+    ids = np.asarray(idx).reshape(-1)
+    for r in range(2):  # owner r: its experts' slots of the tokens t >= 512 of either source rank
+        mine = (ids >= r * 4) & (ids < (r + 1) * 4) & ((np.arange(ids.size) // 3) % 1200 >= 512)
+        np.testing.assert_array_equal(keep_pos[r] >= 0, mine, f"owner {r}")
+        src_r, row_r = src[r], row[r]
+        assert set(src_r[row_r >= 0] // 3 // 1200) == {0, 1}, f"owner {r} keeps rows of both source ranks"
     ring = _grads("ring", x, idx, w, W, dy, mesh, kernel=_RING)
     _assert_same(ring, _grads("nothing", x, idx, w, W, dy, mesh, kernel=_RING), "EP 2")
 

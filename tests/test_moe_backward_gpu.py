@@ -456,16 +456,24 @@ def test_keep_everything_gives_the_bits_of_recompute(case, I, T):
     np.testing.assert_array_equal(_bits(y_keep), _bits(y), f"{case}: keep='everything' changed the output")
 
 
-@pytest.mark.parametrize("case,ring_slots", [("uniform", 2), ("masked", 1)])
-def test_keep_ring_gives_the_bits_of_recompute(case, ring_slots):
-    """keep="ring" with 1200 tokens in microbatches of 512: the forward keeps the g, u of the slots of the tokens
+@pytest.mark.parametrize("case,T,granularity,ring_slots", [("uniform", 1200, 512, 2), ("masked", 1500, 512, 2),
+                                                           ("uniform", 2048, 1024, 1)])
+def test_keep_ring_gives_the_bits_of_recompute(case, T, granularity, ring_slots):
+    """keep="ring" with more tokens than the ring holds: the forward keeps the g, u of the slots of the tokens
     still in its ring (the last ring_slots microbatches) in a buffer of their own, the backward copies them into
-    the 128-row blocks they cover and recomputes the others: every gradient and the output are the bits of
-    keep="nothing" (at the default knobs: the knobs change no bit either)."""
-    E, H, I, k, Is, T = 16, 512, 256, 4, 256, 1200
+    the 128-row blocks they cover and recomputes the others (the routing has blocks of both kinds): every
+    gradient and the output are the bits of keep="nothing" (at the default knobs: the knobs change no bit either)."""
+    from mok_jax.expert_layout import kept_blocks
+
+    E, H, I, k, Is = 16, 512, 256, 4, 256
     cfg = mj.MoEConfig(implementation="mok", keep="ring",
-                       kernel=mj.KernelConfig(granularity=512, ring_slots=ring_slots))
-    x, idx, w, W, dy = _problem(f"ring:{case}:{ring_slots}", _shape(E, H, I, k, Is), T, case)
+                       kernel=mj.KernelConfig(granularity=granularity, ring_slots=ring_slots))
+    x, idx, w, W, dy = _problem(f"ring:{case}:{T}:{ring_slots}", _shape(E, H, I, k, Is), T, case)
+    moe_mod = importlib.import_module("mok_jax.moe")
+    lay = moe_mod._rank_layout(idx, E, 0)
+    _, rows, row = moe_mod._keep_plan(cfg, x, idx, W, lay)
+    blocks = np.asarray(kept_blocks(lay.src_slot, row, rows, T * k))[: int(np.sum(np.asarray(lay.group_sizes))) // 128]
+    assert 0 < blocks.sum() < blocks.size, f"{case}: want copied and recomputed blocks, got {blocks}"
     want = _mok_grads(x, w, W, idx, dy)
     got = jax.jit(_grad_fn(cfg))(x, w, W, idx, dy)
     for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -193,7 +193,9 @@ def test_kept_blocks_flags_blocks_whose_slot_rows_all_have_a_kept_row():
     row = jnp.asarray([0, 1, 5, -1, 2, -1, 3, -1, 9], jnp.int32)
     np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 4, 6, block=4)), [1, 0, 0])
     np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 10, 6, block=4)), [1, 0, 1])
-    np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 10, 5, block=4)), [1, 0, 1])  # slot 5: padding
+    # slot 5 counts as padding when slots = 5: its row (9) need not be kept
+    np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 4, 5, block=4)), [1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(kept_blocks(src, row, 4, 6, block=4)), [1, 0, 0])
 
 
 _BAD_PART = [
