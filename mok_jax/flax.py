@@ -63,7 +63,7 @@ class MoELayer(nnx.Module):
         axis unless ``token_axes`` says otherwise); without a mesh every expert is local.
     implementation: "xla" (pure JAX) or "mok" (the CUDA megakernel).
     kernel: the megakernel's KernelConfig (None: tuned table or heuristic); ignored by "xla".
-    keep: "mok" only: what the forward keeps for the backward (MoEConfig.keep: "nothing" or "everything").
+    keep: "mok" only: what the forward keeps for the backward (MoEConfig.keep: "nothing", "ring" or "everything").
     max_tokens: "mok" only: the most tokens one call takes (x's leading dimensions flattened, over the
         whole mesh); given, the workspace is set up here, at construction (module docstring).
     dtype: compute dtype of x and the expert weights (bf16 or f32); param_dtype: storage dtype.
