@@ -153,3 +153,20 @@ def assert_same_bits(case: str, got, want) -> None:
         assert (a is None) == (b is None), f"{case}: {name}"
         if a is not None:
             np.testing.assert_array_equal(bits(a), bits(b), f"{case}: {name} changed bits")
+
+
+def ring_part(gu, src_slot, k: int, first: int):
+    """(gu_part, gu_part_row, rows kept): the g, u of a layout's slot rows whose token is >= first (as
+    MoEConfig(keep="ring") keeps the ring's tokens'), numbered in row order; gu: f32[M, 2I] of every row."""
+    mine = np.asarray((src_slot >= 0) & (src_slot // k >= first))
+    row = jnp.asarray(np.where(mine, np.cumsum(mine) - 1, -1).astype(np.int32))
+    return gu[np.nonzero(mine)[0]], row, mine
+
+
+def used_kept_blocks(src_slot, row, kept_rows: int, slots: int, group_sizes) -> np.ndarray:
+    """mok_jax.expert_layout.kept_blocks over the 128-row blocks the groups use (sum(group_sizes) / 128 of them):
+    1 where the experts' backward copies the kept g, u, 0 where it recomputes."""
+    from mok_jax.expert_layout import kept_blocks
+
+    used = int(np.sum(np.asarray(group_sizes))) // 128
+    return np.asarray(kept_blocks(src_slot, row, kept_rows, slots))[:used]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_problem
+from helpers import random_problem, used_kept_blocks
 
 import mok_jax as mj
 import mok_jax.ops
@@ -192,8 +192,6 @@ _RING = mj.KernelConfig(granularity=512, ring_slots=2)  # 1200 tokens: microbatc
 def test_keep_ring_plan_keeps_the_ring_tokens_slots():
     """keep="ring": the slots of tokens >= the first ring token, numbered in layout order, and nothing else; the
     layout has 128-row blocks of both kinds (copied, recomputed), so the tests below exercise both."""
-    from mok_jax.expert_layout import kept_blocks
-
     T, k, E = 1200, 3, 8
     x, idx, w, W, dy = _problem(T, E=E, k=k)
     layout = moe_mod._rank_layout(idx, E, 0)
@@ -208,9 +206,8 @@ def test_keep_ring_plan_keeps_the_ring_tokens_slots():
     has_row = pos < layout.num_rows
     np.testing.assert_array_equal(keep_pos[has_row], row[pos[has_row]])
     assert (keep_pos[~has_row] == -1).all()
-    blocks = np.asarray(kept_blocks(layout.src_slot, jnp.asarray(row), rows, T * k))
-    used = int(np.sum(np.asarray(layout.group_sizes))) // 128
-    assert 0 < blocks[:used].sum() < used, blocks[:used]
+    blocks = used_kept_blocks(layout.src_slot, jnp.asarray(row), rows, T * k, layout.group_sizes)
+    assert 0 < blocks.sum() < blocks.size, blocks
     # every token in the ring: what "everything" keeps
     every = MoEConfig(implementation="mok", keep="ring", kernel=mj.KernelConfig(granularity=512, ring_slots=3))
     keep_pos, rows, row = moe_mod._keep_plan(every, x, idx, W, layout)
@@ -220,12 +217,9 @@ def test_keep_ring_plan_keeps_the_ring_tokens_slots():
 
 def _copied_and_recomputed(config, x, idx, W, layout):
     """(copied, recomputed) 128-row blocks of the layout's used rows under keep="ring"."""
-    from mok_jax.expert_layout import kept_blocks
-
     _, rows, row = moe_mod._keep_plan(config, x, idx, W, layout)
-    used = int(np.sum(np.asarray(layout.group_sizes))) // 128
-    blocks = np.asarray(kept_blocks(layout.src_slot, row, rows, idx.size))[:used]
-    return int(blocks.sum()), int(used - blocks.sum())
+    blocks = used_kept_blocks(layout.src_slot, row, rows, idx.size, layout.group_sizes)
+    return int(blocks.sum()), int(blocks.size - blocks.sum())
 
 
 @pytest.mark.parametrize("T,granularity,ring_slots", [(1200, 512, 2), (2048, 1024, 1)])

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_NAMES, record_metrics, seeded_key
+from helpers import GRAD_NAMES, record_metrics, seeded_key, used_kept_blocks
 
 import mok_jax as mj
 from mok_jax import ops
@@ -463,8 +463,6 @@ def test_keep_ring_gives_the_bits_of_recompute(case, T, granularity, ring_slots)
     still in its ring (the last ring_slots microbatches) in a buffer of their own, the backward copies them into
     the 128-row blocks they cover and recomputes the others (the routing has blocks of both kinds): every
     gradient and the output are the bits of keep="nothing" (at the default knobs: the knobs change no bit either)."""
-    from mok_jax.expert_layout import kept_blocks
-
     E, H, I, k, Is = 16, 512, 256, 4, 256
     cfg = mj.MoEConfig(implementation="mok", keep="ring",
                        kernel=mj.KernelConfig(granularity=granularity, ring_slots=ring_slots))
@@ -472,7 +470,7 @@ def test_keep_ring_gives_the_bits_of_recompute(case, T, granularity, ring_slots)
     moe_mod = importlib.import_module("mok_jax.moe")
     lay = moe_mod._rank_layout(idx, E, 0)
     _, rows, row = moe_mod._keep_plan(cfg, x, idx, W, lay)
-    blocks = np.asarray(kept_blocks(lay.src_slot, row, rows, T * k))[: int(np.sum(np.asarray(lay.group_sizes))) // 128]
+    blocks = used_kept_blocks(lay.src_slot, row, rows, T * k, lay.group_sizes)
     assert 0 < blocks.sum() < blocks.size, f"{case}: want copied and recomputed blocks, got {blocks}"
     want = _mok_grads(x, w, W, idx, dy)
     got = jax.jit(_grad_fn(cfg))(x, w, W, idx, dy)

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, ring_part, used_kept_blocks
 from test_moe_backward_gpu import _check_op, _check_rows, _op_problem
 
 from mok_jax import ops
-from mok_jax.expert_layout import gather_rows, kept_blocks
+from mok_jax.expert_layout import gather_rows
 from mok_jax.ops.moe_backward import (
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
@@ -130,13 +130,10 @@ def test_op_with_part_kept_gu(T, E, k, H, I):
                                                                num_sms=num_sms, return_gu=True),
                  static_argnames="num_sms")
     want, gu = jax.jit(functools.partial(ops.experts_backward, return_gu=True))(*args)
-    mine = np.asarray((src >= 0) & (src // k >= T // 2))
-    row = jnp.asarray(np.where(mine, np.cumsum(mine) - 1, -1).astype(np.int32))
-    part = gu[np.nonzero(mine)[0]]
-    blocks = np.asarray(kept_blocks(src, row, part.shape[0], T * k))
-    used = int(np.sum(np.asarray(args[5]))) // 128
-    assert 0 < blocks[:used].sum() < used, f"{case}: want blocks of both kinds, got {blocks[:used]}"
-    copied = np.repeat(blocks, 128)[: src.shape[0]] == 1
+    part, row, mine = ring_part(gu, src, k, T // 2)
+    blocks = used_kept_blocks(src, row, part.shape[0], T * k, args[5])
+    assert 0 < blocks.sum() < blocks.size, f"{case}: want blocks of both kinds, got {blocks}"
+    copied = np.pad(np.repeat(blocks, 128) == 1, (0, src.shape[0] - 128 * blocks.size))  # rows of copied blocks
     got, got_gu = op(*args, part, row)
     assert_same_bits(case, got, want)
     assert_same_bits(f"{case}: num_sms=3", op(*args, part, row, num_sms=3)[0], want)
