@@ -137,6 +137,10 @@ def test_build_and_errors(cpu_devices):
     mesh = _mesh(2)
     assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring",
                                               "mok-keep"}
+    # the CLI names them without importing this module (jax) at its own import: the same names, in one order
+    from mok_jax.bench import cli
+
+    assert cli.IMPLEMENTATIONS == baselines.IMPLEMENTATIONS and cli.MOK_IMPLS == tuple(baselines.MOK_IMPLEMENTATIONS)
     with pytest.raises(ValueError, match="unknown implementation"):
         baselines.build("dense", mesh)
     with pytest.raises(ValueError, match="capacity factor"):
