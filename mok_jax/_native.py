@@ -28,6 +28,7 @@ FFI_TARGETS: dict[str, str] = {
     "mok_comm_dispatch": "MokCommDispatch", "mok_comm_combine": "MokCommCombine",  # ffi_comm.cu
     "mok_moe_forward": "MokMoeForward",  # ffi_moe.cu
     "mok_experts_backward": "MokExpertsBackward",  # ffi_moe_backward.cu
+    "mok_experts_backward_ep": "MokExpertsBackwardEp",  # ffi_moe_backward.cu
 }
 
 

@@ -11,14 +11,16 @@ replaced by the device's own memory, so this checks correctness at any EP size, 
 
 Rank r holds tokens [r*T, (r+1)*T) and experts [r*E/ep, (r+1)*E/ep), as under ``expert_parallel_moe``.
 
-The backward at EP size > 1 communicates through XLA collectives (mok_jax.moe._backward_mok); its emulation runs
-every rank's part of it (the same functions) in one program on one device, with each collective replaced by what
-it computes.
+The backward at EP size > 1 is one fused kernel per rank (mok_jax.ops.experts_backward_ep: the token rows and the
+slots' dx rows cross NVLink inside it); its emulation runs every rank in one launch on an emulated workspace, as
+the forward's does. With the op's reference injected (the CPU tests) it runs the layer's collectives path instead,
+each collective replaced by what it computes.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,24 +99,43 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
 
 
 def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights,
-                          dy: jax.Array, *, ep: int, experts_fn=None, kept=None):
+                          dy: jax.Array, *, ep: int, experts_fn=None, kept=None, kernel: KernelConfig | None = None,
+                          workspace: Workspace | None = None, device: jax.Device | None = None,
+                          skip_rank: int = -1, timeout_s: float = 10.0, num_sms: int | None = None,
+                          return_status: bool = False, fused: bool | None = None):
     """The gradients of implementation='mok' at EP size ``ep``, every rank on one device: (dx, d topk_weight,
     d weights) of the global arrays (shapes as ``emulated_moe``'s, dy: [ep * T, H]).
 
-    Rank r's routed backward is mok_jax.moe._routed_backward_rank, the function each rank runs under shard_map,
-    over every rank's tokens (the all-gather's result: the global arrays) and its own experts; the reduce-scatter
-    becomes the sum of the ranks' parts (each slot has one owner: the sum adds zeros), the slot-order sum and the
-    shared expert's backward run per rank on its tokens, and the shared weights' psum is the sum over the ranks
-    in rank order. ``experts_fn``: mok_jax.ops.experts_backward when None (tests pass its reference). ``kept``:
-    the ranks' kept g, u from ``emulated_moe(..., keep=True)`` (MoEConfig(keep="everything")), or None.
+    ``fused`` (default: the layer's setting, mok_jax.moe._FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
+    backward of every rank runs in one launch of the fused expert-parallel op (mok_jax.ops.experts_backward_ep) on
+    an emulated workspace (``workspace``, default cached per device, ep and shape), its communication included, as
+    each rank runs it under shard_map (mok_jax.moe._routed_backward_fused); ``kernel``'s comm_sms_bwd, num_sms and
+    the test mode skip_rank go to it.
+
+    Otherwise rank r's routed backward is mok_jax.moe._routed_backward_rank with ``experts_fn``
+    (mok_jax.ops.experts_backward when None; the tests pass its reference) over every rank's tokens (the
+    all-gather's result: the global arrays) and its own experts, and the reduce-scatter becomes the sum of the
+    ranks' parts (each slot has one owner: the sum adds zeros), as the layer's collectives path does.
+    return_status also returns the op's status (int32[ep]).
+
+    Either way the slot-order sum runs per rank on its tokens, the shared expert's backward likewise (in XLA), and
+    the shared weights' psum is the sum over the ranks in rank order. ``kept``: the ranks' kept g, u from
+    ``emulated_moe(..., keep=True)`` (MoEConfig(keep="everything")), or None.
     """
-    from mok_jax.moe import _drop_invalid_tokens, _finish_backward, _routed_backward_rank, _slot_sum
+    from mok_jax import moe as moe_mod
+    from mok_jax.moe import _drop_invalid_tokens, _finish_backward, _rank_layout, _routed_backward_rank, _slot_sum
 
     x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
     dy = jnp.asarray(dy)
     num_experts = weights.num_local_experts
     if dy.shape != x.shape:
         raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
+    if fused and experts_fn is not None:
+        raise ValueError("fused=True runs the fused op; experts_fn replaces the op of the collectives path")
+    if fused is None:
+        fused = experts_fn is None and moe_mod._FUSED_EP_BACKWARD
+    if not fused and (skip_rank != -1 or workspace is not None or kernel is not None or num_sms is not None):
+        raise ValueError("workspace, kernel, num_sms and skip_rank are arguments of the fused op: pass fused=True")
     if experts_fn is None:
         require_native("mok_jax.emulation.emulated_moe_backward")
         experts_fn = ops.experts_backward
@@ -124,15 +145,39 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     w32 = topk_weight.astype(jnp.float32)
     if kept is not None and len(kept) != ep:
         raise ValueError(f"kept must hold the kept g, u of each of the {ep} ranks, got {len(kept)}")
-    parts = [_routed_backward_rank(x, dy, topk_idx, w32, weights.gate_up[r * local:(r + 1) * local],
-                                   weights.down[r * local:(r + 1) * local], r, experts_fn,
-                                   None if kept is None else kept[r])
-             for r in range(ep)]
-    dx_slots, dw = parts[0].dx_slots, parts[0].dw
-    for p in parts[1:]:
-        dx_slots, dw = dx_slots + p.dx_slots, dw + p.dw
-    failed = functools.reduce(jnp.logical_or, [p.status != 0 for p in parts])
-    dx_routed = _slot_sum(dx_slots)
+    if fused:
+        if device is None:
+            device = next(d for d in jax.devices() if d.platform == "gpu")
+        H, k = x.shape[1], topk_idx.shape[1]
+        ws = workspace or emulated_workspace(device, ep, max_tokens=tokens, hidden_size=H, top_k=k,
+                                             num_experts=num_experts, timeout_s=timeout_s)
+        if not ws.emulated or ws.config.ep != ep:
+            raise ValueError(f"workspace must be an emulated workspace of {ep} ranks, got {ws}")
+        layouts = [_rank_layout(topk_idx, local, r) for r in range(ep)] if kept is None else [c.layout for c in kept]
+        gu = {}
+        if kept is not None:
+            args = [c.op_args() for c in kept]
+            gu = {name: jnp.stack([a[name] for a in args]) for name in args[0]}
+        per_rank = lambda a: a.reshape(ep, a.shape[0] // ep, *a.shape[1:])  # noqa: E731
+        cfg = kernel if kernel is not None else KernelConfig()
+        out = ops.experts_backward_ep(
+            ws, per_rank(x), per_rank(dy), per_rank(topk_idx), jnp.broadcast_to(w32, (ep, *w32.shape)),
+            jnp.stack([lay.src_slot for lay in layouts]), jnp.stack([lay.group_sizes for lay in layouts]),
+            per_rank(weights.gate_up), per_rank(weights.down), num_sms=num_sms, comm_items=cfg.comm_sms_bwd,
+            skip_rank=skip_rank, **gu)
+        dx_routed, dw = out.dx.reshape(x.shape), out.dw.reshape(topk_idx.shape)
+        failed = jnp.any(out.status != 0)
+        parts = [_Part(out.d_gate_up[r], out.d_down[r]) for r in range(ep)]
+    else:
+        parts = [_routed_backward_rank(x, dy, topk_idx, w32, weights.gate_up[r * local:(r + 1) * local],
+                                       weights.down[r * local:(r + 1) * local], r, experts_fn,
+                                       None if kept is None else kept[r])
+                 for r in range(ep)]
+        dx_slots, dw = parts[0].dx_slots, parts[0].dw
+        for p in parts[1:]:
+            dx_slots, dw = dx_slots + p.dx_slots, dw + p.dw
+        failed = functools.reduce(jnp.logical_or, [p.status != 0 for p in parts])
+        dx_routed = _slot_sum(dx_slots)
     rows = lambda a, r: a[r * tokens:(r + 1) * tokens]  # noqa: E731
     per_rank = [_finish_backward(rows(x, r), rows(dy, r), rows(topk_weight, r), weights, rows(dx_routed, r),
                                          rows(dw, r), failed, parts[r].d_gate_up, parts[r].d_down)
@@ -144,4 +189,11 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         jnp.add, [getattr(d, name) for d in shared])
     d_weights = MoEWeights(jnp.concatenate([d.gate_up for d in shared]), jnp.concatenate([d.down for d in shared]),
                            total("shared_gate_up"), total("shared_down"))
+    if return_status:
+        return dx, d_topk_weight, d_weights, (out.status if fused else jnp.stack([p.status for p in parts]))
     return dx, d_topk_weight, d_weights
+
+
+class _Part(NamedTuple):  # a rank's weight gradients from the fused op
+    d_gate_up: jax.Array
+    d_down: jax.Array

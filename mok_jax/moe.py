@@ -307,6 +307,27 @@ def _routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, exp
     return RoutedBackwardPart(rows[layout.pos], out.dw, out.d_gate_up, out.d_down, out.status)
 
 
+def _routed_backward_fused(ws, config: MoEConfig, x, dy, topk_idx, w32, weights: MoEWeights,
+                           kept: KeptGateUp | None = None):
+    """This EP rank's routed backward inside shard_map as one fused kernel (mok_jax.ops.experts_backward_ep): the
+    routing (ids and weights, P T k each) is all-gathered over the axis in XLA, each rank lays out its own experts'
+    slots over every rank's tokens as ``_routed_backward_rank`` does (or takes the forward's kept layout), and the
+    token rows and the slots' dx rows cross NVLink inside the kernel. Returns its ExpertsBackwardEpOutput (R = 1)."""
+    from mok_jax import ops
+
+    axis = config.ep_axis
+    gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
+    idx_all, w_all = gather(topk_idx), gather(w32)
+    layout = _rank_layout(idx_all, weights.num_local_experts, jax.lax.axis_index(axis)) if kept is None \
+        else kept.layout
+    gu = {} if kept is None else {name: a[None] for name, a in kept.op_args().items()}
+    kernel = resolve_kernel(ws, config.kernel, tokens=x.shape[0], hidden=x.shape[1], inter=weights.intermediate_size,
+                            top_k=topk_idx.shape[1], local_experts=weights.num_local_experts)
+    return ops.experts_backward_ep(ws, x[None], dy[None], topk_idx[None], w_all[None], layout.src_slot[None],
+                                   layout.group_sizes[None], weights.gate_up[None], weights.down[None],
+                                   comm_items=kernel.comm_sms_bwd, **gu)
+
+
 def _slot_sum(dx_slots: jax.Array) -> jax.Array:
     """f32[N, H]: each token's slot rows [N, k, H] summed in f32 in slot order j = 0..k-1, as the op's slot sum."""
     dx = jnp.zeros(dx_slots.shape[::2], jnp.float32)
@@ -349,6 +370,14 @@ def _finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, fai
 # give different bits. mok_jax.bench.backward times both in one process.
 _SHARED_IN_OP = False
 
+# Whether at EP > 1 the layer's backward runs the fused expert-parallel op (mok_jax.ops.experts_backward_ep: one
+# kernel per rank, the rows crossing NVLink inside it; memory T k H per rank) rather than the op between XLA
+# collectives (an all-gather of x and dy, a reduce-scatter of P T k H slot rows). Both give the bits of EP 1. Off
+# until the fused kernel has run on a GPU: it is built and its reference tested on CPU (docs/design.md, "The
+# backward at EP sizes above 1"); mok_jax.emulation.emulated_moe_backward(fused=True) runs it on one GPU. Read at
+# trace time.
+_FUSED_EP_BACKWARD = False
+
 
 def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
     """The gradients of implementation='mok': (dx, d topk_idx (float0), d topk_weight, d weights).
@@ -368,11 +397,14 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     (``_shared_backward``), its dx added in f32 before the one rounding, its weight gradients summed over the
     ranks (psum). Memory: the gathered rows (2 P T H bf16) and the slot rows (P T k H bf16) per rank.
     """
+    # EP > 1 with the kernels: the fused op (its communication inside) once _FUSED_EP_BACKWARD is on, else (and
+    # with an injected experts_fn: the tests' reference) the same math over XLA collectives
+    ep = _ep_size(config)
+    fused_ep = ep > 1 and experts_fn is None and _FUSED_EP_BACKWARD
     if experts_fn is None:
         from mok_jax import ops
 
         experts_fn = ops.experts_backward
-    ep = _ep_size(config)
     x, topk_idx, topk_weight, weights, kept = residuals
     dy = _drop_invalid_tokens(dy, topk_idx, weights.num_local_experts * ep, x.dtype)
     w32 = topk_weight.astype(jnp.float32)
@@ -389,6 +421,15 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
         dx_routed, dw, failed = out.dx, out.dw, out.status != 0
         d_gate_up, d_down = out.d_gate_up, out.d_down
         shared = (out.d_shared_gate_up, out.d_shared_down) if fused_shared else None
+    elif fused_ep:
+        axis = config.ep_axis
+        out = _routed_backward_fused(_workspace(config, x, topk_idx, weights), config, x, dy, topk_idx, w32, weights,
+                                     kept)
+        out = jax.tree.map(lambda a: _to_varying(a[0], (axis,)), out)
+        dx_routed, dw = out.dx, out.dw
+        failed = jax.lax.psum((out.status != 0).astype(jnp.int32), axis) > 0
+        d_gate_up, d_down = out.d_gate_up, out.d_down
+        shared = None
     else:
         axis = config.ep_axis
         gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731

@@ -172,10 +172,12 @@ class CommConfig:
         return self.ep * tokens * min(k, self.num_local_experts)
 
     def workspace_bytes(self) -> int:
-        """Bytes of the symmetric region per rank (the two bf16 staging buffers dominate)."""
+        """Bytes of the symmetric region per rank (the two bf16 staging buffers dominate; at ep > 1 the fused
+        backward's buffers add (2 + top_k) * max_tokens * hidden_size * 2)."""
         lib = _native.library()
         if lib is None:  # same formula as make_layout, without the small control regions
-            return 2 * self.ep * self.max_tokens * self.hidden_size * 2
+            backward = (2 + self.top_k) * self.max_tokens * self.hidden_size * 2 if self.ep > 1 else 0
+            return 2 * self.ep * self.max_tokens * self.hidden_size * 2 + backward
         _declare(lib)
         return int(lib.mok_comm_workspace_bytes(self.ep, self.max_tokens, self.hidden_size, self.top_k,
                                                 self.num_experts))

@@ -11,8 +11,10 @@ with keep shows the forward's keep_pos operand and keep_gu result and the backwa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ import mok_jax as mj
 import mok_jax.ops
 from mok_jax.config import ModelShape, MoEConfig
 from mok_jax.expert_layout import gather_rows
-from mok_jax.reference import experts_backward_reference
+from mok_jax.reference import experts_backward_ep_reference, experts_backward_reference
 from mok_jax.weights import MoEWeights
 
 moe_mod = importlib.import_module("mok_jax.moe")
@@ -81,6 +83,15 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
 
 
+def _use_fused_ep_backward(monkeypatch, ep):
+    """The layer's backward at EP > 1 through the fused op, its reference standing in (collectives over 'ep')."""
+    monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", functools.partial(experts_backward_ep_reference,
+                                                                                axis_name="ep"))
+    fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=ep), device_kind=None)
+    monkeypatch.setattr(moe_mod, "_workspace", lambda *args: fake_ws)
+    monkeypatch.setattr(moe_mod, "_FUSED_EP_BACKWARD", True)
+
+
 def _problem(T, E=8, H=32, I=24, k=3, Is=16, seed=0):
     shape = ModelShape(name="t", num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
                        num_shared_experts=1, shared_intermediate_size=Is)
@@ -122,10 +133,14 @@ def test_keep_everything_gives_the_gradients_of_recompute(fake_kernels, T):
     _assert_same(_grads("everything", x, idx, w, W, dy), _grads("nothing", x, idx, w, W, dy), f"T={T}")
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("ep", [2, 4])
-def test_keep_everything_at_ep_sizes_above_one(fake_kernels, cpu_devices, ep):
+def test_keep_everything_at_ep_sizes_above_one(fake_kernels, monkeypatch, cpu_devices, ep, fused):
     """Under shard_map the kept rows are the owner's layout over the all-gathered tokens: keep and recompute give
-    the same bits, and both the bits of EP 1 for the routed experts' gradients."""
+    the same bits, and both the bits of EP 1 for the routed experts' gradients (the collectives path, or the fused
+    op's)."""
+    if fused:
+        _use_fused_ep_backward(monkeypatch, ep)
     x, idx, w, W, dy = _problem(16 * ep, seed=ep)
     mesh = jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep])
     keep = _grads("everything", x, idx, w, W, dy, mesh)
@@ -233,10 +248,13 @@ def test_keep_ring_gives_the_gradients_of_recompute(fake_kernels, T, granularity
                  f"ring_slots={ring_slots}")
 
 
-def test_keep_ring_at_ep_size_two(fake_kernels, cpu_devices):
+@pytest.mark.parametrize("fused", [False, True])
+def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused):
     """At EP 2 each source rank's ring tokens are kept (its local tokens >= the first ring token, 512 of 1200):
     each owner's plan keeps exactly the slots of those tokens of both ranks, and the gradients are the bits of
-    keep="nothing"."""
+    keep="nothing" (the collectives path, or the fused op's)."""
+    if fused:
+        _use_fused_ep_backward(monkeypatch, 2)
     x, idx, w, W, dy = _problem(2400, seed=5)
     mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
     spec = jax.sharding.PartitionSpec

@@ -20,8 +20,9 @@ import mok_jax as mj
 from mok_jax import _native, reference
 from mok_jax.config import ModelShape
 from mok_jax.expert_layout import gather_rows, padded_layout
-from mok_jax.ops import experts_backward
+from mok_jax.ops import experts_backward, experts_backward_ep
 from mok_jax.ops.moe_backward import (
+    EXPERTS_BACKWARD_GROUP_ALIGN,
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
     EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
@@ -561,15 +562,25 @@ def test_shared_backward_bf16_matches_f32_autodiff():
 # ----------------------------------------------------------------------------- EP sizes
 
 
-def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True):
+def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True, fused=False):
     """jax.grad of mj.moe(implementation='mok') inside shard_map over mesh axis 'ep' (tokens and experts split
     over it, the shared expert replicated), with the xla forward and the reference experts' backward patched in
-    (this machine has no GPU): the expert-parallel backward's collectives and layouts, as on the GPU."""
+    (this machine has no GPU): the expert-parallel backward's collectives and layouts, as on the GPU. At EP > 1 the
+    fused op's reference stands in for it (experts_backward_ep_reference: collectives over the mesh axis where the
+    kernel moves rows over NVLink)."""
+    import types
+
     import mok_jax.ops
+    from mok_jax.reference import experts_backward_ep_reference
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
     monkeypatch.setattr(moe_mod, "_forward_mok", moe_mod._forward_xla)
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
+    monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", functools.partial(experts_backward_ep_reference,
+                                                                                axis_name="ep"))
+    fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=mesh.shape["ep"]), device_kind=None)
+    monkeypatch.setattr(moe_mod, "_workspace", lambda *args: fake_ws)
+    monkeypatch.setattr(moe_mod, "_FUSED_EP_BACKWARD", fused)
     spec = jax.sharding.PartitionSpec
     cfg = mj.MoEConfig(implementation="mok", ep_axis="ep")
     wspec = MoEWeights(spec("ep"), spec("ep"), spec(), spec())
@@ -586,12 +597,14 @@ def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True):
         return jax.jit(jax.grad(loss, argnums=(0, 2, 3)))(*args)
 
 
-@pytest.mark.parametrize("ep,check_vma", [(1, True), (2, True), (4, False), (8, True)])
-def test_ep_backward_gives_the_routed_bits_of_ep_one(monkeypatch, cpu_devices, ep, check_vma):
+@pytest.mark.parametrize("ep,check_vma,fused", [(1, True, False), (2, True, False), (4, False, False), (8, True, False),
+                                               (2, True, True), (4, False, True), (8, True, True)])
+def test_ep_backward_gives_the_routed_bits_of_ep_one(monkeypatch, cpu_devices, ep, check_vma, fused):
     """The expert-parallel backward (all-gather, each rank's op on its experts' slots, reduce-scatter home, slot
-    sum there) against EP size 1 in bf16: dx, the router-weight and the routed weights' gradients bit for bit
-    (every slot has one owner, the layouts keep global slot order); the shared expert's weight gradients are
-    sums of per-rank bf16 gradients, within a few bf16 roundings of the one-rank gradient."""
+    sum there; or fused: the routing all-gathered, the fused op's reference per rank) against EP size 1 in bf16:
+    dx, the router-weight and the routed weights' gradients bit for bit (every slot has one owner, the layouts keep
+    global slot order); the shared expert's weight gradients are sums of per-rank bf16 gradients, within a few
+    bf16 roundings of the one-rank gradient."""
     shape = _shape(8, 32, 24, 3, 16)
     x, _, w, W = random_problem(shape, 64, seed=ep)
     x, W = x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
@@ -599,7 +612,7 @@ def test_ep_backward_gives_the_routed_bits_of_ep_one(monkeypatch, cpu_devices, e
     dy = jax.random.normal(jax.random.key(ep), x.shape).astype(jnp.bfloat16)
     one = _ep_grads(monkeypatch, jax.make_mesh((1,), ("ep",), devices=cpu_devices[:1]), x, idx, w, W, dy)
     got = _ep_grads(monkeypatch, jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep]), x, idx, w, W, dy,
-                    check_vma=check_vma)
+                    check_vma=check_vma, fused=fused)
     (dx, dw, dW), (dx1, dw1, dW1) = got, one
     for name, a, b in (("dx", dx, dx1), ("d topk_weight", dw, dw1), ("d gate_up", dW.gate_up, dW1.gate_up),
                        ("d down", dW.down, dW1.down)):
@@ -659,9 +672,9 @@ def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
     """The op's custom call types "(operands) -> (results)" as the contract has them: gu_in f32[gu_rows, 2I]
     (0: none kept), gu_part, gu_part_row and its block flags (part_rows: None for none, else gu_part's rows) and
     the shared expert's weights ([H, 0] and [0, H] for none: Is = 0), then dx, dw, d_gate_up,
-    d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 flags (32
-    time words, then the dependency counters: 3 per m-block of at most ceil(M / 128) + E, and of the shared
-    expert's ceil(Ts / 128), 2 per expert and 2 for the shared one, 3 totals), then d_shared_gate_up,
+    d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 flags (40
+    time words, then the dependency counters: 4 per m-block of at most ceil(M / 128) + E, and of the shared
+    expert's ceil(Ts / 128), 2 per expert and 2 for the shared one, 5 totals), then d_shared_gate_up,
     d_shared_down and the shared expert's scratch gus, dgus, hws, dxs (Ts = T rows with a shared expert, else 0)."""
     Ts = T if Is else 0
     part = (0, 0, 0) if part_rows is None else (part_rows, M, -(-M // 128))
@@ -669,7 +682,7 @@ def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
                 f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, "
                 f"tensor<{gu_rows}x{2 * I}xf32>, tensor<{part[0]}x{2 * I}xf32>, tensor<{part[1]}xi32>, "
                 f"tensor<{part[2]}xi32>, tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>)")
-    flags = 32 + 3 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 3
+    flags = 40 + 4 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 5
     results = (f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, "
                f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, "
                f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "
@@ -752,3 +765,118 @@ def test_cotangents_take_their_primals_manual_axes():
                                  check_vma=True))(jnp.arange(4.0), jnp.zeros((4,)))
     np.testing.assert_array_equal(np.asarray(a), np.ones(4))
     np.testing.assert_array_equal(np.asarray(b), 2.0 * np.arange(4.0))
+
+
+# ----------------------------------------------------------------------------- the fused expert-parallel op
+
+
+def _ep_op_args(R=2, T=24, H=32, I=24, L=2, k=3, seed=0):
+    """Arguments of mok_jax.ops.experts_backward_ep for R = EP ranks (the emulated form), each rank's layout of
+    its experts' slots over every rank's tokens (mok_jax.moe._rank_layout)."""
+    rng = np.random.default_rng(seed)
+    E, N = R * L, R * T
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.2] = -1
+    ids = jnp.asarray(ids)
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (N, H)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[1], (N, H)).astype(jnp.bfloat16)
+    w = jax.random.uniform(keys[2], (N, k), jnp.float32, 0.2, 1.0)
+    gate_up = (jax.random.normal(keys[3], (E, H, 2 * I)) * H**-0.5).astype(jnp.bfloat16)
+    down = (jax.random.normal(keys[4], (E, I, H)) * I**-0.5).astype(jnp.bfloat16)
+    layouts = [moe_mod._rank_layout(ids, L, r) for r in range(R)]
+    per_rank = lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:])  # noqa: E731
+    args = (per_rank(x), per_rank(dy), per_rank(ids), jnp.broadcast_to(w, (R, N, k)),
+            jnp.stack([lay.src_slot for lay in layouts]), jnp.stack([lay.group_sizes for lay in layouts]),
+            per_rank(gate_up), per_rank(down))
+    return args, (x, dy, ids, w, gate_up, down, layouts)
+
+
+def test_fused_ep_op_reference_is_the_ep_one_op_per_token(cpu_devices):
+    """experts_backward_ep_reference in its emulated form (every rank at once) gives, per rank, the bits of the
+    EP-1 op's reference over the same global tokens and experts: dx (each token's slot rows summed in slot order),
+    dw, and each rank's experts' weight gradients; and inside shard_map (one rank, collectives over the axis) the
+    same bits again."""
+    from mok_jax.reference import experts_backward_ep_reference
+
+    R, T, L = 4, 24, 2
+    args, (x, dy, ids, w, gate_up, down, _) = _ep_op_args(R=R, T=T, L=L, seed=3)
+    with HI():
+        got = experts_backward_ep_reference(None, *args)
+        lay = padded_layout(ids, R * L, EXPERTS_BACKWARD_GROUP_ALIGN)
+        one = experts_backward_reference(x, dy, w, lay.pos, lay.src_slot, lay.group_sizes, gate_up, down)
+    np.testing.assert_array_equal(np.asarray(got.dx).reshape(R * T, -1), np.asarray(one.dx))
+    np.testing.assert_array_equal(np.asarray(got.dw).reshape(R * T, -1), np.asarray(one.dw))
+    np.testing.assert_array_equal(np.asarray(got.d_gate_up, np.float32).reshape(one.d_gate_up.shape),
+                                  np.asarray(one.d_gate_up, np.float32))
+    np.testing.assert_array_equal(np.asarray(got.d_down, np.float32).reshape(one.d_down.shape),
+                                  np.asarray(one.d_down, np.float32))
+    assert not np.asarray(got.status).any()
+    mesh = jax.make_mesh((R,), ("ep",), devices=cpu_devices[:R])
+    spec = jax.sharding.PartitionSpec("ep")
+    inner = jax.shard_map(lambda *a: tuple(experts_backward_ep_reference(None, *a, axis_name="ep")), mesh=mesh,
+                          in_specs=(spec,) * 8, out_specs=(spec,) * 5, check_vma=False)
+    placed = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in args]
+    with HI():
+        sharded = jax.jit(inner)(*placed)
+    for name, a, b in zip(("dx", "dw", "d_gate_up", "d_down", "status"), sharded, got):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+def _stand_in_workspace(ep=2, T=24, H=32, k=3, E=4, emulated=True):
+    from mok_jax.workspace import CommConfig, Workspace
+
+    return Workspace(ws_id=11, config=CommConfig(ep=ep, max_tokens=T, hidden_size=H, top_k=k, num_experts=E),
+                     mesh=None, axis_name=None, local=[], emulated=emulated)
+
+
+def test_fused_ep_op_lowers_to_one_call_with_the_workspace(monkeypatch):
+    """ops.experts_backward_ep lowers (no GPU: the native check is off) to one side-effecting custom call with the
+    workspace id and the knobs as attributes, every operand with its leading rank axis, and with kept g, u the
+    buffer aliased to its gu scratch (result 8)."""
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    args, _ = _ep_op_args()
+    ws = _stand_in_workspace()
+    M = args[4].shape[1]
+    text = jax.jit(lambda *a: experts_backward_ep(ws, *a, comm_items=5, num_sms=33)).lower(
+        *args).as_text()
+    [call] = [line for line in text.splitlines() if "custom_call @mok_experts_backward_ep(" in line]
+    assert "has_side_effect = true" in call, call
+    assert "ws_id = 11 : i64" in call and "comm_items = 5 : i32" in call and "num_sms = 33 : i32" in call, call
+    assert "tensor<2x24x32xbf16>, tensor<2x24x32xbf16>, tensor<2x24x3xi32>, tensor<2x48x3xf32>" in call, call
+    gu = jnp.zeros((2, M, 48), jnp.float32)
+    text = jax.jit(lambda *a: experts_backward_ep(ws, *a[:-1], gu=a[-1])).lower(*args, gu).as_text()
+    [call] = [line for line in text.splitlines() if "custom_call @mok_experts_backward_ep(" in line]
+    assert re.search(r"output_operand_alias<output_tuple_indices = \[8\], operand_index = 8,", call), call
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: {**a, "x": a["x"][:1]}, "x carries 1 ranks"),
+    (lambda a: {**a, "dy": a["dy"][:, :5]}, "dy must have x's shape"),
+    (lambda a: {**a, "topk_weight": a["topk_weight"][:, :24]}, "topk_weight must be every rank's"),
+    (lambda a: {**a, "topk_idx": a["topk_idx"].astype(jnp.int16)}, "topk_idx must be int32"),
+    (lambda a: {**a, "group_sizes": a["group_sizes"][:, :1]}, "group_sizes must be"),
+    (lambda a: {**a, "down": a["down"][:, :, :5]}, "down must be"),
+    (lambda a: {**a, "comm_items": 0}, "comm_items must be an int >= 1"),
+    (lambda a: {**a, "skip_rank": 2}, "skip_rank must be"),
+    (lambda a: {**a, "gu_part_row": a["src_slot"]}, "gu_part_row needs gu_part"),
+])
+def test_fused_ep_op_names_the_bad_argument(monkeypatch, change, match):
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    args, _ = _ep_op_args()
+    names = ("x", "dy", "topk_idx", "topk_weight", "src_slot", "group_sizes", "gate_up", "down")
+    kw = change(dict(zip(names, args)))
+    with pytest.raises((ValueError, TypeError), match=match):
+        experts_backward_ep(_stand_in_workspace(), **kw)
+
+
+def test_fused_ep_op_refuses_a_one_rank_workspace_and_a_mesh_workspace_with_every_rank(monkeypatch):
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    monkeypatch.setattr(mb, "require_native", lambda what: None)
+    args, _ = _ep_op_args()
+    with pytest.raises(ValueError, match="at EP 1 use mok_jax.ops.experts_backward"):
+        experts_backward_ep(_stand_in_workspace(ep=1, E=2), *args)
+    with pytest.raises(ValueError, match="x carries 2 ranks; this workspace takes 1"):
+        experts_backward_ep(_stand_in_workspace(emulated=False), *args)

@@ -40,6 +40,7 @@ from mok_jax.ops.moe_backward import (
 )
 from mok_jax.reference import experts_backward_reference
 from mok_jax.weights import MoEWeights
+from mok_jax.workspace import CommTimeoutError, Workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
@@ -410,11 +411,13 @@ def test_layer_gradients_bitwise_repeatable_and_under_checkpoint():
     _check_layer("grad:remat", x, idx, w, W, dy, got=first)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("ep", [2, 4, 8])
 @pytest.mark.parametrize("Is", [0, 192])
-def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is):
+def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is, fused):
     """The expert-parallel backward at EP 2/4/8, every rank on this GPU (mok_jax.emulation.emulated_moe_backward:
-    each rank's op on its experts' slots of every rank's tokens, the collectives replaced by what they compute),
+    each rank's op on its experts' slots of every rank's tokens, the collectives replaced by what they compute; or
+    fused: every rank's part in one launch of the fused op, the rows moving between the ranks' workspace regions),
     against jax.grad of mok at EP 1. Without a shared expert every gradient is the bits of EP 1 (each slot has one
     owner; the layouts keep global slot order, so the weight gradients' K order is EP 1's); with one, the shared
     expert's backward runs per rank on T rows in XLA (at EP 1: in the op), so dx and its weight gradients are compared
@@ -424,13 +427,72 @@ def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is):
     E, H, I, k, T = 16, 256, 384, 4, 96 * ep
     x, idx, w, W, dy = _problem(f"ep{ep}:{Is}", _shape(E, H, I, k, Is), T, "masked")
     one = _mok_grads(x, w, W, idx, dy)
-    got = jax.jit(functools.partial(emulated_moe_backward, ep=ep))(x, idx, w, W, dy)
+    got = jax.jit(functools.partial(emulated_moe_backward, ep=ep, fused=fused))(x, idx, w, W, dy)
     exact = GRAD_NAMES if not Is else ("d topk_weight", "d gate_up", "d down")
     for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
         if name in exact:
             np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep}: {name}")
     if Is:
         _check_layer(f"grad:emulated_ep{ep}", x, idx, w, W, dy, got=got)
+
+
+@pytest.mark.parametrize("ep,case,per_rank", [(2, "one_expert", 64), (4, "empty_experts", 40), (8, "uniform", 1),
+                                               (2, "masked", 130)])
+def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
+    """The fused expert-parallel backward (mok_jax.ops.experts_backward_ep: every rank in one launch on an emulated
+    workspace, the token rows and the slots' dx rows moving between the ranks' regions inside the kernel) on awkward
+    routings: every token to one expert (the other ranks own no rows and send nothing), empty experts, one token
+    per rank, masked slots. Every gradient is the bits of EP 1, with a zero status; comm_sms_bwd 1 and 24 and an SM
+    count that splits unevenly over the ranks give the same bits; and a call with other inputs in between leaves
+    nothing behind in the workspace's buffers, which every call reuses."""
+    from mok_jax.emulation import emulated_moe_backward
+
+    E, H, I, k, T = 16, 256, 256, 4, ep * per_rank
+    args = _problem(f"fused{ep}:{case}:{T}", _shape(E, H, I, k, 0), T, case)
+    other = _problem(f"fused{ep}:{case}:{T}:other", _shape(E, H, I, k, 0), T, case)
+    x, idx, w, W, dy = args
+    one = _mok_grads(x, w, W, idx, dy)
+
+    def run(inputs, comm_sms=24, num_sms=None):
+        kernel = mj.KernelConfig(comm_sms_bwd=comm_sms)
+        *grads, status = jax.jit(functools.partial(emulated_moe_backward, ep=ep, kernel=kernel, num_sms=num_sms,
+                                                   return_status=True, fused=True))(*inputs)
+        assert not np.asarray(status).any(), f"EP {ep} {case}: status {np.asarray(status)}"
+        return grads
+
+    first = run(args)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(first), jax.tree.leaves(one)):
+        np.testing.assert_array_equal(_bits(a), _bits(b), f"EP {ep} {case}: {name} differs from EP 1")
+    run(other)
+    for label, got in (("after another call", run(args)), ("comm_sms_bwd=1", run(args, comm_sms=1)),
+                       ("num_sms uneven", run(args, num_sms=4 * ep + 3))):
+        for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(first)):
+            np.testing.assert_array_equal(_bits(a), _bits(b), f"EP {ep} {case}, {label}: {name} changed")
+
+
+def test_fused_ep_backward_rank_that_skips_a_call_times_out():
+    """One emulated rank makes no call: the other's waits for its staged rows time out (bounded; nothing hangs), its
+    status says so (EXPERTS_BACKWARD_STATUS_COMM), its gradients are NaN, the workspace is poisoned (check() names
+    the rank) and the next call on it refuses to run."""
+    from mok_jax.emulation import emulated_moe_backward
+    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_STATUS_COMM
+
+    E, H, I, k, T = 8, 256, 128, 2, 128
+    x, idx, w, W, dy = _problem("fused_skip", _shape(E, H, I, k, 0), T, "uniform")
+    ws = Workspace.create_emulated(jax.devices("gpu")[0], 2, max_tokens=T // 2, hidden_size=H, top_k=k,
+                                   num_experts=E, timeout_s=0.5)
+    try:
+        dx, _, _, status = emulated_moe_backward(x, idx, w, W, dy, ep=2, workspace=ws, skip_rank=1,
+                                                 return_status=True, fused=True)
+        status = np.asarray(jax.block_until_ready(status))
+        assert status[0] & EXPERTS_BACKWARD_STATUS_COMM, f"status {status}"
+        assert np.isnan(np.asarray(dx, _F32)[: T // 2]).all(), "rank 0's dx must be NaN after the timeout"
+        with pytest.raises(CommTimeoutError, match="EP rank 0.*timed out"):
+            ws.check()
+        with pytest.raises(Exception, match="poisoned"):
+            jax.block_until_ready(emulated_moe_backward(x, idx, w, W, dy, ep=2, workspace=ws, fused=True)[0])
+    finally:
+        ws.close()
 
 
 # ----------------------------------------------------------------------------- MoEConfig(keep="everything")
@@ -481,8 +543,9 @@ def test_keep_ring_gives_the_bits_of_recompute(case, T, granularity, ring_slots)
     np.testing.assert_array_equal(_bits(y_ring), _bits(y), f"{case}: keep='ring' changed the output")
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("ep", [2, 4])
-def test_emulated_ep_keep_everything_gives_the_bits_of_ep_one(ep):
+def test_emulated_ep_keep_everything_gives_the_bits_of_ep_one(ep, fused):
     """At EP 2/4 on this GPU: the emulated forward keeps each rank's g, u in that rank's layout over every rank's
     tokens (mok_jax.emulation.emulated_moe(keep=True)), the emulated backward uses them: every gradient (no
     shared expert) the bits of EP 1's."""
@@ -494,7 +557,7 @@ def test_emulated_ep_keep_everything_gives_the_bits_of_ep_one(ep):
 
     def grads(x, idx, w, W, dy):
         _, _, kept = emulated_moe(x, idx, w, W, ep=ep, keep=True)
-        return emulated_moe_backward(x, idx, w, W, dy, ep=ep, kept=kept)
+        return emulated_moe_backward(x, idx, w, W, dy, ep=ep, kept=kept, fused=fused)
 
     got = jax.jit(grads)(x, idx, w, W, dy)
     for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):

@@ -1,9 +1,11 @@
 // Host side and kernel of mok/experts_backward.cuh: the experts' backward as one persistent launch.
+#include <algorithm>
 #include <climits>
 
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "mok/comm/ptx.cuh"
+#include "mok/comm/sync.cuh"
 #include "mok/experts_backward.cuh"
 #include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_grouped_gemm.cuh"
@@ -41,9 +43,10 @@ constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer t
 constexpr int kWorkSlots = 2;             // tickets the producer hands the consumers ahead
 
 // The list's order: every item waits only for kinds before it. DWSUM sits after DX (whose tiles need every DH
-// tile too, so it never waits there) and SLOT last: CTAs that are done with their weight-gradient tiles sum the
-// tokens while the others finish theirs.
-enum Kind : int32_t { kGather, kGu, kDh, kDx, kDwSum, kWDown, kWGateUp, kSlot, kKinds };
+// tile too, so it never waits there), SEND after both (its rows leave as their blocks finish, while the
+// weight-gradient tiles run) and SLOT last: CTAs that are done with their weight-gradient tiles sum the tokens
+// while the others finish theirs. STAGE and SEND exist only expert parallel.
+enum Kind : int32_t { kStage, kGather, kGu, kDh, kDx, kDwSum, kSend, kWDown, kWGateUp, kSlot, kKinds };
 static_assert(kKinds == kExpertsBackwardKinds, "the kinds the time words count");
 
 // The TMA descriptors of the five GEMMs over one set of rows: the routed experts' gathered rows (M of them,
@@ -92,9 +95,8 @@ Operands make_operands(const Bf16* x_rows, const Bf16* dy_rows, const Bf16* gate
   return o;
 }
 
-struct KernelParams {
+struct KernelParams {  // one EP rank's
   Operands routed;
-  Operands shared;  // set when the shared expert has rows
   const uint4* x;
   const uint4* dy;
   const float* topk_weight;
@@ -126,7 +128,19 @@ struct KernelParams {
   Bf16* d_shared_down;
   int32_t T, k, M, H, I, E;
   int32_t Is, Ts;  // the shared expert's I and rows (T, or 0 without one)
+  uint64_t local_timeout_ns;  // bound of a wait for an item of the same rank
+  // Expert parallel (ep > 1): the workspace, this rank's own ids, the slot numbering's tokens (ep T; T at EP 1)
+  comm::CommView view;
+  const int32_t* topk_idx;
+  int32_t ep, experts_all, stage_items, Tn;
 };
+
+struct LaunchParams {
+  Operands shared;  // the shared expert's (EP 1 only), set when it has rows
+  int32_t num_ranks, skip_rank;
+  KernelParams ranks[kExpertsBackwardMaxRanks];
+};
+static_assert(sizeof(LaunchParams) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
 
 // ---- the item list ------------------------------------------------------------------------------------
 struct Shape {
@@ -146,6 +160,7 @@ struct SharedStorage {
   int32_t unpadded;
   int32_t bad;      // table.status or unpadded: every weight-gradient tile is NaN
   int32_t wait_ok;  // a consumer-side wait's verdict, for all consumers
+  int32_t last;     // this CTA is the rank's last to exit
   Shape shape;      // the item list (from the table)
   int32_t work[kWorkSlots];  // tickets (item indices; -1: no more) from the producer to the consumers
   alignas(8) uint64_t work_full[kWorkSlots];
@@ -161,27 +176,31 @@ struct Flags {
   int32_t* gathered;  // [mb]: 1 when GATHER(mb) is done
   int32_t* gu;        // [mb]: GU tiles of m-block mb done
   int32_t* dh;        // [mb]: DH tiles of m-block mb done
+  int32_t* out;       // [mb]: DX tiles and the DWSUM item of m-block mb done (SEND reads their rows)
   int32_t* gathered_e;  // [E + 1]: GATHER items of expert e done
   int32_t* dh_e;        // [E + 1]: DH tiles of expert e done (index E: the shared expert's)
-  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets
+  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets, [3] SEND items, [4] STAGE items (not
+                        // the last item of either: that one stamps the peers' flags)
 };
 __device__ __forceinline__ Flags flags(const KernelParams& p) {
   const int mbs = ceil_div(p.M, kBlockM) + p.E + ceil_div(p.Ts, kBlockM);
   auto* ns = reinterpret_cast<unsigned long long*>(p.flags);
   int32_t* c = p.flags + kExpertsBackwardTimeWords;
   const int es = p.E + 1;  // the experts, then the shared expert (index E)
-  return Flags{ns, ns + kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 3 * mbs + es, c + 3 * mbs + 2 * es};
+  return Flags{ns, ns + kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
+               c + 4 * mbs + 2 * es};
 }
 
 // Spin (acquire) until *ctr >= target. False on timeout (status bit set) or when another wait already timed out.
-__device__ bool wait_count(const int32_t* ctr, int32_t target, int32_t* status) {
+__device__ bool wait_count(const int32_t* ctr, int32_t target, int32_t* status,
+                           uint64_t bound_ns = gemm::kWaitTimeoutNs) {
   if (comm::ld_acquire_gpu(ctr) >= target) return true;
   const uint64_t start = gemm::global_timer_ns();
   for (uint32_t it = 1;; ++it) {
     if (comm::ld_acquire_gpu(ctr) >= target) return true;
     if ((it & 1023u) == 0) {
       if (*reinterpret_cast<volatile int32_t*>(status) & gemm::kStatusWaitTimeout) return false;
-      if (gemm::global_timer_ns() - start > gemm::kWaitTimeoutNs) {
+      if (gemm::global_timer_ns() - start > bound_ns) {
         atomicOr(status, gemm::kStatusWaitTimeout);
         return false;
       }
@@ -199,10 +218,12 @@ __device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
   h.s_nb_gu = ceil_div(2 * p.Is, kBlockN), h.s_nb_dh = ceil_div(p.Is, kBlockN);
   h.s_mb_wd = ceil_div(p.Is, kBlockM), h.s_nb_wg = ceil_div(2 * p.Is, kBlockN);
   h.s_mb = ceil_div(p.Ts, kBlockM), h.s_mb0 = ceil_div(p.M, kBlockM) + p.E;
-  const int shared[kKinds] = {0, h.s_mb * h.s_nb_gu, h.s_mb * h.s_nb_dh, h.s_mb * h.nb_dx, 0,
+  const bool ep = p.ep > 1;  // STAGE: comm_items + the stamp; SEND: one per m-block + the stamp
+  const int shared[kKinds] = {0, 0, h.s_mb * h.s_nb_gu, h.s_mb * h.s_nb_dh, h.s_mb * h.nb_dx, 0, 0,
                               sh ? h.s_mb_wd * h.nb_wd : 0, sh ? h.mb_wg * h.s_nb_wg : 0, 0};
-  const int count[kKinds] = {nmb, p.kept ? 0 : nmb * h.nb_gu, nmb * h.nb_dh, nmb * h.nb_dx, nmb,
-                             p.E * h.mb_wd * h.nb_wd, p.E * h.mb_wg * h.nb_wg, ceil_div(p.T, kSlotTokens)};
+  const int count[kKinds] = {ep ? p.stage_items + 1 : 0, nmb, p.kept ? 0 : nmb * h.nb_gu, nmb * h.nb_dh,
+                             nmb * h.nb_dx, nmb, ep ? nmb + 1 : 0, p.E * h.mb_wd * h.nb_wd, p.E * h.mb_wg * h.nb_wg,
+                             ceil_div(p.T, kSlotTokens)};
   h.begin[0] = 0;
   for (int q = 0; q < kKinds; ++q) h.shared[q] = shared[q], h.begin[q + 1] = h.begin[q] + shared[q] + count[q];
   return h;
@@ -241,6 +262,13 @@ __device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shap
   }
   it.index -= h.shared[q];
   switch (q) {
+    case kStage: break;
+    case kSend:
+      if (it.index == tb.tile_start[p.E]) {  // the last one: the stamp
+        it.mb = -1;
+        break;
+      }
+      [[fallthrough]];
     case kGather:
     case kDwSum: {
       const int mb = it.index;
@@ -280,7 +308,9 @@ __device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shap
   return it;
 }
 
-__device__ __forceinline__ bool is_tile(int kind) { return kind != kGather && kind != kDwSum && kind != kSlot; }
+__device__ __forceinline__ bool is_tile(int kind) {
+  return kind == kGu || kind == kDh || kind == kDx || kind == kWDown || kind == kWGateUp;
+}
 
 // Whether m-block mb's g, u were kept (gu_part): its GATHER copies them, its GU items do nothing.
 __device__ __forceinline__ bool block_kept(const KernelParams& p, int mb) {
@@ -293,21 +323,21 @@ __device__ bool wait_inputs(const KernelParams& p, const SharedStorage& s, const
   if (it.shared) {
     switch (it.kind) {
       case kGu: return true;  // x is an input
-      case kDh: return wait_count(f.gu + it.mb, h.s_nb_gu, p.status);
-      case kDx: return wait_count(f.dh + it.mb, h.s_nb_dh, p.status);
-      default: return wait_count(f.dh_e + p.E, h.s_mb * h.s_nb_dh, p.status);
+      case kDh: return wait_count(f.gu + it.mb, h.s_nb_gu, p.status, p.local_timeout_ns);
+      case kDx: return wait_count(f.dh + it.mb, h.s_nb_dh, p.status, p.local_timeout_ns);
+      default: return wait_count(f.dh_e + p.E, h.s_mb * h.s_nb_dh, p.status, p.local_timeout_ns);
     }
   }
   switch (it.kind) {
-    case kGu: return wait_count(f.gathered + it.mb, 1, p.status);
+    case kGu: return wait_count(f.gathered + it.mb, 1, p.status, p.local_timeout_ns);
     case kDh:
-      return wait_count(f.gathered + it.mb, 1, p.status) &&
-             (p.kept || wait_count(f.gu + it.mb, h.nb_gu, p.status));
-    case kDx: return wait_count(f.dh + it.mb, h.nb_dh, p.status);
+      return wait_count(f.gathered + it.mb, 1, p.status, p.local_timeout_ns) &&
+             (p.kept || wait_count(f.gu + it.mb, h.nb_gu, p.status, p.local_timeout_ns));
+    case kDx: return wait_count(f.dh + it.mb, h.nb_dh, p.status, p.local_timeout_ns);
     default: {  // weight gradients: every row of the expert
       const int mbs = s.table.tile_start[it.group + 1] - s.table.tile_start[it.group];
-      return wait_count(f.gathered_e + it.group, mbs, p.status) &&
-             wait_count(f.dh_e + it.group, mbs * h.nb_dh, p.status);
+      return wait_count(f.gathered_e + it.group, mbs, p.status, p.local_timeout_ns) &&
+             wait_count(f.dh_e + it.group, mbs * h.nb_dh, p.status, p.local_timeout_ns);
     }
   }
 }
@@ -340,7 +370,7 @@ __device__ __forceinline__ bool load_item(const Operands& o, SharedStorage& s, g
 
 // Items go out by ticket (one atomic counter): a CTA that runs fast takes more of them, and since tickets are
 // claimed in list order every wait still points to an earlier, already claimed item.
-__device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h) {
+__device__ void producer(const KernelParams& p, const Operands& shared, SharedStorage& s, const Shape& h) {
   const Flags f = flags(p);
   gemm::RingPos pos;
   int w = 0;
@@ -362,22 +392,82 @@ __device__ void producer(const KernelParams& p, SharedStorage& s, const Shape& h
     if (const uint64_t waited = gemm::global_timer_ns() - t0; waited > 0)
       atomicAdd(f.wait_ns + it.kind, (unsigned long long)waited);
     gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
-    const bool ok = it.shared ? load_item(p.shared, s, pos, it, p.Ts, p.H, p.Is, 1, 0, p.status)
+    const bool ok = it.shared ? load_item(shared, s, pos, it, p.Ts, p.H, p.Is, 1, 0, p.status)
                               : load_item(p.routed, s, pos, it, p.M, p.H, p.I, p.E, it.group, p.status);
     if (!ok) return;
   }
 }
 
 // ---- consumers: row items --------------------------------------------------------------------------------
+// Expert parallel: flag row `row` of the backward's flags in rank q's region.
+__device__ __forceinline__ uint64_t* bwd_flag(const comm::CommView& v, int q, int row) {
+  return v.peer<uint64_t>(q, v.layout.bwd_flags) + size_t(row) * v.shape.ep;
+}
+
+// One thread: this call's epoch into flag row `row`, slot [my rank], of every peer (after a system fence that
+// orders every store this rank's items made before, through the counters the caller acquired).
+__device__ void publish(const KernelParams& p, int row, uint64_t epoch) {
+  comm::fence_sys();
+  for (int q = 0; q < p.ep; ++q)
+    if (q != p.view.rank) comm::st_release_sys(bwd_flag(p.view, q, row) + p.view.rank, epoch);
+}
+
+// The consumers wait until every peer stamped flag row `row` of this rank's region with at least `target` (one
+// thread waits, bounded; a timeout poisons the workspace, a poisoned one stops it). On failure the status bits
+// stop every other wait of the rank too.
+__device__ bool consumers_wait_peers(SharedStorage& s, const KernelParams& p, int row, uint64_t target, uint32_t code,
+                                     uint64_t epoch, unsigned long long* wait_ns, int ct) {
+  if (ct == 0) {
+    const uint64_t t0 = gemm::global_timer_ns();
+    const uint64_t* f = bwd_flag(p.view, p.view.rank, row);
+    bool ok = true;
+    for (int q = 0; q < p.ep && ok; ++q)
+      if (q != p.view.rank)
+        ok = comm::wait_at_least(p.view, f + q, target, code, comm::kOpMoeBackward, q, epoch);
+    if (!ok) atomicOr(p.status, gemm::kStatusWaitTimeout | kExpertsBackwardStatusComm);
+    s.wait_ok = ok;
+    atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));
+  }
+  gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
+  return s.wait_ok != 0;
+}
+
+// Expert parallel: where the rows of slot `slot` (< Tn k) come from and go to: its token's rank and row there.
+struct SlotHome {
+  int32_t rank, t, j;
+};
+__device__ __forceinline__ SlotHome slot_home(const KernelParams& p, int64_t slot) {
+  const int64_t tg = slot / p.k;
+  return SlotHome{int32_t(tg / p.T), int32_t(tg % p.T), int32_t(slot % p.k)};
+}
+
+// STAGE(i), i < stage_items: rows [T i / n, T (i + 1) / n) of x and dy into this rank's bwd_x, bwd_dy (one warp
+// per row), where the owners of its slots read them.
+__device__ void stage_rows(const KernelParams& p, const Item& it, int ct) {
+  const int lane = ct % 32, warp = ct / 32, chunks = p.H / 8;
+  const int64_t r0 = int64_t(p.T) * it.index / p.stage_items, r1 = int64_t(p.T) * (it.index + 1) / p.stage_items;
+  int4* xd = p.view.local<int4>(p.view.layout.bwd_x);
+  int4* dd = p.view.local<int4>(p.view.layout.bwd_dy);
+  const int4* xs = reinterpret_cast<const int4*>(p.x);
+  const int4* ds = reinterpret_cast<const int4*>(p.dy);
+  for (int64_t r = r0 + warp; r < r1; r += kConsumers / 32)
+    for (int c = lane; c < chunks; c += 32) {
+      const int64_t i = r * chunks + c;
+      comm::st_v4(xd + i, comm::ld_v4_na(xs + i));
+      comm::st_v4(dd + i, comm::ld_v4_na(ds + i));
+    }
+}
+
 // Rows [row0, row_end): x_e[r] = x[s / k], dy_e[r] = dy[s / k], w_e[r] = topk_weight[s] for the row's slot s,
 // zeros for a padding row (or a slot id out of range), and with kept g, u zeros in a padding row's g | u. In a
 // block of part-kept g, u (block_kept) also gu[r] = gu_part[gu_part_row[r]] (zeros for a row without one: a
 // padding row, what the recompute gives it); the block's DH items read it after this item's release.
+// Expert parallel: a token of another rank is read from that rank's staged bwd_x, bwd_dy (over NVLink).
 // One warp per row, kGatherVecs 16-byte vectors of each source in flight per lane.
 __device__ void gather(const KernelParams& p, const Item& it, int ct) {
   const int lane = ct % 32, warp = ct / 32;
   const int chunks = p.H / 8;
-  const int64_t slots = int64_t(p.T) * p.k;
+  const int64_t slots = int64_t(p.Tn) * p.k;
   const bool copy_gu = block_kept(p, it.mb);
   for (int r = it.row0 + warp; r < it.row_end; r += kConsumers / 32) {
     const int64_t slot = p.src_slot[r];
@@ -387,14 +477,23 @@ __device__ void gather(const KernelParams& p, const Item& it, int ct) {
     if (valid) {
       const uint4* xs = p.x + (slot / p.k) * chunks;
       const uint4* ds = p.dy + (slot / p.k) * chunks;
+      if (p.ep > 1) {
+        const SlotHome home = slot_home(p, slot);
+        const int64_t at = int64_t(home.t) * chunks;
+        xs = home.rank == p.view.rank ? p.x + at : p.view.peer<const uint4>(home.rank, p.view.layout.bwd_x) + at;
+        ds = home.rank == p.view.rank ? p.dy + at : p.view.peer<const uint4>(home.rank, p.view.layout.bwd_dy) + at;
+      }
       for (int c0 = lane; c0 < chunks; c0 += 32 * kGatherVecs) {
-        uint4 a[kGatherVecs], b[kGatherVecs];
+        int4 a[kGatherVecs], b[kGatherVecs];
 #pragma unroll
         for (int u = 0; u < kGatherVecs; ++u)
-          if (c0 + 32 * u < chunks) a[u] = xs[c0 + 32 * u], b[u] = ds[c0 + 32 * u];
+          if (c0 + 32 * u < chunks)
+            a[u] = comm::ld_v4_na(reinterpret_cast<const int4*>(xs) + c0 + 32 * u),
+            b[u] = comm::ld_v4_na(reinterpret_cast<const int4*>(ds) + c0 + 32 * u);
 #pragma unroll
         for (int u = 0; u < kGatherVecs; ++u)
-          if (c0 + 32 * u < chunks) xd[c0 + 32 * u] = a[u], dd[c0 + 32 * u] = b[u];
+          if (c0 + 32 * u < chunks)
+            xd[c0 + 32 * u] = *reinterpret_cast<const uint4*>(&a[u]), dd[c0 + 32 * u] = *reinterpret_cast<const uint4*>(&b[u]);
       }
     } else {
       for (int c = lane; c < chunks; c += 32) xd[c] = make_uint4(0, 0, 0, 0), dd[c] = make_uint4(0, 0, 0, 0);
@@ -416,6 +515,24 @@ __device__ void gather(const KernelParams& p, const Item& it, int ct) {
   gemm::fence_proxy_async_global();  // the GEMM tiles read x_e and dy_e through TMA
 }
 
+// SEND(m) (expert parallel): each slot row r of m-block m: dx_e[r] into its token's rank's bwd_dx at (t, j) and
+// dw_e[r] into its bwd_dw (a peer's over NVLink, or this rank's own); padding rows send nothing.
+__device__ void send_rows(const KernelParams& p, const Item& it, int ct) {
+  const int lane = ct % 32, warp = ct / 32, chunks = p.H / 8;
+  const int64_t slots = int64_t(p.Tn) * p.k;
+  const int4* dx_e = reinterpret_cast<const int4*>(p.dx_e);
+  for (int r = it.row0 + warp; r < it.row_end; r += kConsumers / 32) {
+    const int64_t slot = p.src_slot[r];
+    if (slot < 0 || slot >= slots) continue;
+    const SlotHome home = slot_home(p, slot);
+    const int64_t cell = int64_t(home.t) * p.k + home.j;
+    int4* dst = p.view.peer<int4>(home.rank, p.view.layout.bwd_dx) + cell * chunks;
+    const int4* src = dx_e + int64_t(r) * chunks;
+    for (int c = lane; c < chunks; c += 32) comm::st_v4(dst + c, comm::ld_v4_na(src + c));
+    if (lane == 0) p.view.peer<float>(home.rank, p.view.layout.bwd_dw)[cell] = p.dw_e[r];
+  }
+}
+
 // dw_e[r] = the sum over n-blocks (ascending) of dw_part[r, :], rows of m-block mb.
 __device__ void dw_sum(const KernelParams& p, const Shape& h, const Item& it, int ct) {
   for (int r = it.row0 + ct; r < it.row_end; r += kConsumers) {
@@ -429,20 +546,26 @@ __device__ void dw_sum(const KernelParams& p, const Shape& h, const Item& it, in
 // + dxs[t] (the shared expert's, when there is one), dw[t, j] = dw_e[pos[t, j]]; a pos outside the groups'
 // rows adds nothing (dw 0). Each lane sums 8 columns at a time, the
 // rows of up to kSlotVecs slots loaded before any is added (in slot order).
+// Expert parallel: slot j's row is row (t, j) of this rank's bwd_dx (its owner's SEND wrote it) and its dw that
+// of bwd_dw, for a slot whose id has an owner ([0, ep E)); the others add nothing and get dw 0, as at EP 1.
 __device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const Item& it, int ct) {
   const int lane = ct % 32, t = it.index * kSlotTokens + ct / 32;
   if (t >= p.T) return;
   const int chunks = p.H / 8;
+  const bool ep = p.ep > 1;
   const uint4* dx_e = reinterpret_cast<const uint4*>(p.dx_e);
+  const int4* recv = ep ? p.view.local<const int4>(p.view.layout.bwd_dx) + int64_t(t) * p.k * chunks : nullptr;
   float4* dx = reinterpret_cast<float4*>(p.dx) + int64_t(t) * chunks * 2;
-  const int32_t* pos = p.pos + int64_t(t) * p.k;
+  const int32_t* pos = ep ? p.topk_idx + int64_t(t) * p.k : p.pos + int64_t(t) * p.k;
   // Rows past the groups hold zeros (dx_rows) but are not read here: their zeroing is no item of the list, so
   // waiting for it would tie the sum to CTAs that may not have started. Adding nothing is adding those zeros
   // (an f32 sum that starts at +0 never holds -0).
-  const int32_t used = s.table.row_start[p.E];
+  const int32_t used = ep ? p.experts_all : s.table.row_start[p.E];  // pos (EP 1) or the id (EP) is in [0, used)
   if (lane < p.k) {
     const int32_t r = pos[lane];
-    p.dw[int64_t(t) * p.k + lane] = (r >= 0 && r < used) ? p.dw_e[r] : 0.0f;
+    const bool in = r >= 0 && r < used;
+    p.dw[int64_t(t) * p.k + lane] =
+        !in ? 0.0f : ep ? p.view.local<const float>(p.view.layout.bwd_dw)[int64_t(t) * p.k + lane] : p.dw_e[r];
   }
   // No shuffles in this loop: when 32 does not divide H / 8, the lanes leave it at different trip counts.
   for (int c = lane; c < chunks; c += 32) {
@@ -454,7 +577,14 @@ __device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const It
       for (int u = 0; u < kSlotVecs; ++u) {
         const int32_t r = j0 + u < p.k ? pos[j0 + u] : -1;
         in[u] = r >= 0 && r < used;
-        v[u] = in[u] ? dx_e[int64_t(r) * chunks + c] : make_uint4(0, 0, 0, 0);
+        if (!in[u]) {
+          v[u] = make_uint4(0, 0, 0, 0);
+        } else if (ep) {
+          const int4 w = comm::ld_v4_na(recv + int64_t(j0 + u) * chunks + c);
+          v[u] = *reinterpret_cast<const uint4*>(&w);
+        } else {
+          v[u] = dx_e[int64_t(r) * chunks + c];
+        }
       }
 #pragma unroll
       for (int u = 0; u < kSlotVecs; ++u) {
@@ -483,11 +613,11 @@ __device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const It
 // the others' later loads after its acquires too).
 template <int kN>
 __device__ bool consumers_wait(SharedStorage& s, const int32_t* const (&ctr)[kN], const int32_t (&target)[kN],
-                               int32_t* status, unsigned long long* wait_ns, int ct) {
+                               const KernelParams& p, unsigned long long* wait_ns, int ct) {
   if (ct == 0) {
     const uint64_t t0 = gemm::global_timer_ns();
     bool ok = true;
-    for (int i = 0; i < kN && ok; ++i) ok = wait_count(ctr[i], target[i], status);
+    for (int i = 0; i < kN && ok; ++i) ok = wait_count(ctr[i], target[i], p.status, p.local_timeout_ns);
     s.wait_ok = ok;
     atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));
   }
@@ -500,16 +630,22 @@ __device__ void complete(const KernelParams& p, const Item& it) {
   const Flags f = flags(p);
   __threadfence();
   switch (it.kind) {
+    case kStage:
+      if (it.index < p.stage_items) comm::fence_sys(), atomicAdd(f.totals + 4, 1);  // rows that peers read
+      break;
     case kGather: atomicAdd(f.gathered + it.mb, 1), atomicAdd(f.gathered_e + it.group, 1); break;
     case kGu: atomicAdd(f.gu + it.mb, 1); break;
     case kDh: atomicAdd(f.dh + it.mb, 1), atomicAdd(f.dh_e + it.group, 1); break;
-    case kDx: atomicAdd(f.totals + 0, 1); break;
-    case kDwSum: atomicAdd(f.totals + 1, 1); break;
+    case kDx: atomicAdd(f.totals + 0, 1), atomicAdd(f.out + it.mb, 1); break;
+    case kDwSum: atomicAdd(f.totals + 1, 1), atomicAdd(f.out + it.mb, 1); break;
+    case kSend:
+      if (it.mb >= 0) comm::fence_sys(), atomicAdd(f.totals + 3, 1);  // rows written into peers' memory
+      break;
     default: break;
   }
 }
 
-__device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h, int ct) {
+__device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h, int ct, uint64_t epoch) {
   const Flags f = flags(p);
   const int wg = ct / 128, t = ct % 128;
   gemm::RingPos pos;
@@ -527,7 +663,35 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     const uint64_t t0 = ct == 0 ? gemm::global_timer_ns() : 0;
     const int col0 = it.n_block * kBlockN;
     switch (it.kind) {
-      case kGather: gather(p, it, ct); break;
+      case kStage:  // no peer may still read the previous call's staged rows
+        if (!consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, f.wait_ns + kStage,
+                                  ct))
+          return;
+        if (it.index < p.stage_items) {
+          stage_rows(p, it, ct);
+        } else {  // the last: every share is staged, then the peers may read them
+          if (!consumers_wait<1>(s, {f.totals + 4}, {p.stage_items}, p, f.wait_ns + kStage, ct)) return;
+          if (ct == 0) publish(p, comm::kBwdSigX, epoch);
+        }
+        break;
+      case kGather:
+        if (p.ep > 1 && !consumers_wait_peers(s, p, comm::kBwdSigX, epoch, comm::kErrTimeoutData, epoch,
+                                              f.wait_ns + kGather, ct))
+          return;
+        gather(p, it, ct);
+        break;
+      case kSend:
+        if (it.mb >= 0) {  // the block's dx rows and dw; the origins' slot sums of the previous call are done
+          if (!consumers_wait<1>(s, {f.out + it.mb}, {h.nb_dx + 1}, p, f.wait_ns + kSend, ct) ||
+              !consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, f.wait_ns + kSend,
+                                    ct))
+            return;
+          send_rows(p, it, ct);
+        } else {  // the last: every block is sent, then the origins may sum them
+          if (!consumers_wait<1>(s, {f.totals + 3}, {s.table.tile_start[p.E]}, p, f.wait_ns + kSend, ct)) return;
+          if (ct == 0) publish(p, comm::kBwdSigDx, epoch);
+        }
+        break;
       case kGu: {
         if (!it.shared && block_kept(p, it.mb)) break;  // its GATHER copied the kept g, u
         TileGu::Accumulator acc;
@@ -542,7 +706,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         // the epilogue reads w_e and g, u with ordinary loads: acquire what the producer waited for (one thread,
         // so that every consumer leaves together if it fails)
         if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb},
-                               {it.shared ? 0 : 1, it.shared ? h.s_nb_gu : p.kept ? 0 : h.nb_gu}, p.status,
+                               {it.shared ? 0 : 1, it.shared ? h.s_nb_gu : p.kept ? 0 : h.nb_gu}, p,
                                f.wait_ns + kDh, ct))
           return;
         const int row0 = it.row0 + TileKK::kRowsPerConsumer * wg;
@@ -581,13 +745,18 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         break;
       }
       case kDwSum:
-        if (!consumers_wait<1>(s, {f.dh + it.mb}, {h.nb_dh}, p.status, f.wait_ns + kDwSum, ct)) return;
+        if (!consumers_wait<1>(s, {f.dh + it.mb}, {h.nb_dh}, p, f.wait_ns + kDwSum, ct)) return;
         dw_sum(p, h, it, ct);
         break;
       default:  // kSlot
         if (!consumers_wait<2>(s, {f.totals + 0, f.totals + 1},
-                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum]}, p.status,
+                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum]}, p,
                                f.wait_ns + kSlot, ct))
+          return;
+        // expert parallel: this rank's own slot rows (its SEND items) and every peer's are in bwd_dx
+        if (p.ep > 1 && (!consumers_wait<1>(s, {f.totals + 3}, {s.table.tile_start[p.E]}, p, f.wait_ns + kSlot, ct) ||
+                         !consumers_wait_peers(s, p, comm::kBwdSigDx, epoch, comm::kErrTimeoutData, epoch,
+                                               f.wait_ns + kSlot, ct)))
           return;
         slot_sum(p, s, it, ct);
         break;
@@ -602,19 +771,45 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
 
 // Warps 1..3 of the producer warpgroup: zeros in the rows past the groups of dx_e (the per-row dx the
 // expert-parallel backward reads) and dw_e. Nothing in the kernel reads those rows.
-__device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, int t) {
+__device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, int t, int cta, int ctas) {
   const int64_t first = s.table.row_start[p.E];
   const int64_t chunks = p.H / 8, total = (int64_t(p.M) - first) * chunks;
-  const int64_t step = int64_t(gridDim.x) * 96;
+  const int64_t step = int64_t(ctas) * 96;
   uint4* dx_e = reinterpret_cast<uint4*>(p.dx_e);
-  for (int64_t idx = int64_t(blockIdx.x) * 96 + t; idx < total; idx += step)
+  for (int64_t idx = int64_t(cta) * 96 + t; idx < total; idx += step)
     dx_e[first * chunks + idx] = make_uint4(0, 0, 0, 0);
-  for (int64_t r = first + int64_t(blockIdx.x) * 96 + t; r < p.M; r += step) p.dw_e[r] = 0.0f;
+  for (int64_t r = first + int64_t(cta) * 96 + t; r < p.M; r += step) p.dw_e[r] = 0.0f;
 }
 
-__device__ void run(const KernelParams& p) {
+// Expert parallel: the rank's last CTA to exit advances its epoch and stamps kBwdDone in every peer (it read
+// every peer's staged rows and its own bwd_dx, bwd_dw for the last time); a poisoned workspace sets the status.
+__device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, uint64_t epoch) {
+  comm::LocalState* st = p.view.state();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s.last = atomicAdd(&st->bwd_exit, 1u) == uint32_t(ctas - 1);
+  }
+  __syncthreads();
+  if (!s.last || threadIdx.x != 0) return;
+  __threadfence();
+  if (const uint64_t poison = comm::read_poison(p.view); poison != 0) {
+    comm::publish_host_error(p.view, poison);
+    atomicOr(p.status, kExpertsBackwardStatusComm);
+  }
+  *reinterpret_cast<volatile uint32_t*>(&st->bwd_exit) = 0;
+  *reinterpret_cast<volatile uint64_t*>(&st->bwd_epoch) = epoch;
+  publish(p, comm::kBwdDone, epoch);
+}
+
+// CTA b serves EP rank b % num_ranks (one rank, or every rank of an emulated group).
+__device__ void run(const LaunchParams& P) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
+  const int vr = int(blockIdx.x) % P.num_ranks;
+  if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
+  const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks, cta = int(blockIdx.x) / P.num_ranks;
+  const KernelParams& p = P.ranks[vr];
+  const uint64_t epoch = p.ep > 1 ? comm::ld_volatile(&p.view.state()->bwd_epoch) + 1 : 0;
   const int warp = cutlass::canonical_warp_idx_sync();
   const int lane = threadIdx.x % 32;
   if (warp == 0 && lane == 0) {
@@ -625,7 +820,7 @@ __device__ void run(const KernelParams& p) {
     }
     cutlass::arch::fence_barrier_init();
     prefetch(p.routed);
-    if (p.Ts > 0) prefetch(p.shared);
+    if (p.Ts > 0) prefetch(P.shared);
   }
   if (warp == 1) {
     gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
@@ -634,28 +829,32 @@ __device__ void run(const KernelParams& p) {
   }
   __syncthreads();
   const int32_t bits = s.table.status | (s.unpadded ? gemm::kStatusUnpaddedGroup : 0);
-  if (blockIdx.x == 0 && threadIdx.x == 0 && bits) atomicOr(p.status, bits);
+  if (cta == 0 && threadIdx.x == 0 && bits) atomicOr(p.status, bits);
   if (threadIdx.x == 0) s.shape = make_shape(p, s);
   __syncthreads();
   const Shape& h = s.shape;
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp == 0) {
-      if (cute::elect_one_sync()) producer(p, s, h);
+      if (cute::elect_one_sync()) producer(p, P.shared, s, h);
     } else {
-      zero_past_groups(p, s, threadIdx.x - 32);
+      zero_past_groups(p, s, threadIdx.x - 32, cta, ctas);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consumer(p, s, h, threadIdx.x - 128);
+    consumer(p, s, h, threadIdx.x - 128, epoch);
+  }
+  if (p.ep > 1) {
+    __syncthreads();
+    finish_call(p, s, ctas, epoch);
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __grid_constant__ KernelParams params) {
+__global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __grid_constant__ LaunchParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   run(params);
 #elif defined(__CUDA_ARCH__)
-  if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(params.status, gemm::kStatusNoSm90a);
+  if (threadIdx.x == 0 && blockIdx.x < params.num_ranks) atomicOr(params.ranks[blockIdx.x].status, gemm::kStatusNoSm90a);
 #endif
 }
 
@@ -669,9 +868,24 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   if (p.num_tokens < 0 || p.num_tokens > INT_MAX) return "tokens T must be in [0, 2^31)";
   if (p.top_k < 1 || p.top_k > 32) return "top_k must be in [1, 32]";
   if (p.num_tokens * p.top_k > INT_MAX || p.num_tokens * p.hidden > INT_MAX) return "T * k and T * H must be below 2^31";
+  if (p.slot_tokens * p.top_k > INT_MAX || p.slot_tokens < 0) return "ep * T * k must be below 2^31";
   if (p.num_rows * 2 * p.intermediate > INT_MAX || p.num_rows * p.hidden > INT_MAX)
     return "rows M times H or 2I must be below 2^31";
   if (p.flags == nullptr) return "the dependency counters (flags) are missing";
+  if (p.view.base != nullptr && p.view.shape.ep > 1) {  // the fused expert-parallel backward
+    const comm::CommShape& w = p.view.shape;
+    if (p.shared_intermediate != 0) return "shared_gate_up: expert parallel, the shared expert runs outside the op";
+    if (p.topk_idx == nullptr) return "topk_idx: expert parallel, this rank's expert ids are missing";
+    if (p.num_rows < 1) return "src_slot: expert parallel, rows M must be at least 1";
+    if (p.num_tokens > w.max_tokens) return "x: tokens exceed the workspace's max_tokens";
+    if (p.hidden != w.hidden) return "x: the hidden size differs from the workspace's";
+    if (p.top_k > w.top_k) return "topk_idx: top_k exceeds the workspace's";
+    if (p.num_experts * w.ep != w.num_experts) return "gate_up: experts per rank differ from the workspace's";
+    if (p.slot_tokens != p.num_tokens * w.ep) return "topk_weight: expert parallel, it must hold ep * T tokens";
+    if (p.comm_items < 1) return "comm_items must be >= 1";
+  } else if (p.slot_tokens != p.num_tokens) {
+    return "topk_weight: without expert parallelism it holds the T tokens";
+  }
   if (p.gu_part != nullptr) {
     if (p.gu_kept != nullptr) return "gu_part: a part of g, u kept, and all of them (gu): give one";
     if (p.gu_part_row == nullptr || p.gu_block == nullptr) return "gu_part: its row map or block flags are missing";
@@ -691,22 +905,12 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   return nullptr;
 }
 
-cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t stream) {
-  if (experts_backward_unsupported(p)) return cudaErrorInvalidValue;
-  const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts), M = int(p.num_rows);
-  if (p.num_rows == 0) {  // no rows: zero gradients, and the status of the sizes
-    const int64_t slots = p.num_tokens * p.top_k;
-    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_gate_up, 0, size_t(E) * H * 2 * I * sizeof(Bf16), stream));
-    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_down, 0, size_t(E) * I * H * sizeof(Bf16), stream));
-    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.dx, 0, size_t(p.num_tokens) * H * sizeof(float), stream));
-    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.dw, 0, size_t(slots) * sizeof(float), stream));
-    GroupedFfnParams f{p.x_e, p.group_sizes, p.gate_up, p.down, p.dx_e, p.gu, p.status, 0, p.hidden, p.intermediate,
-                       p.num_experts, p.num_sms};
-    return launch_grouped_ffn(f, stream);  // M = 0: writes the status only
-  }
-  int grid = 0;
-  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
+namespace {
 
+// One rank's kernel parameters and its memsets (status, flags); `shared`: the shared expert's descriptors.
+cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelParams& k, Operands* shared,
+                      cudaStream_t stream) {
+  const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts), M = int(p.num_rows);
   const auto* x_e = static_cast<const Bf16*>(p.x_e);
   const auto* dy_e = static_cast<const Bf16*>(p.dy_e);
   const auto* gate_up = static_cast<const Bf16*>(p.gate_up);
@@ -714,7 +918,6 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   const auto* dgu = static_cast<const Bf16*>(p.dgu);
   const auto* hw = static_cast<const Bf16*>(p.hw);
   const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no GU items
-  KernelParams k{};
   k.routed = make_operands(x_e, dy_e, gate_up, down, dgu, hw, M, H, I, E);
   k.x = static_cast<const uint4*>(p.x);
   k.dy = static_cast<const uint4*>(p.dy);
@@ -746,9 +949,9 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
   k.Is = Is, k.Ts = Is > 0 ? T : 0;
   if (Is > 0) {
     if (T > 0)  // no descriptor of an empty matrix: without rows no shared tile loads anything
-      k.shared = make_operands(static_cast<const Bf16*>(p.x), static_cast<const Bf16*>(p.dy),
-                               static_cast<const Bf16*>(p.shared_gate_up), static_cast<const Bf16*>(p.shared_down),
-                               static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws), T, H, Is, 1);
+      *shared = make_operands(static_cast<const Bf16*>(p.x), static_cast<const Bf16*>(p.dy),
+                              static_cast<const Bf16*>(p.shared_gate_up), static_cast<const Bf16*>(p.shared_down),
+                              static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws), T, H, Is, 1);
     k.gus = p.gus;
     k.sbwd = gemm::SwigluBackwardOut{p.gus, nullptr, static_cast<__nv_bfloat16*>(p.dgus),
                                      static_cast<__nv_bfloat16*>(p.hws), nullptr, Is, (Is + kBlockN - 1) / kBlockN};
@@ -756,11 +959,60 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
     k.d_shared_gate_up = static_cast<Bf16*>(p.d_shared_gate_up);
     k.d_shared_down = static_cast<Bf16*>(p.d_shared_down);
   }
+  const bool ep = p.view.base != nullptr && p.view.shape.ep > 1;
+  k.ep = ep ? p.view.shape.ep : 1;
+  k.Tn = int(p.slot_tokens);
+  k.local_timeout_ns = gemm::kWaitTimeoutNs;
+  if (ep) {
+    k.view = p.view;
+    k.topk_idx = p.topk_idx;
+    k.experts_all = int(p.num_experts) * p.view.shape.ep;
+    k.stage_items = std::max(1, std::min(p.comm_items, grid_of_rank));
+    // a wait for an item of the same rank outlasts the wait for a peer, which then names the peer
+    k.local_timeout_ns = std::max<uint64_t>(gemm::kWaitTimeoutNs, 4 * p.view.timeout_ns);
+  }
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
-  MOK_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(p.flags, 0,
-                      size_t(experts_backward_flag_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream));
-  return launch_sm90a(&experts_backward_kernel, grid, kThreads, kSmemBytes, stream, k);
+  return cudaMemsetAsync(p.flags, 0, size_t(experts_backward_flag_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_experts_backward_ranks(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank,
+                                          cudaStream_t stream) {
+  if (num_ranks < 1 || num_ranks > kExpertsBackwardMaxRanks) return cudaErrorInvalidValue;
+  for (int r = 0; r < num_ranks; ++r) {
+    const ExpertsBackwardParams& p = ranks[r];
+    if (experts_backward_unsupported(p)) return cudaErrorInvalidValue;
+    if (num_ranks > 1 && (p.view.base == nullptr || p.view.shape.ep != num_ranks || p.view.rank != r))
+      return cudaErrorInvalidValue;  // an emulated call carries every rank of its group, in order
+  }
+  const ExpertsBackwardParams& p0 = ranks[0];
+  if (num_ranks == 1 && p0.view.base == nullptr && p0.num_rows == 0) {  // EP 1, no rows: zero gradients
+    const ExpertsBackwardParams& p = p0;
+    const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts);
+    const int64_t slots = p.num_tokens * p.top_k;
+    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_gate_up, 0, size_t(E) * H * 2 * I * sizeof(Bf16), stream));
+    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.d_down, 0, size_t(E) * I * H * sizeof(Bf16), stream));
+    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.dx, 0, size_t(p.num_tokens) * H * sizeof(float), stream));
+    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.dw, 0, size_t(slots) * sizeof(float), stream));
+    GroupedFfnParams f{p.x_e, p.group_sizes, p.gate_up, p.down, p.dx_e, p.gu, p.status, 0, p.hidden, p.intermediate,
+                       p.num_experts, p.num_sms};
+    return launch_grouped_ffn(f, stream);  // M = 0: writes the status only
+  }
+  int grid = 0;
+  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p0.num_sms, &grid));
+  if (grid < num_ranks) return cudaErrorInvalidValue;  // every rank needs a CTA
+  LaunchParams lp{};  // about 16 KB with 8 ranks: the launch copies it into the kernel's parameter space
+  lp.num_ranks = num_ranks;
+  lp.skip_rank = skip_rank;
+  for (int r = 0; r < num_ranks; ++r)
+    MOK_CUDA_RETURN_IF_ERROR(fill_rank(ranks[r], (grid - r + num_ranks - 1) / num_ranks, lp.ranks[r], &lp.shared,
+                                       stream));
+  return launch_sm90a(&experts_backward_kernel, grid, kThreads, kSmemBytes, stream, lp);
+}
+
+cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t stream) {
+  return launch_experts_backward_ranks(&p, 1, -1, stream);
 }
 
 }  // namespace mok

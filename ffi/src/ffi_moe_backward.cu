@@ -8,9 +8,23 @@
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
-//      flags: s32[32 + 3 (ceil(M / 128) + E) + 2 E + 3] (time words, dependency counters; zeroed by the launcher)
+//      flags: s32[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5] (time words, dependency counters;
+//      zeroed by the launcher)
 //   attrs: {num_sms: s32, 0 = all SMs}
+//
+// mok_experts_backward_ep: the fused expert-parallel form (EP size P > 1), every operand with a leading rank
+// axis R (1: this device's rank; P: every rank of an emulated group on one device, one launch):
+//   x, dy: bf16[R, T, H] (each rank's own tokens), topk_idx: s32[R, T, k] (its own ids), topk_weight: f32[R, P T, k]
+//   (every rank's, rank-major: the all-gather), src_slot: s32[R, M] (slots numbered over the P T tokens),
+//   group_sizes: s32[R, L], gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H], gu_in: f32[R, M | 0, 2I],
+//   gu_part: f32[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
+//   -> dx: f32[R, T, H], dw: f32[R, T, k], d_gate_up, d_down (as gate_up, down), status: s32[R], then the scratch
+//      of the EP-1 op with a leading R (x_e .. dw_e, flags)
+//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1)}
+#include <vector>
+
 #include "ffi_common.h"
+#include "mok/comm/registry.h"
 #include "mok/experts_backward.cuh"
 
 namespace ffi = xla::ffi;
@@ -110,7 +124,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dw_e", dw_e->dimensions(), {m}, "[M]"},
       {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e, s_rows)},
-       "[32 + 3 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 3], Ts = T with a shared expert, else 0"},
+       "[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5], Ts = T with a shared expert, else 0"},
       {"shared_gate_up", shared_gate_up.dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},
       {"shared_down", shared_down.dimensions(), {s_inter, hidden}, "[Is, H]"},
       {"d_shared_gate_up", d_shared_gate_up->dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},
@@ -170,6 +184,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.intermediate = inter;
   p.num_experts = e;
   p.num_sms = attrs.num_sms;
+  p.slot_tokens = t;
   p.shared_intermediate = s_inter;
   if (s_inter > 0) {
     p.shared_gate_up = shared_gate_up.untyped_data();
@@ -226,3 +241,196 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>() // hws (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // dxs (scratch)
                     .Attrs<ExpertsBackwardAttrs>());
+
+struct ExpertsBackwardEpAttrs {
+  int64_t ws_id;
+  int32_t num_sms;
+  int32_t comm_items;
+  int32_t skip_rank;
+};
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(ExpertsBackwardEpAttrs, ::xla::ffi::StructMember<int64_t>("ws_id"),
+                                      ::xla::ffi::StructMember<int32_t>("num_sms"),
+                                      ::xla::ffi::StructMember<int32_t>("comm_items"),
+                                      ::xla::ffi::StructMember<int32_t>("skip_rank"));
+
+namespace {
+
+ffi::Error experts_backward_ep_impl(
+    cudaStream_t stream, int32_t device_ordinal, ExpertsBackwardEpAttrs attrs, ffi::Buffer<ffi::BF16> x,
+    ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weight,
+    ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::BF16> gate_up,
+    ffi::Buffer<ffi::BF16> down, ffi::Buffer<ffi::F32> gu_in, ffi::Buffer<ffi::F32> gu_part,
+    ffi::Buffer<ffi::S32> gu_part_row, ffi::Buffer<ffi::S32> gu_block, ffi::ResultBuffer<ffi::F32> dx,
+    ffi::ResultBuffer<ffi::F32> dw, ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
+    ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e, ffi::ResultBuffer<ffi::BF16> dy_e,
+    ffi::ResultBuffer<ffi::F32> w_e, ffi::ResultBuffer<ffi::F32> gu, ffi::ResultBuffer<ffi::BF16> dgu,
+    ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part, ffi::ResultBuffer<ffi::BF16> dx_e,
+    ffi::ResultBuffer<ffi::F32> dw_e, ffi::ResultBuffer<ffi::S32> flags) {
+  mok::ffi_util::count_handler_run();
+  constexpr const char* kOp = "mok_experts_backward_ep";
+  using mok::ffi_util::invalid;
+  std::vector<mok::comm::CommView> views;
+  uint64_t poison = 0, call_error = 0;
+  if (std::string why = mok::comm::lookup_views(attrs.ws_id, device_ordinal, &views, &poison, &call_error);
+      !why.empty())
+    return invalid(kOp, why);
+  if (poison != 0)
+    return ffi::Error::Internal(std::string(kOp) + " (CUDA device " + std::to_string(device_ordinal) +
+                                "): " + mok::comm::describe_error(poison));
+  const mok::comm::CommShape& ws = views[0].shape;
+  if (ws.ep < 2) return invalid(kOp, "the workspace spans one EP rank: use mok_experts_backward");
+  const auto xd = x.dimensions();
+  if (xd.size() != 3) return invalid(kOp, "x must be [ranks, T, H], got " + dims_str(xd));
+  const int64_t R = xd[0], t = xd[1], hidden = xd[2];
+  if (R != int64_t(views.size()))
+    return invalid(kOp, "x carries " + std::to_string(R) + " ranks but workspace " + std::to_string(attrs.ws_id) +
+                            " has " + std::to_string(views.size()) + " on this device");
+  if (R != 1 && R != ws.ep) return invalid(kOp, "an emulated call must carry every EP rank");
+  if (R > mok::kExpertsBackwardMaxRanks) return invalid(kOp, "an emulated call carries at most 8 ranks");
+  if (topk_idx.dimensions().size() != 3 || topk_idx.dimensions()[0] != R || topk_idx.dimensions()[1] != t)
+    return invalid(kOp, "topk_idx must be [ranks, T, k], got " + dims_str(topk_idx.dimensions()));
+  const int64_t k = topk_idx.dimensions()[2], n = t * ws.ep;
+  if (src_slot.dimensions().size() != 2 || src_slot.dimensions()[0] != R)
+    return invalid(kOp, "src_slot must be [ranks, M], got " + dims_str(src_slot.dimensions()));
+  if (group_sizes.dimensions().size() != 2 || group_sizes.dimensions()[0] != R)
+    return invalid(kOp, "group_sizes must be [ranks, L], got " + dims_str(group_sizes.dimensions()));
+  if (gate_up.dimensions().size() != 4 || gate_up.dimensions()[3] % 2 != 0)
+    return invalid(kOp, "gate_up must be [ranks, L, H, 2I], got " + dims_str(gate_up.dimensions()));
+  const int64_t m = src_slot.dimensions()[1], e = group_sizes.dimensions()[1], inter = gate_up.dimensions()[3] / 2;
+  const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
+  const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
+  const int64_t words = mok::experts_backward_flag_words(m, e, 0);
+  const auto gi = gu_in.dimensions(), gp = gu_part.dimensions();
+  if (gi.size() != 3 || gi[0] != R || gi[2] != 2 * inter || (gi[1] != m && gi[1] != 0))
+    return invalid(kOp, "gu_in must be f32[ranks, M or 0, 2I], got " + dims_str(gi));
+  const bool kept = m > 0 && gi[1] == m;
+  if (gp.size() != 3 || gp[0] != R || gp[2] != 2 * inter)
+    return invalid(kOp, "gu_part must be f32[ranks, rows, 2I], got " + dims_str(gp));
+  const bool part = gu_part_row.element_count() != 0;
+  if (part ? !dims_are(gu_part_row.dimensions(), {R, m}) || !dims_are(gu_block.dimensions(), {R, m_blocks})
+           : gp[1] != 0 || gu_block.element_count() != 0)
+    return invalid(kOp, "gu_part_row and gu_block must be s32[ranks, M] and s32[ranks, ceil(M / 128)], or all "
+                        "three of gu_part, gu_part_row and gu_block empty");
+  if (part && kept) return invalid(kOp, "gu_in (all rows kept) and gu_part (some rows kept) are exclusive");
+  struct Want {
+    const char* name;
+    ffi::Span<const int64_t> got;
+    std::initializer_list<int64_t> want;
+    const char* shape;
+  };
+  const Want checks[] = {
+      {"dy", dy.dimensions(), {R, t, hidden}, "[ranks, T, H]"},
+      {"topk_weight", topk_weight.dimensions(), {R, n, k}, "[ranks, ep T, k]"},
+      {"gate_up", gate_up.dimensions(), {R, e, hidden, 2 * inter}, "[ranks, L, H, 2I]"},
+      {"down", down.dimensions(), {R, e, inter, hidden}, "[ranks, L, I, H]"},
+      {"dx", dx->dimensions(), {R, t, hidden}, "[ranks, T, H]"},
+      {"dw", dw->dimensions(), {R, t, k}, "[ranks, T, k]"},
+      {"d_gate_up", d_gate_up->dimensions(), {R, e, hidden, 2 * inter}, "[ranks, L, H, 2I]"},
+      {"d_down", d_down->dimensions(), {R, e, inter, hidden}, "[ranks, L, I, H]"},
+      {"status", status->dimensions(), {R}, "[ranks]"},
+      {"x_e", x_e->dimensions(), {R, m, hidden}, "[ranks, M, H]"},
+      {"dy_e", dy_e->dimensions(), {R, m, hidden}, "[ranks, M, H]"},
+      {"w_e", w_e->dimensions(), {R, m}, "[ranks, M]"},
+      {"gu", gu->dimensions(), {R, m, 2 * inter}, "[ranks, M, 2I]"},
+      {"dgu", dgu->dimensions(), {R, m, 2 * inter}, "[ranks, M, 2I]"},
+      {"hw", hw->dimensions(), {R, m, inter}, "[ranks, M, I]"},
+      {"dw_part", dw_part->dimensions(), {R, m, n_blocks}, "[ranks, M, ceil(I / 256)]"},
+      {"dx_e", dx_e->dimensions(), {R, m, hidden}, "[ranks, M, H]"},
+      {"dw_e", dw_e->dimensions(), {R, m}, "[ranks, M]"},
+      {"flags", flags->dimensions(), {R, words}, "[ranks, experts_backward_flag_words(M, L, 0)]"},
+  };
+  for (const Want& c : checks)
+    if (!dims_are(c.got, c.want))
+      return invalid(kOp, std::string(c.name) + " must be " + c.shape + ", got " + dims_str(c.got));
+  if (kept)  // the result gu is the kept buffer (XLA aliases it to gu_in), whose padding rows the gather zeroes
+    if (gu->untyped_data() != gu_in.untyped_data())
+      if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(), size_t(R * m) * 2 * inter * 4,
+                                            cudaMemcpyDeviceToDevice, stream);
+          err != cudaSuccess)
+        return mok::ffi_util::cuda_error(kOp, err);
+  auto at = [](auto* base, int64_t r, int64_t per) { return base + r * per; };
+  std::vector<mok::ExpertsBackwardParams> ranks(R);
+  for (int64_t r = 0; r < R; ++r) {
+    if (views[r].rank != (R == 1 ? views[r].rank : r)) return invalid(kOp, "emulated ranks out of order");
+    mok::ExpertsBackwardParams& p = ranks[r];
+    p.x = at(static_cast<const uint16_t*>(x.untyped_data()), r, t * hidden);
+    p.dy = at(static_cast<const uint16_t*>(dy.untyped_data()), r, t * hidden);
+    p.topk_idx = at(topk_idx.typed_data(), r, t * k);
+    p.topk_weight = at(topk_weight.typed_data(), r, n * k);
+    p.pos = nullptr;
+    p.src_slot = at(src_slot.typed_data(), r, m);
+    p.group_sizes = at(group_sizes.typed_data(), r, e);
+    p.gate_up = at(static_cast<const uint16_t*>(gate_up.untyped_data()), r, e * hidden * 2 * inter);
+    p.down = at(static_cast<const uint16_t*>(down.untyped_data()), r, e * inter * hidden);
+    p.gu_kept = kept ? at(gu->typed_data(), r, m * 2 * inter) : nullptr;
+    if (part) {
+      p.gu_part = at(gu_part.typed_data(), r, gp[1] * 2 * inter);
+      p.gu_part_row = at(gu_part_row.typed_data(), r, m);
+      p.gu_block = at(gu_block.typed_data(), r, m_blocks);
+      p.gu_part_rows = gp[1];
+    }
+    p.dx = at(dx->typed_data(), r, t * hidden);
+    p.dw = at(dw->typed_data(), r, t * k);
+    p.d_gate_up = at(static_cast<uint16_t*>(d_gate_up->untyped_data()), r, e * hidden * 2 * inter);
+    p.d_down = at(static_cast<uint16_t*>(d_down->untyped_data()), r, e * inter * hidden);
+    p.status = at(status->typed_data(), r, 1);
+    p.x_e = at(static_cast<uint16_t*>(x_e->untyped_data()), r, m * hidden);
+    p.dy_e = at(static_cast<uint16_t*>(dy_e->untyped_data()), r, m * hidden);
+    p.w_e = at(w_e->typed_data(), r, m);
+    p.gu = at(gu->typed_data(), r, m * 2 * inter);
+    p.dgu = at(static_cast<uint16_t*>(dgu->untyped_data()), r, m * 2 * inter);
+    p.hw = at(static_cast<uint16_t*>(hw->untyped_data()), r, m * inter);
+    p.dw_part = at(dw_part->typed_data(), r, m * n_blocks);
+    p.dx_e = at(static_cast<uint16_t*>(dx_e->untyped_data()), r, m * hidden);
+    p.dw_e = at(dw_e->typed_data(), r, m);
+    p.flags = at(flags->typed_data(), r, words);
+    p.num_tokens = t;
+    p.top_k = k;
+    p.num_rows = m;
+    p.hidden = hidden;
+    p.intermediate = inter;
+    p.num_experts = e;
+    p.num_sms = attrs.num_sms;
+    p.view = views[r];
+    p.slot_tokens = n;
+    p.comm_items = attrs.comm_items;
+    if (const char* why = mok::experts_backward_unsupported(p)) return invalid(kOp, why);
+  }
+  return mok::ffi_util::cuda_error(
+      kOp, mok::launch_experts_backward_ranks(ranks.data(), int(R), R > 1 ? attrs.skip_rank : -1, stream));
+}
+
+}  // namespace
+
+MOK_FFI_HANDLER(MokExpertsBackwardEp, experts_backward_ep_impl,
+                ffi::Ffi::Bind()
+                    .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                    .Ctx<ffi::DeviceOrdinal>()
+                    .Attrs<ExpertsBackwardEpAttrs>()
+                    .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                    .Arg<ffi::Buffer<ffi::BF16>>()  // dy
+                    .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
+                    .Arg<ffi::Buffer<ffi::F32>>()   // topk_weight (every rank's)
+                    .Arg<ffi::Buffer<ffi::S32>>()   // src_slot
+                    .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes
+                    .Arg<ffi::Buffer<ffi::BF16>>()  // gate_up
+                    .Arg<ffi::Buffer<ffi::BF16>>()  // down
+                    .Arg<ffi::Buffer<ffi::F32>>()   // gu_in
+                    .Arg<ffi::Buffer<ffi::F32>>()   // gu_part
+                    .Arg<ffi::Buffer<ffi::S32>>()   // gu_part_row
+                    .Arg<ffi::Buffer<ffi::S32>>()   // gu_block
+                    .Ret<ffi::Buffer<ffi::F32>>()   // dx
+                    .Ret<ffi::Buffer<ffi::F32>>()   // dw
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // d_gate_up
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // d_down
+                    .Ret<ffi::Buffer<ffi::S32>>()   // status
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // x_e (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // dy_e
+                    .Ret<ffi::Buffer<ffi::F32>>()   // w_e
+                    .Ret<ffi::Buffer<ffi::F32>>()   // gu
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // dgu
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // hw
+                    .Ret<ffi::Buffer<ffi::F32>>()   // dw_part
+                    .Ret<ffi::Buffer<ffi::BF16>>()  // dx_e
+                    .Ret<ffi::Buffer<ffi::F32>>()   // dw_e
+                    .Ret<ffi::Buffer<ffi::S32>>()); // flags

@@ -153,6 +153,7 @@ const char* op_name(uint32_t op) {
     case kOpDispatch: return "dispatch";
     case kOpCombine: return "combine";
     case kOpMoeForward: return "moe forward";
+    case kOpMoeBackward: return "moe backward";
     default: return "comm op";
   }
 }
@@ -202,7 +203,8 @@ std::string describe_error(uint64_t packed) {
   switch (e.code) {
     case kErrTimeoutRouting: what = "timed out waiting for the routing of EP rank " + std::to_string(e.peer); break;
     case kErrTimeoutData:
-      what = std::string("timed out waiting for the ") + (e.op == kOpCombine ? "partial sums" : "token rows") +
+      what = std::string("timed out waiting for the ") +
+             (e.op == kOpCombine ? "partial sums" : e.op == kOpMoeBackward ? "staged rows or dx rows" : "token rows") +
              " of EP rank " + std::to_string(e.peer);
       break;
     case kErrTimeoutAck:

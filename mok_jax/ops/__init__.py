@@ -8,9 +8,11 @@ without the kernels they raise ``NativeLibraryUnavailable``.
 from mok_jax.ops.comm import DispatchLayout, combine, dispatch
 from mok_jax.ops.fp8_grouped_ffn import Fp8GroupedFfnOutput, fp8_grouped_ffn
 from mok_jax.ops.grouped_ffn import grouped_ffn
-from mok_jax.ops.moe_backward import ExpertsBackwardOutput, experts_backward
+from mok_jax.ops.moe_backward import (ExpertsBackwardEpOutput, ExpertsBackwardOutput, experts_backward,
+                                      experts_backward_ep)
 from mok_jax.ops.moe_forward import moe_forward
 from mok_jax.ops.routing import expert_counts
 
-__all__ = ["DispatchLayout", "ExpertsBackwardOutput", "Fp8GroupedFfnOutput", "combine", "dispatch", "expert_counts",
-           "experts_backward", "fp8_grouped_ffn", "grouped_ffn", "moe_forward"]
+__all__ = ["DispatchLayout", "ExpertsBackwardEpOutput", "ExpertsBackwardOutput", "Fp8GroupedFfnOutput", "combine",
+           "dispatch", "expert_counts", "experts_backward", "experts_backward_ep", "fp8_grouped_ffn", "grouped_ffn",
+           "moe_forward"]

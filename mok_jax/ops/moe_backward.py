@@ -33,8 +33,9 @@ from mok_jax.expert_layout import kept_blocks
 from mok_jax.validation import check_experts_backward_args, check_num_sms
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPERTS_BACKWARD_MAX_TOP_K",
-           "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP", "EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW",
-           "EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP", "ExpertsBackwardOutput", "experts_backward"]
+           "EXPERTS_BACKWARD_STATUS_COMM", "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP",
+           "EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW", "EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP", "ExpertsBackwardEpOutput",
+           "ExpertsBackwardOutput", "experts_backward", "experts_backward_ep"]
 
 EXPERTS_BACKWARD_GROUP_ALIGN = 128  # every group size is a multiple of this (the kernel's M tile)
 EXPERTS_BACKWARD_MAX_EXPERTS = 1024  # as mok_grouped_ffn (GROUPED_FFN_MAX_EXPERTS)
@@ -42,15 +43,18 @@ EXPERTS_BACKWARD_MAX_TOP_K = 32  # the handler's limit on k (ffi/src/experts_bac
 EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP = 1  # status bit: some group size < 0
 EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
 EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is not a multiple of 128
+EXPERTS_BACKWARD_STATUS_COMM = 8  # status bit (experts_backward_ep): a wait for a peer failed; the workspace is poisoned
+EXPERTS_BACKWARD_MAX_EMULATED_RANKS = 8  # ranks one emulated call of experts_backward_ep carries
 
 _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate columns
 _DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
 _FLAGS = 9  # index of the dependency counters (and time words) among them
 
 
-# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh).
-ITEM_KINDS = ("gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad", "router-weight sum",
-              "d_down", "d_gate_up", "slot sum")
+# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh); "stage" and "send"
+# run only in the expert-parallel form (experts_backward_ep).
+ITEM_KINDS = ("stage", "gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad",
+              "router-weight sum", "send", "d_down", "d_gate_up", "slot sum")
 _TIME_WORDS = 4 * len(ITEM_KINDS)  # two u64 per kind (consumers' ns, ns waited), summed over the CTAs
 
 
@@ -58,7 +62,7 @@ def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
     """s32 words of the kernel's scratch flags (experts_backward_flag_words in experts_backward.cuh): the time
     words, then the dependency counters (``shared_rows``: T with a shared expert, else 0)."""
     blocks = lambda n: -(-n // EXPERTS_BACKWARD_GROUP_ALIGN)  # noqa: E731
-    return _TIME_WORDS + 3 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 3
+    return _TIME_WORDS + 4 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 5
 
 
 class ExpertsBackwardOutput(NamedTuple):
@@ -225,3 +229,154 @@ def _u64_as_f32(words: jax.Array) -> jax.Array:
     lo = words[..., 0].astype(jnp.uint32).astype(jnp.float32)
     hi = words[..., 1].astype(jnp.uint32).astype(jnp.float32)
     return hi * jnp.float32(2.0**32) + lo
+
+
+class ExpertsBackwardEpOutput(NamedTuple):
+    """experts_backward_ep's results, each with the leading rank axis R: dx: f32[R, T, H] (the routed experts'
+    part of each rank's own tokens' d loss / d x); dw: f32[R, T, k]; d_gate_up: bf16[R, L, H, 2I]; d_down:
+    bf16[R, L, I, H] (each rank's experts); status: int32[R] (0, or EXPERTS_BACKWARD_STATUS_* bits)."""
+
+    dx: jax.Array
+    dw: jax.Array
+    d_gate_up: jax.Array
+    d_down: jax.Array
+    status: jax.Array
+
+
+def experts_backward_ep(
+    ws, x: jax.Array, dy: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, src_slot: jax.Array,
+    group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, num_sms: int | None = None,
+    comm_items: int = 24, gu: jax.Array | None = None, gu_part: jax.Array | None = None,
+    gu_part_row: jax.Array | None = None, skip_rank: int = -1, return_item_ns: bool = False,
+) -> ExpertsBackwardEpOutput | tuple:
+    """The routed experts' backward at EP size P > 1 as one kernel per rank and call, its communication inside
+    (mok_experts_backward_ep): experts_backward's math over every rank's tokens, each rank on its own experts'
+    slots, with the rows crossing NVLink through ``ws`` (the layer's symmetric workspace, P ranks).
+
+    Every array has a leading rank axis R: 1 inside shard_map (this device's rank), or P with an emulated
+    workspace (every rank on one GPU, one launch). Per rank: x, dy: bf16[T, H], its own tokens; topk_idx: int32[T, k],
+    its own tokens' global expert ids; topk_weight: f32[P T, k], every rank's router weights in rank order (the
+    all-gather); src_slot: int32[M], group_sizes: int32[L]: its padded layout of the slots of its experts
+    [r L, (r + 1) L) over the P T tokens (``mok_jax.moe._rank_layout``; slot s = t_global k + j); gate_up:
+    bf16[L, H, 2I], down: bf16[L, I, H]; gu or gu_part, gu_part_row: its kept g | u in that layout, as
+    experts_backward takes them (with R leading).
+
+    Inside the kernel each rank stages its x and dy rows in the workspace; each owner gathers its rows'
+    tokens from their ranks, runs experts_backward's GEMMs, and writes each slot's bf16 dx row and dw into the
+    token's rank at (t, j); each rank then sums its tokens' k slot rows in slot order in f32. So dx, dw and the
+    weight gradients are the bits of experts_backward at EP 1 over the same tokens, for every num_sms and
+    comm_items (the items the staging is split into). status as experts_backward's, or
+    EXPERTS_BACKWARD_STATUS_COMM: a peer never came within the workspace's timeout (every rank must make the
+    same calls in the same order); the workspace is then poisoned and its next call fails. skip_rank: a test
+    mode of an emulated workspace, one rank that makes no call. return_item_ns: as experts_backward's
+    (f32[R, 2, len(ITEM_KINDS)]).
+    """
+    from mok_jax.workspace import Workspace
+
+    where = "mok_jax.ops.experts_backward_ep"
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"{where}: ws must be a mok_jax.workspace.Workspace, got {type(ws).__name__}")
+    ws.require_open(where)
+    cfg = ws.config
+    if cfg.ep < 2:
+        raise ValueError(f"{where}: the workspace spans {cfg.ep} EP rank; at EP 1 use mok_jax.ops.experts_backward")
+    for name, a, rank, dtype in (("x", x, 3, jnp.bfloat16), ("dy", dy, 3, jnp.bfloat16),
+                                 ("topk_idx", topk_idx, 3, jnp.int32), ("topk_weight", topk_weight, 3, jnp.float32),
+                                 ("src_slot", src_slot, 2, jnp.int32), ("group_sizes", group_sizes, 2, jnp.int32),
+                                 ("gate_up", gate_up, 4, jnp.bfloat16), ("down", down, 4, jnp.bfloat16)):
+        if a.ndim != rank:
+            raise ValueError(f"{where}: {name} must have rank {rank} (a leading rank axis), got shape {a.shape}")
+        if a.dtype != dtype:
+            raise TypeError(f"{where}: {name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
+    R, T, H = x.shape
+    want_r = cfg.ep if ws.emulated else 1
+    if R != want_r:
+        raise ValueError(f"{where}: x carries {R} ranks; this workspace takes {want_r} per call (an emulated one all "
+                         f"its ranks, a mesh one its own)")
+    if R > EXPERTS_BACKWARD_MAX_EMULATED_RANKS:
+        raise ValueError(f"{where}: an emulated call carries at most {EXPERTS_BACKWARD_MAX_EMULATED_RANKS} ranks")
+    if H != cfg.hidden_size:
+        raise ValueError(f"{where}: x's hidden size {H} differs from the workspace's {cfg.hidden_size}")
+    if T > cfg.max_tokens:
+        raise ValueError(f"{where}: x: {T} tokens per rank exceed the workspace's max_tokens ({cfg.max_tokens})")
+    if dy.shape != x.shape:
+        raise ValueError(f"{where}: dy must have x's shape {x.shape}, got {dy.shape}")
+    k = topk_idx.shape[2]
+    if topk_idx.shape[:2] != (R, T) or not 1 <= k <= min(cfg.top_k, EXPERTS_BACKWARD_MAX_TOP_K):
+        raise ValueError(f"{where}: topk_idx must be [{R}, {T}, k] with k in [1, {min(cfg.top_k, 32)}], got "
+                         f"{topk_idx.shape}")
+    if topk_weight.shape != (R, cfg.ep * T, k):
+        raise ValueError(f"{where}: topk_weight must be every rank's router weights, [{R}, {cfg.ep * T}, {k}], got "
+                         f"{topk_weight.shape}")
+    L, I2 = gate_up.shape[1], gate_up.shape[3]
+    if gate_up.shape[0] != R or gate_up.shape[2] != H or I2 % 2:
+        raise ValueError(f"{where}: gate_up must be [{R}, L, {H}, 2I], got {gate_up.shape}")
+    inter = I2 // 2
+    if L * cfg.ep != cfg.num_experts:
+        raise ValueError(f"{where}: gate_up holds {L} experts per rank; the workspace has {cfg.num_experts // cfg.ep}")
+    if down.shape != (R, L, inter, H):
+        raise ValueError(f"{where}: down must be {(R, L, inter, H)}, got {down.shape}")
+    if group_sizes.shape != (R, L):
+        raise ValueError(f"{where}: group_sizes must be [{R}, {L}], got {group_sizes.shape}")
+    m = src_slot.shape[1]
+    if src_slot.shape[0] != R or m < 1:
+        raise ValueError(f"{where}: src_slot must be [{R}, M] with M >= 1, got {src_slot.shape}")
+    if m * max(H, 2 * inter) >= 2**31 or cfg.ep * T * k >= 2**31:
+        raise ValueError(f"{where}: rows M times H and 2I, and ep T k, must be below 2^31 (32-bit offsets)")
+    if isinstance(comm_items, bool) or not isinstance(comm_items, (int, np.integer)) or comm_items < 1:
+        raise ValueError(f"{where}: comm_items must be an int >= 1, got {comm_items!r}")
+    if not (isinstance(skip_rank, (int, np.integer)) and -1 <= skip_rank < R) or (skip_rank >= 0 and R == 1):
+        raise ValueError(f"{where}: skip_rank must be -1, or a rank of an emulated call, got {skip_rank!r}")
+    check_num_sms(num_sms)
+    f32 = jnp.float32
+    kept = gu is not None
+    if kept and gu_part is not None:
+        raise ValueError(f"{where}: gu (every row kept) and gu_part (some rows kept) are exclusive")
+    if kept and (gu.dtype != f32 or gu.shape != (R, m, 2 * inter)):
+        raise ValueError(f"{where}: gu must be f32[{R}, {m}, {2 * inter}], got {gu.dtype}{list(gu.shape)}")
+    gu_in = gu if kept else jnp.zeros((R, 0, 2 * inter), f32)
+    if gu_part is None:
+        if gu_part_row is not None:
+            raise ValueError(f"{where}: gu_part_row needs gu_part")
+        gu_part, gu_part_row, gu_block = (jnp.zeros((R, 0, 2 * inter), f32), jnp.zeros((R, 0), jnp.int32),
+                                          jnp.zeros((R, 0), jnp.int32))
+    else:
+        if gu_part.dtype != f32 or gu_part.ndim != 3 or gu_part.shape[0] != R or gu_part.shape[2] != 2 * inter:
+            raise ValueError(f"{where}: gu_part must be f32[{R}, rows, {2 * inter}], got "
+                             f"{gu_part.dtype}{list(gu_part.shape)}")
+        if gu_part_row is None or gu_part_row.dtype != jnp.int32 or gu_part_row.shape != (R, m):
+            raise ValueError(f"{where}: gu_part_row must be int32[{R}, {m}] with gu_part")
+        gu_block = jnp.stack([kept_blocks(src_slot[r], gu_part_row[r], gu_part.shape[1], cfg.ep * T * k,
+                                          EXPERTS_BACKWARD_GROUP_ALIGN) for r in range(R)])
+    require_native(where)
+    bf16 = jnp.bfloat16
+    out = (
+        jax.ShapeDtypeStruct((R, T, H), f32),  # dx
+        jax.ShapeDtypeStruct((R, T, k), f32),  # dw
+        jax.ShapeDtypeStruct((R, L, H, 2 * inter), bf16),  # d_gate_up
+        jax.ShapeDtypeStruct((R, L, inter, H), bf16),  # d_down
+        jax.ShapeDtypeStruct((R,), jnp.int32),  # status
+        # scratch, dropped: x_e, dy_e, w_e, gu (kept: aliases gu_in), dgu, hw, dw partials, dx_e, dw_e, flags
+        jax.ShapeDtypeStruct((R, m, H), bf16),
+        jax.ShapeDtypeStruct((R, m, H), bf16),
+        jax.ShapeDtypeStruct((R, m), f32),
+        jax.ShapeDtypeStruct((R, m, 2 * inter), f32),
+        jax.ShapeDtypeStruct((R, m, 2 * inter), bf16),
+        jax.ShapeDtypeStruct((R, m, inter), bf16),
+        jax.ShapeDtypeStruct((R, m, -(-inter // _DW_PART_COLS)), f32),
+        jax.ShapeDtypeStruct((R, m, H), bf16),
+        jax.ShapeDtypeStruct((R, m), f32),
+        jax.ShapeDtypeStruct((R, _flag_words(m, L)), jnp.int32),
+    )
+    # has_side_effect: the call talks to the peers through the workspace (as the comm ops and the forward)
+    dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
+        "mok_experts_backward_ep", out, has_side_effect=True, vmap_method="sequential",
+        input_output_aliases={8: 8} if kept else None)(
+        x, dy, topk_idx, topk_weight, src_slot, group_sizes, gate_up, down, gu_in, gu_part, gu_part_row, gu_block,
+        ws_id=np.int64(ws.id), num_sms=np.int32(0 if num_sms is None else num_sms), comm_items=np.int32(comm_items),
+        skip_rank=np.int32(skip_rank))
+    result = ExpertsBackwardEpOutput(dx, dw, d_gate_up, d_down, status)
+    if return_item_ns:
+        words = scratch[_FLAGS][:, :_TIME_WORDS].reshape(R, 2, len(ITEM_KINDS), 2)
+        return result, _u64_as_f32(words)
+    return result

@@ -25,6 +25,8 @@ round(x^T dgu_s).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,7 +41,7 @@ from mok_jax.ops.moe_backward import (
 )
 from mok_jax.validation import check_experts_backward_args
 
-__all__ = ["experts_backward_reference"]
+__all__ = ["experts_backward_ep_reference", "experts_backward_reference"]
 
 _F32 = jnp.float32
 
@@ -151,3 +153,67 @@ def _shared_backward(x, dy, shared_gate_up, shared_down):
         h, dg, du = swiglu_backward(gu[:, :s_inter], gu[:, s_inter:], dy32 @ wsd.T)
         dgu = rnd(jnp.concatenate([dg, du], axis=1))
         return dgu @ wsgu.T, (x32.T @ dgu).astype(dtype), (rnd(h).T @ dy32).astype(dtype)
+
+
+def _slot_rows(src_slot: jax.Array, slots: int) -> jax.Array:
+    """int32[slots]: the row of each slot in a layout (the inverse of src_slot), M (one past the rows) for none."""
+    m = src_slot.shape[0]
+    valid = (src_slot >= 0) & (src_slot < slots)
+    return jnp.full((slots,), m, jnp.int32).at[jnp.where(valid, src_slot, slots)].set(
+        jnp.arange(m, dtype=jnp.int32), mode="drop")
+
+
+def experts_backward_ep_reference(
+    ws, x: jax.Array, dy: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, src_slot: jax.Array,
+    group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *, axis_name: str | None = None,
+    gu: jax.Array | None = None, gu_part: jax.Array | None = None, gu_part_row: jax.Array | None = None,
+    num_experts: int | None = None, **_knobs,
+):
+    """mok_jax.ops.experts_backward_ep in pure JAX (same arguments and results; ``ws`` and the kernel's knobs are
+    not read). Either every rank of the group at once (R = P, no ``axis_name``: the emulated form), or one rank
+    inside shard_map over ``axis_name`` (R = 1), where its collectives stand in for the kernel's NVLink traffic.
+
+    Each rank's slots run through experts_backward_reference over every rank's tokens (the all-gather), each slot's
+    dx row and dw go to its token's rank (a reduce-scatter of rows that only one rank holds: exact), and there each
+    token's k slot rows are summed in slot order in f32, a slot adding something only when its id is in
+    [0, num_experts) (default: P L) -- the op's semantics.
+    """
+    from mok_jax.ops.moe_backward import ExpertsBackwardEpOutput
+
+    R, T, H = x.shape
+    k = topk_idx.shape[2]
+    n = topk_weight.shape[1]
+    P = n // T
+    total = P * gate_up.shape[1] if num_experts is None else num_experts
+    if axis_name is None and R != P:
+        raise ValueError(f"experts_backward_ep_reference: without axis_name x must carry all {P} ranks, got {R}")
+    if axis_name is not None and R != 1:
+        raise ValueError(f"experts_backward_ep_reference: inside shard_map x carries its rank only, got {R}")
+    if axis_name is None:
+        xa, dya = x.reshape(n, H), dy.reshape(n, H)
+    else:
+        xa, dya = (jax.lax.all_gather(a[0], axis_name, tiled=True) for a in (x, dy))
+    parts, out_w, d_gu, d_dn, status = [], [], [], [], []
+    for r in range(R):
+        kept = {} if gu is None else dict(gu=gu[r])
+        if gu_part is not None:
+            kept = dict(gu_part=gu_part[r], gu_part_row=gu_part_row[r])
+        pos = _slot_rows(src_slot[r], n * k).reshape(n, k)
+        out = experts_backward_reference(xa, dya, topk_weight[r], pos, src_slot[r], group_sizes[r], gate_up[r], down[r],
+                                         **kept)
+        rows = jnp.concatenate([out.dx_rows, jnp.zeros((1, H), out.dx_rows.dtype)])
+        parts.append(rows[pos])  # [n, k, H]: this owner's slots' rows, zeros for the others'
+        out_w.append(out.dw)
+        d_gu.append(out.d_gate_up), d_dn.append(out.d_down), status.append(out.status)
+    if axis_name is None:  # each slot has one owner: the sums over the ranks add zeros
+        dx_slots = functools.reduce(jnp.add, parts).reshape(R, T, k, H)
+        dw = functools.reduce(jnp.add, out_w).reshape(R, T, k)
+    else:
+        dx_slots = jax.lax.psum_scatter(parts[0], axis_name, scatter_dimension=0, tiled=True)[None]
+        dw = jax.lax.psum_scatter(out_w[0], axis_name, scatter_dimension=0, tiled=True)[None]
+    has_owner = (topk_idx >= 0) & (topk_idx < total)
+    dx = jnp.zeros((R, T, H), _F32)
+    for j in range(k):
+        dx = dx + jnp.where(has_owner[:, :, j, None], dx_slots[:, :, j].astype(_F32), 0.0)
+    dw = jnp.where(has_owner, dw, 0.0)
+    return ExpertsBackwardEpOutput(dx, dw, jnp.stack(d_gu), jnp.stack(d_dn), jnp.stack(status))

@@ -27,16 +27,24 @@
 // list order: a CTA that runs fast takes more); an item waits (bounded) only for items earlier in the list,
 // through dependency counters in the scratch `flags` (zeroed by the launcher), so the phases overlap without a
 // grid barrier:
+//   STAGE(i)       expert parallel only: a share of this rank's x and dy rows into its workspace's bwd_x, bwd_dy
+//                  (comm_items of them, then one that stamps kBwdSigX in every peer when they are done)
+//                                                                    after every peer's previous call (kBwdDone)
 //   GATHER(m)      x_e, dy_e, w_e of m-block m (128 rows); one warp per row, 16-byte copies
+//                  (expert parallel: a remote token's rows from its rank's bwd_x, bwd_dy)  after kBwdSigX
 //   GU(m, n)       gu = x_e @ gate_up, fp32 out                      after GATHER(m); none when g, u are kept
 //                  (a no-op in a block of part-kept g, u: its GATHER copied them)
 //   DH(m, n)       dh' = dy_e @ down^T, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
 //                                                                    after GATHER(m) and every GU(m, .)
 //   DX(m, n)       dx_e = dgu @ gate_up^T, K-major B, bf16 out       after every DH(m, .)
 //   DWSUM(m)       dw_e = sum of the partials, ascending n-blocks    after every DH(m, .)
+//   SEND(m)        expert parallel only: each slot row's dx_e and dw_e into its token's rank's bwd_dx, bwd_dw
+//                  at (t, j) (then one item that stamps kBwdSigDx in every peer when all are sent)
+//                                                                    after DX(m, .), DWSUM(m), kBwdDone
 //   WDOWN(e, ..)   d_down[e] = hw^T dy_e, K = expert e's rows        after every GATHER and DH of expert e
 //   WGATEUP(e, ..) d_gate_up[e] = x_e^T dgu                          after the same
 //   SLOT(i)        8 tokens, one per warp: dx, dw (the slot sum)     after every DX and DWSUM
+//                  (expert parallel: of bwd_dx, bwd_dw, for the slots with an owner)     after kBwdSigDx
 // The shared expert's tiles come first within GU, DH, DX, WDOWN and WGATEUP (its GU tiles wait for nothing, so
 // CTAs take them while the gathers finish); they wait for the shared expert's earlier tiles as the routed ones do.
 // (GEMM tiles: 128 x 256 over 128B-swizzled TMA stages, mok/gemm/sm90_tile.cuh; the weight-gradient tiles
@@ -59,18 +67,30 @@
 // without one: a padding row) and its GU items run no GEMM; every other block is recomputed, all its rows. So
 // again the outputs are the bits of the recompute when gu_part equals it on those rows.
 //
+// Expert parallel (EP size P > 1, view set): the slots of every rank's tokens are laid out as at EP 1 over P T
+// tokens in rank order (src_slot, topk_weight), restricted to this rank's experts, so every row, every slot's
+// dx row and dw and every weight gradient are the bits of EP size 1; the rows cross NVLink in STAGE/GATHER and
+// SEND, and each rank sums its own tokens' k slot rows in slot order, as at EP 1. Its workspace's flags are
+// epoch stamps (mok/comm/workspace.cuh): a rank stages only after every peer finished its previous call
+// (kBwdDone, stamped by the rank's last CTA to exit), so no row is overwritten while a peer reads it. Every
+// cross-rank wait is bounded by the workspace's timeout and stops on its poison word; a failed wait poisons the
+// workspace and sets kExpertsBackwardStatusComm | kStatusWaitTimeout, and the kernel stops early.
+//
 // status (written every call: zeroed by the launcher, bits or-ed in): 0, or kGroupedFfnStatus* bits (bad
 // sizes: every group is then empty, dx and dw are zero and the weight gradients NaN) |
 // kExpertsBackwardStatusUnpadded (a size not a multiple of 128: the weight gradients are NaN) |
-// gemm::kStatusWaitTimeout. The layer never makes such sizes; NaN keeps a bug from passing for a
-// gradient without a pass over the weight gradients to say so.
+// gemm::kStatusWaitTimeout | kExpertsBackwardStatusComm. The layer never makes such sizes; NaN keeps a bug from
+// passing for a gradient without a pass over the weight gradients to say so.
 #pragma once
 
+#include "mok/comm/workspace.cuh"
 #include "mok/common.cuh"
 
 namespace mok {
 
 constexpr int32_t kExpertsBackwardStatusUnpadded = 4;
+constexpr int32_t kExpertsBackwardStatusComm = 8;  // expert parallel: a wait for a peer failed (workspace poisoned)
+constexpr int kExpertsBackwardMaxRanks = 8;        // ranks one emulated call carries (kernel-parameter budget)
 constexpr int kExpertsBackwardRowBlock = 128;  // group sizes are multiples of this
 
 struct ExpertsBackwardParams {
@@ -113,27 +133,38 @@ struct ExpertsBackwardParams {
   int64_t num_tokens, top_k, num_rows, hidden, intermediate, num_experts;
   int64_t shared_intermediate;  // Is; 0: no shared expert
   int32_t num_sms;             // 0 = every SM
+  // Expert parallel (the fused EP backward; view.base == nullptr: none). x, dy, dx, dw are then this rank's own
+  // T tokens'; topk_weight [slot_tokens, k] and src_slot number the slots of every rank's tokens (slot_tokens
+  // = ep T, rank-major); pos is not read. No shared expert (it runs in XLA at EP > 1).
+  comm::CommView view;
+  const int32_t* topk_idx;     // s32 [T, k]: this rank's own ids (its slot sum adds the slots with an owner)
+  int64_t slot_tokens;         // T at EP 1
+  int32_t comm_items;          // items the staging of x and dy is split into (>= 1)
 };
 
 // Columns of I per dgrad tile (the n-blocks of dw_part).
 constexpr int kExpertsBackwardColBlock = 256;
 
-// Kinds of work item (GATHER .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
+// Kinds of work item (STAGE .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
 // device time, two u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
 // consumers waited for inputs: integer sums, read by mok_jax.bench.backward), then the dependency counters:
-// three per m-block (at most ceil(M / 128) + E routed m-blocks, then ceil(Ts / 128) of the shared expert's Ts
-// rows: T with a shared expert, else 0), two per expert and two for the shared expert, and three totals (the
-// last one counts the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
-constexpr int kExpertsBackwardKinds = 8;
+// four per m-block (at most ceil(M / 128) + E routed m-blocks, then ceil(Ts / 128) of the shared expert's Ts
+// rows: T with a shared expert, else 0), two per expert and two for the shared expert, and five totals (the
+// third one counts the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+constexpr int kExpertsBackwardKinds = 10;
 constexpr int64_t kExpertsBackwardTimeWords = 4 * kExpertsBackwardKinds;
 constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int64_t shared_rows) {
   return kExpertsBackwardTimeWords +
-         3 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +
+         4 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +
               (shared_rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock) +
-         2 * (experts + 1) + 3;
+         2 * (experts + 1) + 5;
 }
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& params, cudaStream_t stream);
+// One launch for num_ranks EP ranks (1, or all ep of an emulated group on one device: CTA b serves rank
+// b % num_ranks); skip_rank (test mode, -1: none) is an emulated rank that makes no call.
+cudaError_t launch_experts_backward_ranks(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank,
+                                          cudaStream_t stream);
 
 }  // namespace mok

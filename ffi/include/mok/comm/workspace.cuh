@@ -28,6 +28,13 @@
 //   comb        bf16[ep][max_tokens][H]  combine partial rows
 //                                        (push: [o][t] on the origin, from owner o;
 //                                         pull: [s][t] on the owner, for origin s)
+//   the fused backward's buffers (ep > 1 only; none at ep 1, whose backward does not communicate):
+//   bwd_flags   u64[kBwdFlagRows][ep]    epoch stamps of the experts' backward (mok/experts_backward.cuh):
+//                                        rows kBwdSigX, kBwdSigDx, kBwdDone; [row][s] is written by rank s
+//   bwd_x       bf16[max_tokens][H]      this rank's x rows, staged for the owners of its slots to read
+//   bwd_dy      bf16[max_tokens][H]      its dy rows, likewise
+//   bwd_dx      bf16[max_tokens][top_k][H]  the dx row of each of its slots (t, j), written by the slot's owner
+//   bwd_dw      f32[max_tokens][top_k]   the router-weight gradient of each slot, likewise
 //
 // The megakernel's flags are epoch stamps, not counts: the last of the items that a flag guards stores
 // the call's epoch with a release at system scope, and a consumer waits for flag >= epoch. So a call may
@@ -35,7 +42,8 @@
 //
 // Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes, linear in ep (H 7168,
 // 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the megakernel's device-side ring (docs/kernel.md) bounds
-// this later). Nothing else depends on ep beyond the [ep]-indexed regions above: every loop over peers
+// this later). At ep > 1 the backward's buffers add (2 + top_k) * max_tokens * H * 2 bytes, independent of ep
+// (H 7168, 4096 tokens, k 8: 587 MB). Nothing else depends on ep beyond the [ep]-indexed regions above: every loop over peers
 // runs to shape.ep and the peer table holds ep pointers. Everything is zeroed once at setup and never
 // memset again: signals are monotonic counters compared against epoch * kSignalUnits.
 //
@@ -62,6 +70,7 @@ constexpr size_t kRegionAlign = 256;
 constexpr int kMinGranularity = 512;                    // smallest microbatch of the megakernel (tokens)
 constexpr int kMoeSigRoute = 0, kMoeSigX = 1, kMoeAckDisp = 2, kMoeAckComb = 3, kMoeSigComb = 4;
 constexpr int kMoeFlagRows = kMoeSigComb;               // rows before the per-microbatch ones
+constexpr int kBwdSigX = 0, kBwdSigDx = 1, kBwdDone = 2, kBwdFlagRows = 3;  // the backward's flag rows
 
 // Fixed at setup, identical on every rank of the group.
 struct CommShape {
@@ -83,11 +92,15 @@ struct LocalState {
   uint64_t moe_epoch;   // completed megakernel calls
   uint32_t moe_exit;    // CTAs of the current megakernel call that finished (reset by the last one)
   uint32_t pad2;
+  uint64_t bwd_epoch;   // completed calls of the fused experts' backward
+  uint32_t bwd_exit;    // CTAs of its current call that finished (reset by the last one)
+  uint32_t pad3;
 };
 
 struct SymLayout {
   size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_flags;
   size_t chunk_count, chunk_base, route_idx, route_w, stage, comb;
+  size_t bwd_flags, bwd_x, bwd_dy, bwd_dx, bwd_dw;  // ep > 1 only (0 at ep 1)
   size_t route_stride;  // elements per source rank in route_idx / route_w
   size_t total_bytes;
 };
@@ -127,6 +140,14 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   const size_t rows = size_t(s.ep) * s.max_tokens * s.hidden * 2;  // bf16
   l.stage = take(rows);
   l.comb = take(rows);
+  if (s.ep > 1) {
+    const size_t own = size_t(s.max_tokens) * s.hidden * 2;  // bf16 [max_tokens][H]
+    l.bwd_flags = take(sizeof(uint64_t) * kBwdFlagRows * s.ep);
+    l.bwd_x = take(own);
+    l.bwd_dy = take(own);
+    l.bwd_dx = take(own * s.top_k);
+    l.bwd_dw = take(sizeof(float) * size_t(s.max_tokens) * s.top_k);
+  }
   l.total_bytes = off;
   return l;
 }
@@ -141,7 +162,7 @@ enum ErrorCode : uint32_t {
   kErrBadExpert = 5,       // topk_idx holds an id outside [-1, E) (-1 = masked slot)
   kErrTimeoutLocal = 6,    // a work item of this rank waited too long for another of the same call
 };
-enum OpCode : uint32_t { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2, kOpMoeForward = 3 };
+enum OpCode : uint32_t { kOpNone = 0, kOpDispatch = 1, kOpCombine = 2, kOpMoeForward = 3, kOpMoeBackward = 4 };
 
 struct ErrorInfo {
   uint32_t code, op;
