@@ -105,8 +105,10 @@ class KernelConfig:
     Every value gives bitwise the same outputs; only the speed and the memory change.
 
     granularity: tokens per microbatch (a multiple of 64 in 512..32768; clipped to the tokens of a call).
-    comm_sms_fwd / comm_sms_bwd: how many SMs move rows at once in forward / backward (the work items each
-        dispatch and combine stage is split into; the other SMs run GEMM tiles meanwhile).
+    comm_sms_fwd: how many SMs move rows at once in the forward (the work items each dispatch and combine
+        stage is split into; the other SMs run GEMM tiles meanwhile).
+    comm_sms_bwd: the items the fused expert-parallel backward (ops.experts_backward_ep) splits the staging of
+        x and dy into; its row moves after that go one item per 128-row block. Unused at EP 1.
     dispatch / combine: communication direction per operator.
     ring_slots: microbatch slots in the device-side receive ring (memory: ring_slots x the worst case of
         one microbatch's rows, whatever the routing).

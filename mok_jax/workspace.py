@@ -41,8 +41,9 @@ workspace: create the workspace in that process and trace the call there.
 Memory. The regions are plain ``cudaMalloc`` allocations outside XLA's pool (they are exported to peer
 processes through CUDA IPC and must outlive any XLA buffer), so they come out of what XLA leaves free. With
 JAX's default preallocation (75% of each GPU at startup) that is a quarter of the GPU, more than a
-workspace needs on a data-centre GPU (2 * ep * max_tokens * hidden_size * 2 bytes per rank: 0.9 GiB at
-ep=8, 4096 tokens, hidden 7168). Where it does not fit, :meth:`Workspace.create` raises
+workspace needs on a data-centre GPU (2 * ep * max_tokens * hidden_size * 2 bytes per rank, plus at ep > 1
+the fused backward's (2 + top_k) * max_tokens * hidden_size * 2: 1.4 GiB at ep=8, 4096 tokens, hidden 7168,
+top_k 8). Where it does not fit, :meth:`Workspace.create` raises
 :class:`WorkspaceMemoryError` naming the bytes it needed, the device's free memory and the remedy: set
 ``XLA_CLIENT_MEM_FRACTION`` (older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``) lower or
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX starts, or ask for a smaller workspace.

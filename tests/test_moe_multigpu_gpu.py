@@ -75,7 +75,7 @@ def _emulated(x, idx, w, W, dy, device):
     with jax.default_device(device):
         y, status = jax.jit(lambda *a: emulated_moe(*a, ep=EP, device=device))(x, idx, w, W)
         assert not np.asarray(status).any(), np.asarray(status)
-        grads = jax.jit(lambda *a: emulated_moe_backward(*a, ep=EP))(x, idx, w, W, dy)
+        grads = jax.jit(lambda *a: emulated_moe_backward(*a, ep=EP, fused=False))(x, idx, w, W, dy)
     return np.asarray(y), jax.tree.map(np.asarray, grads)
 
 
@@ -118,9 +118,16 @@ def _compare(y, grads, y_ref, grads_ref, rows=slice(None)):
         near(f"d {name}", getattr(dW, name), getattr(dW_r, name))
 
 
-def test_ep2_one_process_driving_both_gpus(two_gpus):
+@pytest.mark.parametrize("fused", [False, True])
+def test_ep2_one_process_driving_both_gpus(two_gpus, monkeypatch, fused):
+    """Both GPUs from one process: the layer's y and gradients against the emulation's. fused: the layer's
+    backward through the fused EP op (its rows over NVLink inside the kernel) rather than XLA collectives; the
+    same bits either way."""
+    import importlib
+
     import jax
 
+    monkeypatch.setattr(importlib.import_module("mok_jax.moe"), "_FUSED_EP_BACKWARD", fused)
     x, idx, w, W, dy = _problem(seed=1)
     gpus = _gpus()[:EP]
     y_ref, g_ref = _emulated(x, idx, w, W, dy, gpus[0])

@@ -493,7 +493,8 @@ __device__ void gather(const KernelParams& p, const Item& it, int ct) {
 #pragma unroll
         for (int u = 0; u < kGatherVecs; ++u)
           if (c0 + 32 * u < chunks)
-            xd[c0 + 32 * u] = *reinterpret_cast<const uint4*>(&a[u]), dd[c0 + 32 * u] = *reinterpret_cast<const uint4*>(&b[u]);
+            xd[c0 + 32 * u] = *reinterpret_cast<const uint4*>(&a[u]),
+            dd[c0 + 32 * u] = *reinterpret_cast<const uint4*>(&b[u]);
       }
     } else {
       for (int c = lane; c < chunks; c += 32) xd[c] = make_uint4(0, 0, 0, 0), dd[c] = make_uint4(0, 0, 0, 0);

@@ -816,7 +816,7 @@ def _from_json(opts: BenchOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point. Returns 0 when at least one run succeeded and none failed (skipped and unsupported
-    runs are not failures: --time-budget, a signal, mok's missing backward at EP > 1), 1 when a run failed or none ran,
+    runs are not failures: --time-budget, a signal, a pass an implementation lacks), 1 when a run failed or none ran,
     2 on bad options or an implementation asked for by name that cannot run here (one line saying why)."""
     try:
         opts = parse_args(argv)

@@ -43,7 +43,7 @@ EXPERTS_BACKWARD_MAX_TOP_K = 32  # the handler's limit on k (ffi/src/experts_bac
 EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP = 1  # status bit: some group size < 0
 EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
 EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is not a multiple of 128
-EXPERTS_BACKWARD_STATUS_COMM = 8  # status bit (experts_backward_ep): a wait for a peer failed; the workspace is poisoned
+EXPERTS_BACKWARD_STATUS_COMM = 8  # status bit (experts_backward_ep): a wait for a peer failed; workspace poisoned
 EXPERTS_BACKWARD_MAX_EMULATED_RANKS = 8  # ranks one emulated call of experts_backward_ep carries
 
 _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate columns

@@ -43,9 +43,9 @@
 // Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes, linear in ep (H 7168,
 // 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the megakernel's device-side ring (docs/kernel.md) bounds
 // this later). At ep > 1 the backward's buffers add (2 + top_k) * max_tokens * H * 2 bytes, independent of ep
-// (H 7168, 4096 tokens, k 8: 587 MB). Nothing else depends on ep beyond the [ep]-indexed regions above: every loop over peers
-// runs to shape.ep and the peer table holds ep pointers. Everything is zeroed once at setup and never
-// memset again: signals are monotonic counters compared against epoch * kSignalUnits.
+// (H 7168, 4096 tokens, k 8: 587 MB). Nothing else depends on ep beyond the [ep]-indexed regions above: every
+// loop over peers runs to shape.ep and the peer table holds ep pointers. Everything is zeroed once at setup and
+// never memset again: signals are monotonic counters compared against epoch * kSignalUnits.
 //
 // Signals: every block of a producing kernel adds its share of kSignalUnits (block 0 adds
 // kSignalUnits - (gridDim.x - 1), the others 1) with a release reduction at system scope, so one
