@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # EP 2 over real NVLink (issue 13) on the 2-GPU H200 machine (device kind nvidia-h200-x2), in one command:
 #   env        GPUs, NVLink topology, JAX's devices, the native library (carried as build/native)
-#   tests      the fused layer at EP 2 in one process and in one process per GPU (tests/test_moe_multigpu_gpu.py),
-#              the communication ops on both GPUs (one process, one process per GPU), the emulated-EP layer tests
+#   tests      the fused layer at EP 2 in one process and in one process per GPU (tests/test_moe_multigpu_gpu.py;
+#              its backward over collectives and through the fused EP op), the communication ops on both GPUs (one
+#              process, one process per GPU), the emulated-EP forward tests and the fused EP backward's
 #   fwd        mok-bench, ep64-slice, 2048 tokens per GPU, the four bench models, mok against xla and xla-capacity
 #   fwd+bwd    the same, fwd+bwd
 #   gran       kimi-k2: mok over granularity 512, 1024, 2048
@@ -25,9 +26,10 @@ BENCH=($PY -m mok_jax.bench --ep-mode ep64-slice --tokens 2048 --dtype bf16 --no
 step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import jax, mok_jax; from mok_jax._native import native_status; print(jax.__version__, jax.devices(), native_status())'"
 for s in ${EP2_STEPS-tests fwd fwd+bwd gran comm_sms comm}; do
   case $s in
-    tests) step tests ${TEST_LIMIT:-240} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_COMM_PROCS=2 \
+    tests) step tests ${TEST_LIMIT:-300} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_COMM_PROCS=2 \
              $PY -m pytest -q -rs --timeout=200 -p no:cacheprovider tests/test_moe_multigpu_gpu.py tests/test_comm_gpu.py \
-             tests/test_comm_multiprocess_gpu.py tests/test_moe_gpu.py -k "multigpu or one_process or comm or emulated" ;;
+             tests/test_comm_multiprocess_gpu.py tests/test_moe_gpu.py tests/test_moe_backward_gpu.py \
+             -k "multigpu or one_process or comm or emulated_data or emulated_math or emulated_rank or fused" ;;
     fwd) step fwd ${BENCH_BUDGET:-100} "${BENCH[@]}" --model "$MODELS" --impl xla,xla-capacity,mok --pass fwd \
            --time-budget 85 --json "$LOGS/fwd.json" ;;
     fwd+bwd) step fwd+bwd ${BENCH_BUDGET:-130} "${BENCH[@]}" --model "$MODELS" --impl xla,xla-capacity,mok \

@@ -674,7 +674,7 @@ def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
     the shared expert's weights ([H, 0] and [0, H] for none: Is = 0), then dx, dw, d_gate_up,
     d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 flags (40
     time words, then the dependency counters: 4 per m-block of at most ceil(M / 128) + E, and of the shared
-    expert's ceil(Ts / 128), 2 per expert and 2 for the shared one, 5 totals), then d_shared_gate_up,
+    expert's ceil(Ts / 128), 2 per expert and 2 for the shared one, 5 totals; a multiple of 4), then d_shared_gate_up,
     d_shared_down and the shared expert's scratch gus, dgus, hws, dxs (Ts = T rows with a shared expert, else 0)."""
     Ts = T if Is else 0
     part = (0, 0, 0) if part_rows is None else (part_rows, M, -(-M // 128))
@@ -682,7 +682,7 @@ def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
                 f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, "
                 f"tensor<{gu_rows}x{2 * I}xf32>, tensor<{part[0]}x{2 * I}xf32>, tensor<{part[1]}xi32>, "
                 f"tensor<{part[2]}xi32>, tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>)")
-    flags = 40 + 4 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 5
+    flags = -(-(40 + 4 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 5) // 4) * 4
     results = (f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, "
                f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, "
                f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "

@@ -160,6 +160,8 @@ struct SharedStorage {
   int32_t unpadded;
   int32_t bad;      // table.status or unpadded: every weight-gradient tile is NaN
   int32_t wait_ok;  // a consumer-side wait's verdict, for all consumers
+  int32_t peer_ok;  // ... of a wait for the peers (its own word: an item may wait for both, one after the other,
+                    // and a slow warp may still be reading the first verdict when the second is written)
   int32_t last;     // this CTA is the rank's last to exit
   Shape shape;      // the item list (from the table)
   int32_t work[kWorkSlots];  // tickets (item indices; -1: no more) from the producer to the consumers
@@ -414,7 +416,8 @@ __device__ void publish(const KernelParams& p, int row, uint64_t epoch) {
 
 // The consumers wait until every peer stamped flag row `row` of this rank's region with at least `target` (one
 // thread waits, bounded; a timeout poisons the workspace, a poisoned one stops it). On failure the status bits
-// stop every other wait of the rank too.
+// stop every other wait of the rank too. Its verdict has its own word (SharedStorage::peer_ok): an item makes at
+// most one such wait and one consumers_wait, in either order.
 __device__ bool consumers_wait_peers(SharedStorage& s, const KernelParams& p, int row, uint64_t target, uint32_t code,
                                      uint64_t epoch, unsigned long long* wait_ns, int ct) {
   if (ct == 0) {
@@ -425,11 +428,11 @@ __device__ bool consumers_wait_peers(SharedStorage& s, const KernelParams& p, in
       if (q != p.view.rank)
         ok = comm::wait_at_least(p.view, f + q, target, code, comm::kOpMoeBackward, q, epoch);
     if (!ok) atomicOr(p.status, gemm::kStatusWaitTimeout | kExpertsBackwardStatusComm);
-    s.wait_ok = ok;
+    s.peer_ok = ok;
     atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));
   }
   gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
-  return s.wait_ok != 0;
+  return s.peer_ok != 0;
 }
 
 // Expert parallel: where the rows of slot `slot` (< Tn k) come from and go to: its token's rank and row there.
@@ -750,14 +753,15 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         dw_sum(p, h, it, ct);
         break;
       default:  // kSlot
-        if (!consumers_wait<2>(s, {f.totals + 0, f.totals + 1},
-                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum]}, p,
-                               f.wait_ns + kSlot, ct))
+        // expert parallel: also this rank's own slot rows (its SEND items) and every peer's are in bwd_dx (one
+        // wait of each kind: their verdicts have a word each)
+        if (!consumers_wait<3>(s, {f.totals + 0, f.totals + 1, f.totals + 3},
+                               {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum],
+                                p.ep > 1 ? s.table.tile_start[p.E] : 0},
+                               p, f.wait_ns + kSlot, ct))
           return;
-        // expert parallel: this rank's own slot rows (its SEND items) and every peer's are in bwd_dx
-        if (p.ep > 1 && (!consumers_wait<1>(s, {f.totals + 3}, {s.table.tile_start[p.E]}, p, f.wait_ns + kSlot, ct) ||
-                         !consumers_wait_peers(s, p, comm::kBwdSigDx, epoch, comm::kErrTimeoutData, epoch,
-                                               f.wait_ns + kSlot, ct)))
+        if (p.ep > 1 && !consumers_wait_peers(s, p, comm::kBwdSigDx, epoch, comm::kErrTimeoutData, epoch,
+                                              f.wait_ns + kSlot, ct))
           return;
         slot_sum(p, s, it, ct);
         break;
@@ -855,7 +859,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __g
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   run(params);
 #elif defined(__CUDA_ARCH__)
-  if (threadIdx.x == 0 && blockIdx.x < params.num_ranks) atomicOr(params.ranks[blockIdx.x].status, gemm::kStatusNoSm90a);
+  if (threadIdx.x == 0 && blockIdx.x < params.num_ranks)
+    atomicOr(params.ranks[blockIdx.x].status, gemm::kStatusNoSm90a);
 #endif
 }
 

@@ -8,8 +8,8 @@
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
-//      flags: s32[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5] (time words, dependency counters;
-//      zeroed by the launcher)
+//      flags: s32[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4] (time words,
+//      dependency counters; zeroed by the launcher)
 //   attrs: {num_sms: s32, 0 = all SMs}
 //
 // mok_experts_backward_ep: the fused expert-parallel form (EP size P > 1), every operand with a leading rank
@@ -124,7 +124,8 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dw_e", dw_e->dimensions(), {m}, "[M]"},
       {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e, s_rows)},
-       "[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5], Ts = T with a shared expert, else 0"},
+       "[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4], Ts = T with a shared "
+       "expert, else 0"},
       {"shared_gate_up", shared_gate_up.dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},
       {"shared_down", shared_down.dimensions(), {s_inter, hidden}, "[Is, H]"},
       {"d_shared_gate_up", d_shared_gate_up->dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},

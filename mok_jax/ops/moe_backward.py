@@ -60,9 +60,10 @@ _TIME_WORDS = 4 * len(ITEM_KINDS)  # two u64 per kind (consumers' ns, ns waited)
 
 def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
     """s32 words of the kernel's scratch flags (experts_backward_flag_words in experts_backward.cuh): the time
-    words, then the dependency counters (``shared_rows``: T with a shared expert, else 0)."""
+    words, then the dependency counters (``shared_rows``: T with a shared expert, else 0), rounded up to 4."""
     blocks = lambda n: -(-n // EXPERTS_BACKWARD_GROUP_ALIGN)  # noqa: E731
-    return _TIME_WORDS + 4 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 5
+    words = _TIME_WORDS + 4 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 5
+    return -(-words // 4) * 4  # a multiple of 4: each emulated rank's u64 time words stay 8-byte aligned
 
 
 class ExpertsBackwardOutput(NamedTuple):
@@ -267,7 +268,10 @@ def experts_backward_ep(
     weight gradients are the bits of experts_backward at EP 1 over the same tokens, for every num_sms and
     comm_items (the items the staging is split into). status as experts_backward's, or
     EXPERTS_BACKWARD_STATUS_COMM: a peer never came within the workspace's timeout (every rank must make the
-    same calls in the same order); the workspace is then poisoned and its next call fails. skip_rank: a test
+    same calls in the same order); the workspace is then poisoned and its next call fails. A rank's outputs are
+    defined only when every rank's status is 0 (an owner with bad group sizes sends no rows: the layer ORs the
+    statuses over the axis and gives NaN gradients then). A peer more than 10 s late fails the call even under a
+    longer workspace timeout (the kernel's bound on its waits inside a rank). skip_rank: a test
     mode of an emulated workspace, one rank that makes no call. return_item_ns: as experts_backward's
     (f32[R, 2, len(ITEM_KINDS)]).
     """
@@ -321,8 +325,10 @@ def experts_backward_ep(
     m = src_slot.shape[1]
     if src_slot.shape[0] != R or m < 1:
         raise ValueError(f"{where}: src_slot must be [{R}, M] with M >= 1, got {src_slot.shape}")
-    if m * max(H, 2 * inter) >= 2**31 or cfg.ep * T * k >= 2**31:
-        raise ValueError(f"{where}: rows M times H and 2I, and ep T k, must be below 2^31 (32-bit offsets)")
+    if m * max(H, 2 * inter) >= 2**31 or cfg.ep * T * k >= 2**31 or T * H >= 2**31:
+        raise ValueError(f"{where}: rows M times H and 2I, T times H, and ep T k must be below 2^31 (32-bit offsets)")
+    if L > EXPERTS_BACKWARD_MAX_EXPERTS:
+        raise ValueError(f"{where}: gate_up: at most {EXPERTS_BACKWARD_MAX_EXPERTS} experts per rank, got {L}")
     if isinstance(comm_items, bool) or not isinstance(comm_items, (int, np.integer)) or comm_items < 1:
         raise ValueError(f"{where}: comm_items must be an int >= 1, got {comm_items!r}")
     if not (isinstance(skip_rank, (int, np.integer)) and -1 <= skip_rank < R) or (skip_rank >= 0 and R == 1):

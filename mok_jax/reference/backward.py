@@ -183,7 +183,7 @@ def experts_backward_ep_reference(
     R, T, H = x.shape
     k = topk_idx.shape[2]
     n = topk_weight.shape[1]
-    P = n // T
+    P = n // T if T else R  # (no tokens: nothing has an owner, P is not needed)
     total = P * gate_up.shape[1] if num_experts is None else num_experts
     if axis_name is None and R != P:
         raise ValueError(f"experts_backward_ep_reference: without axis_name x must carry all {P} ranks, got {R}")

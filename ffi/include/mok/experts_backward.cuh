@@ -74,7 +74,11 @@
 // epoch stamps (mok/comm/workspace.cuh): a rank stages only after every peer finished its previous call
 // (kBwdDone, stamped by the rank's last CTA to exit), so no row is overwritten while a peer reads it. Every
 // cross-rank wait is bounded by the workspace's timeout and stops on its poison word; a failed wait poisons the
-// workspace and sets kExpertsBackwardStatusComm | kStatusWaitTimeout, and the kernel stops early.
+// workspace and sets kExpertsBackwardStatusComm | kStatusWaitTimeout, and the kernel stops early. Two limits:
+// the waits inside a rank (an item for an earlier one, the TMA stage ring) keep their own 10 s bound, so a peer
+// more than 10 s late fails the call (with kStatusWaitTimeout alone) even under a longer workspace timeout; and
+// an owner whose group sizes are bad sends no rows, so its peers' slot sums then read their buffers' previous
+// contents: check every rank's status (the layer ORs them over the axis and gives NaN gradients).
 //
 // status (written every call: zeroed by the launcher, bits or-ed in): 0, or kGroupedFfnStatus* bits (bad
 // sizes: every group is then empty, dx and dw are zero and the weight gradients NaN) |
@@ -150,14 +154,16 @@ constexpr int kExpertsBackwardColBlock = 256;
 // consumers waited for inputs: integer sums, read by mok_jax.bench.backward), then the dependency counters:
 // four per m-block (at most ceil(M / 128) + E routed m-blocks, then ceil(Ts / 128) of the shared expert's Ts
 // rows: T with a shared expert, else 0), two per expert and two for the shared expert, and five totals (the
-// third one counts the tickets). mok_jax/ops/moe_backward.py sizes the scratch with the same formula.
+// third one counts the tickets), rounded up to a multiple of 4 words: the ranks of an emulated call lie back to
+// back, and each one's u64 time words must stay 8-byte aligned. mok_jax/ops/moe_backward.py sizes the scratch
+// with the same formula.
 constexpr int kExpertsBackwardKinds = 10;
 constexpr int64_t kExpertsBackwardTimeWords = 4 * kExpertsBackwardKinds;
 constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int64_t shared_rows) {
-  return kExpertsBackwardTimeWords +
-         4 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +
-              (shared_rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock) +
-         2 * (experts + 1) + 5;
+  return (kExpertsBackwardTimeWords +
+          4 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +
+               (shared_rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock) +
+          2 * (experts + 1) + 5 + 3) / 4 * 4;
 }
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
