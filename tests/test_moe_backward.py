@@ -649,6 +649,38 @@ def test_emulated_ep_backward_equals_shard_map(monkeypatch, cpu_devices, ep):
         _assert_rows_close(f"EP {ep}: {name}", a, b, (ep + 1) * 2.0**-8)
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_emulated_fused_ep_backward_glue(monkeypatch, cpu_devices, ep):
+    """emulated_moe_backward(fused=True) with the fused op's reference in the op's place (no GPU here): its
+    per-rank stacking of x, dy, ids, the layouts and the broadcast router weights, and its unstacking of the
+    results, give the bits of the collectives path (fused=False) for every gradient; return_status gives the
+    op's int32[ep] status."""
+    from mok_jax.emulation import emulated_moe_backward
+    from mok_jax.reference import experts_backward_ep_reference
+
+    emu = importlib.import_module("mok_jax.emulation")
+    monkeypatch.setattr(emu, "require_native", lambda what: None)
+    monkeypatch.setattr(emu.ops, "experts_backward_ep", experts_backward_ep_reference)
+    shape = _shape(8, 32, 24, 3, 16)
+    x, _, w, W = random_problem(shape, 16 * ep, seed=ep + 7)
+    x, W = x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
+    idx = _routing_case("masked", 16 * ep, 8, 3, seed=ep + 2)
+    dy = jax.random.normal(jax.random.key(ep + 5), x.shape).astype(jnp.bfloat16)
+    ws = _stand_in_workspace(ep=ep, T=16, H=32, k=3, E=8)
+    with HI():
+        *got, status = jax.jit(functools.partial(emulated_moe_backward, ep=ep, fused=True, workspace=ws,
+                                                 device=cpu_devices[0], return_status=True))(x, idx, w, W, dy)
+        want = jax.jit(functools.partial(emulated_moe_backward, ep=ep, experts_fn=experts_backward_reference))(
+            x, idx, w, W, dy)
+    assert np.asarray(status).shape == (ep,) and not np.asarray(status).any()
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"leaf {i}")
+    with pytest.raises(ValueError, match="experts_fn replaces the op"):
+        emulated_moe_backward(x, idx, w, W, dy, ep=ep, fused=True, experts_fn=experts_backward_reference)
+    with pytest.raises(ValueError, match="pass fused=True"):
+        emulated_moe_backward(x, idx, w, W, dy, ep=ep, fused=False, skip_rank=1)
+
+
 def test_emulated_ep_backward_rejects_bad_arguments():
     from mok_jax.emulation import emulated_moe_backward
 
