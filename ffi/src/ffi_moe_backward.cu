@@ -39,6 +39,21 @@ namespace {
 using mok::ffi_util::dims_are;
 using mok::ffi_util::dims_str;
 
+// The problem's sizes, the same fields in both handlers.
+void set_sizes(mok::ExpertsBackwardParams& p, int64_t t, int64_t k, int64_t m, int64_t hidden, int64_t inter,
+               int64_t e, int32_t num_sms) {
+  p.num_tokens = t, p.top_k = k, p.num_rows = m, p.hidden = hidden, p.intermediate = inter, p.num_experts = e;
+  p.num_sms = num_sms;
+}
+
+// A buffer's dimensions and the ones it must have, for the handlers' shape checks.
+struct Want {
+  const char* name;
+  ffi::Span<const int64_t> got;
+  std::initializer_list<int64_t> want;
+  const char* shape;
+};
+
 ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
@@ -98,12 +113,6 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
     return invalid(kOp, "shared_gate_up must be rank 2 [H, 2Is] ([H, 0]: no shared expert), got " +
                             dims_str(shared_gate_up.dimensions()));
   const int64_t s_inter = shared_gate_up.dimensions()[1] / 2, s_rows = s_inter > 0 ? t : 0;
-  struct Want {
-    const char* name;
-    ffi::Span<const int64_t> got;
-    std::initializer_list<int64_t> want;
-    const char* shape;
-  };
   const Want checks[] = {
       {"dy", dy.dimensions(), {t, hidden}, "[T, H]"},
       {"topk_weight", topk_weight.dimensions(), {t, k}, "[T, k]"},
@@ -178,13 +187,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.dx_e = dx_e->untyped_data();
   p.dw_e = dw_e->typed_data();
   p.flags = flags->typed_data();
-  p.num_tokens = t;
-  p.top_k = k;
-  p.num_rows = m;
-  p.hidden = hidden;
-  p.intermediate = inter;
-  p.num_experts = e;
-  p.num_sms = attrs.num_sms;
+  set_sizes(p, t, k, m, hidden, inter, e, attrs.num_sms);
   p.slot_tokens = t;
   p.shared_intermediate = s_inter;
   if (s_inter > 0) {
@@ -313,12 +316,6 @@ ffi::Error experts_backward_ep_impl(
     return invalid(kOp, "gu_part_row and gu_block must be s32[ranks, M] and s32[ranks, ceil(M / 128)], or all "
                         "three of gu_part, gu_part_row and gu_block empty");
   if (part && kept) return invalid(kOp, "gu_in (all rows kept) and gu_part (some rows kept) are exclusive");
-  struct Want {
-    const char* name;
-    ffi::Span<const int64_t> got;
-    std::initializer_list<int64_t> want;
-    const char* shape;
-  };
   const Want checks[] = {
       {"dy", dy.dimensions(), {R, t, hidden}, "[ranks, T, H]"},
       {"topk_weight", topk_weight.dimensions(), {R, n, k}, "[ranks, ep T, k]"},
@@ -385,13 +382,7 @@ ffi::Error experts_backward_ep_impl(
     p.dx_e = at(static_cast<uint16_t*>(dx_e->untyped_data()), r, m * hidden);
     p.dw_e = at(dw_e->typed_data(), r, m);
     p.flags = at(flags->typed_data(), r, words);
-    p.num_tokens = t;
-    p.top_k = k;
-    p.num_rows = m;
-    p.hidden = hidden;
-    p.intermediate = inter;
-    p.num_experts = e;
-    p.num_sms = attrs.num_sms;
+    set_sizes(p, t, k, m, hidden, inter, e, attrs.num_sms);
     p.view = views[r];
     p.slot_tokens = n;
     p.comm_items = attrs.comm_items;
