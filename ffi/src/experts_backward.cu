@@ -5,6 +5,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "mok/comm/ptx.cuh"
+#include "mok/comm/rows.cuh"
 #include "mok/comm/sync.cuh"
 #include "mok/experts_backward.cuh"
 #include "mok/gemm/group_scheduler.cuh"
@@ -39,6 +40,7 @@ constexpr int kMaxGroups = 1024;
 constexpr int kSlotTokens = 8;  // tokens per SLOT item: one per consumer warp
 constexpr int kGatherVecs = 4;  // 16-byte vectors in flight per lane and source in GATHER (more spill)
 constexpr int kSlotVecs = 8;    // slot rows loaded per lane before any is added, in SLOT
+constexpr int kCopyVecs = 4;    // 16-byte vectors per lane in flight when STAGE and SEND copy a row
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
 constexpr int kWorkSlots = 2;             // tickets the producer hands the consumers ahead
 
@@ -401,17 +403,10 @@ __device__ void producer(const KernelParams& p, const Operands& shared, SharedSt
 }
 
 // ---- consumers: row items --------------------------------------------------------------------------------
-// Expert parallel: flag row `row` of the backward's flags in rank q's region.
-__device__ __forceinline__ uint64_t* bwd_flag(const comm::CommView& v, int q, int row) {
-  return v.peer<uint64_t>(q, v.layout.bwd_flags) + size_t(row) * v.shape.ep;
-}
-
-// One thread: this call's epoch into flag row `row`, slot [my rank], of every peer (after a system fence that
-// orders every store this rank's items made before, through the counters the caller acquired).
+// Expert parallel, one thread: this call's epoch into row `row` of every peer's bwd_flags (after a system fence
+// that orders every store this rank's items made before, through the counters the caller acquired).
 __device__ void publish(const KernelParams& p, int row, uint64_t epoch) {
-  comm::fence_sys();
-  for (int q = 0; q < p.ep; ++q)
-    if (q != p.view.rank) comm::st_release_sys(bwd_flag(p.view, q, row) + p.view.rank, epoch);
+  comm::publish_stamps(p.view, p.view.layout.bwd_flags, row, epoch);
 }
 
 // The consumers wait until every peer stamped flag row `row` of this rank's region with at least `target` (one
@@ -422,11 +417,7 @@ __device__ bool consumers_wait_peers(SharedStorage& s, const KernelParams& p, in
                                      uint64_t epoch, unsigned long long* wait_ns, int ct) {
   if (ct == 0) {
     const uint64_t t0 = gemm::global_timer_ns();
-    const uint64_t* f = bwd_flag(p.view, p.view.rank, row);
-    bool ok = true;
-    for (int q = 0; q < p.ep && ok; ++q)
-      if (q != p.view.rank)
-        ok = comm::wait_at_least(p.view, f + q, target, code, comm::kOpMoeBackward, q, epoch);
+    const bool ok = comm::wait_stamps(p.view, p.view.layout.bwd_flags, row, target, code, comm::kOpMoeBackward, epoch);
     if (!ok) atomicOr(p.status, gemm::kStatusWaitTimeout | kExpertsBackwardStatusComm);
     s.peer_ok = ok;
     atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));
@@ -453,12 +444,10 @@ __device__ void stage_rows(const KernelParams& p, const Item& it, int ct) {
   int4* dd = p.view.local<int4>(p.view.layout.bwd_dy);
   const int4* xs = reinterpret_cast<const int4*>(p.x);
   const int4* ds = reinterpret_cast<const int4*>(p.dy);
-  for (int64_t r = r0 + warp; r < r1; r += kConsumers / 32)
-    for (int c = lane; c < chunks; c += 32) {
-      const int64_t i = r * chunks + c;
-      comm::st_v4(xd + i, comm::ld_v4_na(xs + i));
-      comm::st_v4(dd + i, comm::ld_v4_na(ds + i));
-    }
+  for (int64_t r = r0 + warp; r < r1; r += kConsumers / 32) {  // one destination each: lane 0's
+    comm::warp_copy_row<kCopyVecs>(xs + r * chunks, chunks, xd + r * chunks, 1u, lane);
+    comm::warp_copy_row<kCopyVecs>(ds + r * chunks, chunks, dd + r * chunks, 1u, lane);
+  }
 }
 
 // Rows [row0, row_end): x_e[r] = x[s / k], dy_e[r] = dy[s / k], w_e[r] = topk_weight[s] for the row's slot s,
@@ -531,8 +520,7 @@ __device__ void send_rows(const KernelParams& p, const Item& it, int ct) {
     const SlotHome home = slot_home(p, slot);
     const int64_t cell = int64_t(home.t) * p.k + home.j;
     int4* dst = p.view.peer<int4>(home.rank, p.view.layout.bwd_dx) + cell * chunks;
-    const int4* src = dx_e + int64_t(r) * chunks;
-    for (int c = lane; c < chunks; c += 32) comm::st_v4(dst + c, comm::ld_v4_na(src + c));
+    comm::warp_copy_row<kCopyVecs>(dx_e + int64_t(r) * chunks, chunks, dst, 1u, lane);  // one destination
     if (lane == 0) p.view.peer<float>(home.rank, p.view.layout.bwd_dw)[cell] = p.dw_e[r];
   }
 }

@@ -110,6 +110,29 @@ __device__ inline void block_signal_peers(const CommView& v, size_t region) {
 
 __device__ inline uint64_t next_epoch(const uint64_t* counter) { return ld_volatile(counter) + 1; }
 
+// Epoch-stamp tables (the megakernel's moe_flags, the fused backward's bwd_flags): u64[rows][ep] at `region` of
+// every rank; [row][s] is written by rank s and holds the epoch of the call that last stamped it.
+__device__ __forceinline__ uint64_t* stamp_row(const CommView& v, size_t region, int rank_of_region, int row) {
+  return v.peer<uint64_t>(rank_of_region, region) + size_t(row) * v.shape.ep;
+}
+
+// One thread: this call's epoch into row `row`, slot [my rank], of every peer's table (after a system fence).
+__device__ inline void publish_stamps(const CommView& v, size_t region, int row, uint64_t epoch) {
+  fence_sys();
+  for (int p = 0; p < v.shape.ep; ++p)
+    if (p != v.rank) st_release_sys(stamp_row(v, region, p, row) + v.rank, epoch);
+}
+
+// One thread: until every peer stamped row `row` of my table with at least `target` (bounded, per peer; false
+// after raising `code` for op `op`, or on poison).
+__device__ inline bool wait_stamps(const CommView& v, size_t region, int row, uint64_t target, uint32_t code,
+                                   uint32_t op, uint64_t epoch) {
+  const uint64_t* stamps = stamp_row(v, region, v.rank, row);
+  for (int p = 0; p < v.shape.ep; ++p)
+    if (p != v.rank && !wait_at_least(v, stamps + p, target, code, op, p, epoch)) return false;
+  return true;
+}
+
 // Every block of an op's last kernel calls this once, at its very end (all threads).
 __device__ inline void finish_op(const CommView& v, uint32_t* done, uint64_t* epoch_counter, uint64_t epoch,
                                  int32_t* status) {

@@ -131,23 +131,14 @@ __device__ __forceinline__ bool is_tile(int kind) {
 
 // ================================================================================ flags and counters
 
-__device__ __forceinline__ uint64_t* flag_row(const CommView& v, int rank_of_region, int row) {
-  return v.peer<uint64_t>(rank_of_region, v.layout.moe_flags) + size_t(row) * v.shape.ep;
-}
-
-// Store this call's epoch into flag row `row`, slot [my rank], of every peer (after a system fence).
+// Store this call's epoch into flag row `row` of moe_flags, slot [my rank], of every peer (after a system fence).
 __device__ inline void publish(const CommView& v, int row, uint64_t epoch) {
-  comm::fence_sys();
-  for (int p = 0; p < v.shape.ep; ++p)
-    if (p != v.rank) comm::st_release_sys(flag_row(v, p, row) + v.rank, epoch);
+  comm::publish_stamps(v, v.layout.moe_flags, row, epoch);
 }
 
-// Wait until every peer stamped flag row `row` of my region with at least `target`.
+// Wait until every peer stamped flag row `row` of my moe_flags with at least `target`.
 __device__ inline bool wait_peers(const CommView& v, int row, uint64_t target, uint32_t code, uint64_t epoch) {
-  const uint64_t* flags = flag_row(v, v.rank, row);
-  for (int p = 0; p < v.shape.ep; ++p)
-    if (p != v.rank && !comm::wait_at_least(v, flags + p, target, code, comm::kOpMoeForward, p, epoch)) return false;
-  return true;
+  return comm::wait_stamps(v, v.layout.moe_flags, row, target, code, comm::kOpMoeForward, epoch);
 }
 
 // A wait for an item of the same rank outlasts the cross-rank bound: when a peer never comes, the wait for
