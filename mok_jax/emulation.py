@@ -49,6 +49,23 @@ def _check_emulated_args(x, topk_idx, topk_weight, weights: MoEWeights, ep: int)
     return x, topk_idx, topk_weight
 
 
+def _per_rank(a: jax.Array, ep: int) -> jax.Array:
+    """A global array [ep * n, ...] as [ep, n, ...]: rank r's rows in row r."""
+    return a.reshape(ep, a.shape[0] // ep, *a.shape[1:])
+
+
+def _emulated_workspace(workspace, device, ep: int, x, topk_idx, num_experts: int, timeout_s: float) -> Workspace:
+    """The call's emulated workspace: ``workspace``, else the cached one of ``device`` (default: the first GPU)
+    for this shape."""
+    if device is None:
+        device = next(d for d in jax.devices() if d.platform == "gpu")
+    ws = workspace or emulated_workspace(device, ep, max_tokens=x.shape[0] // ep, hidden_size=x.shape[1],
+                                         top_k=topk_idx.shape[1], num_experts=num_experts, timeout_s=timeout_s)
+    if not ws.emulated or ws.config.ep != ep:
+        raise ValueError(f"workspace must be an emulated workspace of {ep} ranks, got {ws}")
+    return ws
+
+
 def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights, *, ep: int,
                  kernel: KernelConfig | None = None, workspace: Workspace | None = None, device: jax.Device | None = None,
                  identity_experts: bool = False, skip_rank: int = -1, timeout_s: float = 10.0,
@@ -70,14 +87,8 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         raise ValueError(f"skip_rank must be -1 (none) or in [0, {ep}), got {skip_rank}")
     require_native("mok_jax.emulation.emulated_moe")
     tokens, H = x.shape[0] // ep, x.shape[1]
-    k = topk_idx.shape[1]
-    if device is None:
-        device = next(d for d in jax.devices() if d.platform == "gpu")
-    ws = workspace or emulated_workspace(device, ep, max_tokens=tokens, hidden_size=H, top_k=k,
-                                         num_experts=num_experts, timeout_s=timeout_s)
-    if not ws.emulated or ws.config.ep != ep:
-        raise ValueError(f"workspace must be an emulated workspace of {ep} ranks, got {ws}")
-    per_rank = lambda a: a.reshape(ep, a.shape[0] // ep, *a.shape[1:])
+    ws = _emulated_workspace(workspace, device, ep, x, topk_idx, num_experts, timeout_s)
+    per_rank = functools.partial(_per_rank, ep=ep)
     layouts, kept = None, {}
     if keep:
         from mok_jax.moe import _rank_layout
@@ -146,19 +157,13 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     if kept is not None and len(kept) != ep:
         raise ValueError(f"kept must hold the kept g, u of each of the {ep} ranks, got {len(kept)}")
     if fused:
-        if device is None:
-            device = next(d for d in jax.devices() if d.platform == "gpu")
-        H, k = x.shape[1], topk_idx.shape[1]
-        ws = workspace or emulated_workspace(device, ep, max_tokens=tokens, hidden_size=H, top_k=k,
-                                             num_experts=num_experts, timeout_s=timeout_s)
-        if not ws.emulated or ws.config.ep != ep:
-            raise ValueError(f"workspace must be an emulated workspace of {ep} ranks, got {ws}")
+        ws = _emulated_workspace(workspace, device, ep, x, topk_idx, num_experts, timeout_s)
         layouts = [_rank_layout(topk_idx, local, r) for r in range(ep)] if kept is None else [c.layout for c in kept]
         gu = {}
         if kept is not None:
             args = [c.op_args() for c in kept]
             gu = {name: jnp.stack([a[name] for a in args]) for name in args[0]}
-        per_rank = lambda a: a.reshape(ep, a.shape[0] // ep, *a.shape[1:])  # noqa: E731
+        per_rank = functools.partial(_per_rank, ep=ep)
         cfg = kernel if kernel is not None else KernelConfig()
         out = ops.experts_backward_ep(
             ws, per_rank(x), per_rank(dy), per_rank(topk_idx), jnp.broadcast_to(w32, (ep, *w32.shape)),

@@ -155,6 +155,25 @@ def assert_same_bits(case: str, got, want) -> None:
             np.testing.assert_array_equal(bits(a), bits(b), f"{case}: {name} changed bits")
 
 
+def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
+    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.moe._FUSED_EP_BACKWARD),
+    its reference standing in for the kernel (collectives over the mesh axis 'ep' where the kernel moves rows over
+    NVLink) and a stand-in for the workspace this machine cannot create."""
+    import functools
+    import importlib
+    import types
+
+    import mok_jax.ops
+    from mok_jax.reference import experts_backward_ep_reference
+
+    moe_mod = importlib.import_module("mok_jax.moe")
+    monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", functools.partial(experts_backward_ep_reference,
+                                                                                axis_name="ep"))
+    fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=ep), device_kind=None)
+    monkeypatch.setattr(moe_mod, "_workspace", lambda *args: fake_ws)
+    monkeypatch.setattr(moe_mod, "_FUSED_EP_BACKWARD", fused)
+
+
 def ring_part(gu, src_slot, k: int, first: int):
     """(gu_part, gu_part_row, rows kept): the g, u of a layout's slot rows whose token is >= first (as
     MoEConfig(keep="ring") keeps the ring's tokens'), numbered in row order; gu: f32[M, 2I] of every row."""

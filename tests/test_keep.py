@@ -11,22 +11,20 @@ with keep shows the forward's keep_pos operand and keep_gu result and the backwa
 
 from __future__ import annotations
 
-import functools
 import importlib
 import re
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_problem, used_kept_blocks
+from helpers import random_problem, use_fused_ep_backward, used_kept_blocks
 
 import mok_jax as mj
 import mok_jax.ops
 from mok_jax.config import ModelShape, MoEConfig
 from mok_jax.expert_layout import gather_rows
-from mok_jax.reference import experts_backward_ep_reference, experts_backward_reference
+from mok_jax.reference import experts_backward_reference
 from mok_jax.weights import MoEWeights
 
 moe_mod = importlib.import_module("mok_jax.moe")
@@ -83,15 +81,6 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
 
 
-def _use_fused_ep_backward(monkeypatch, ep):
-    """The layer's backward at EP > 1 through the fused op, its reference standing in (collectives over 'ep')."""
-    monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", functools.partial(experts_backward_ep_reference,
-                                                                                axis_name="ep"))
-    fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=ep), device_kind=None)
-    monkeypatch.setattr(moe_mod, "_workspace", lambda *args: fake_ws)
-    monkeypatch.setattr(moe_mod, "_FUSED_EP_BACKWARD", True)
-
-
 def _problem(T, E=8, H=32, I=24, k=3, Is=16, seed=0):
     shape = ModelShape(name="t", num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
                        num_shared_experts=1, shared_intermediate_size=Is)
@@ -140,7 +129,7 @@ def test_keep_everything_at_ep_sizes_above_one(fake_kernels, monkeypatch, cpu_de
     the same bits, and both the bits of EP 1 for the routed experts' gradients (the collectives path, or the fused
     op's)."""
     if fused:
-        _use_fused_ep_backward(monkeypatch, ep)
+        use_fused_ep_backward(monkeypatch, ep)
     x, idx, w, W, dy = _problem(16 * ep, seed=ep)
     mesh = jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep])
     keep = _grads("everything", x, idx, w, W, dy, mesh)
@@ -254,7 +243,7 @@ def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused)
     each owner's plan keeps exactly the slots of those tokens of both ranks, and the gradients are the bits of
     keep="nothing" (the collectives path, or the fused op's)."""
     if fused:
-        _use_fused_ep_backward(monkeypatch, 2)
+        use_fused_ep_backward(monkeypatch, 2)
     x, idx, w, W, dy = _problem(2400, seed=5)
     mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
     spec = jax.sharding.PartitionSpec

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_problem
+from helpers import random_problem, use_fused_ep_backward
 
 import mok_jax as mj
 from mok_jax import _native, reference
@@ -568,19 +568,12 @@ def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True, fused=False):
     (this machine has no GPU): the expert-parallel backward's collectives and layouts, as on the GPU. At EP > 1 the
     fused op's reference stands in for it (experts_backward_ep_reference: collectives over the mesh axis where the
     kernel moves rows over NVLink)."""
-    import types
-
     import mok_jax.ops
-    from mok_jax.reference import experts_backward_ep_reference
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
     monkeypatch.setattr(moe_mod, "_forward_mok", moe_mod._forward_xla)
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
-    monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", functools.partial(experts_backward_ep_reference,
-                                                                                axis_name="ep"))
-    fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=mesh.shape["ep"]), device_kind=None)
-    monkeypatch.setattr(moe_mod, "_workspace", lambda *args: fake_ws)
-    monkeypatch.setattr(moe_mod, "_FUSED_EP_BACKWARD", fused)
+    use_fused_ep_backward(monkeypatch, mesh.shape["ep"], fused)
     spec = jax.sharding.PartitionSpec
     cfg = mj.MoEConfig(implementation="mok", ep_axis="ep")
     wspec = MoEWeights(spec("ep"), spec("ep"), spec(), spec())
