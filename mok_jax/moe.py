@@ -317,13 +317,12 @@ def _routed_backward_fused(ws, config: MoEConfig, x, dy, topk_idx, w32, weights:
 
     axis = config.ep_axis
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
-    idx_all, w_all = gather(topk_idx), gather(w32)
-    layout = _rank_layout(idx_all, weights.num_local_experts, jax.lax.axis_index(axis)) if kept is None \
-        else kept.layout
+    layout = kept.layout if kept is not None else \
+        _rank_layout(gather(topk_idx), weights.num_local_experts, jax.lax.axis_index(axis))
     gu = {} if kept is None else {name: a[None] for name, a in kept.op_args().items()}
     kernel = resolve_kernel(ws, config.kernel, tokens=x.shape[0], hidden=x.shape[1], inter=weights.intermediate_size,
                             top_k=topk_idx.shape[1], local_experts=weights.num_local_experts)
-    return ops.experts_backward_ep(ws, x[None], dy[None], topk_idx[None], w_all[None], layout.src_slot[None],
+    return ops.experts_backward_ep(ws, x[None], dy[None], topk_idx[None], gather(w32)[None], layout.src_slot[None],
                                    layout.group_sizes[None], weights.gate_up[None], weights.down[None],
                                    comm_items=kernel.comm_sms_bwd, **gu)
 
@@ -388,8 +387,9 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     EP size 1: the op gathers the rows and sums each token's slot rows of dx in f32 in slot order j = 0..k-1.
     The shared expert's backward runs in XLA (``_shared_backward``), or with ``_SHARED_IN_OP`` in the op; either
     way its dx is added in f32 before the one rounding.
-    EP size P > 1, over XLA collectives on the mesh axis (the fused kernel does not run the backward's
-    communication yet): every rank all-gathers the tokens' x, dy, ids and weights (P * T rows), runs the op
+    EP size P > 1, over XLA collectives on the mesh axis (unless _FUSED_EP_BACKWARD: then the fused op,
+    ``_routed_backward_fused``, moves the rows itself and gives the same bits): every rank all-gathers the
+    tokens' x, dy, ids and weights (P * T rows), runs the op
     on the slots of its own experts (``_routed_backward_rank``), and a reduce-scatter brings each token's
     per-slot dx rows [T, k, H] (bf16) and router-weight gradients home; every slot has exactly one owner, so the
     sums over ranks only add zeros (exact), and the slot-order f32 sum follows there. The routed gradients are
