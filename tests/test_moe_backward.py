@@ -870,6 +870,13 @@ def test_fused_ep_op_lowers_to_one_call_with_the_workspace(monkeypatch):
     assert "has_side_effect = true" in call, call
     assert "ws_id = 11 : i64" in call and "comm_items = 5 : i32" in call and "num_sms = 33 : i32" in call, call
     assert "tensor<2x24x32xbf16>, tensor<2x24x32xbf16>, tensor<2x24x3xi32>, tensor<2x48x3xf32>" in call, call
+    # results: dx, dw, d_gate_up, d_down, status, then the EP-1 op's row scratch with the rank axis in front
+    # (H 32, I 24, L 2; flags: 40 time words, 4 per m-block of ceil(M / 128) + L, 2 (L + 1), 5 totals, to 4s)
+    flags = -(-(40 + 4 * (-(-M // 128) + 2) + 2 * 3 + 5) // 4) * 4
+    assert (f"-> (tensor<2x24x32xf32>, tensor<2x24x3xf32>, tensor<2x2x32x48xbf16>, tensor<2x2x24x32xbf16>, "
+            f"tensor<2xi32>, tensor<2x{M}x32xbf16>, tensor<2x{M}x32xbf16>, tensor<2x{M}xf32>, tensor<2x{M}x48xf32>, "
+            f"tensor<2x{M}x48xbf16>, tensor<2x{M}x24xbf16>, tensor<2x{M}x1xf32>, tensor<2x{M}x32xbf16>, "
+            f"tensor<2x{M}xf32>, tensor<2x{flags}xi32>)") in call, call
     gu = jnp.zeros((2, M, 48), jnp.float32)
     text = jax.jit(lambda *a: experts_backward_ep(ws, *a[:-1], gu=a[-1])).lower(*args, gu).as_text()
     [call] = [line for line in text.splitlines() if "custom_call @mok_experts_backward_ep(" in line]

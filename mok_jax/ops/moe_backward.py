@@ -66,6 +66,17 @@ def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
     return -(-words // 4) * 4  # a multiple of 4: each emulated rank's u64 time words stay 8-byte aligned
 
 
+def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple = ()) -> tuple:
+    """The op's scratch results over its M rows (each with the leading axes ``lead``: (R,) for the EP form),
+    dropped by the wrappers: the gathered x_e, dy_e, w_e; gu (g, u in fp32, as the forward has them; kept: aliases
+    gu_in), dgu, hw = bf16(w h), the dw partials; dx_e (the per-row dx, dx_rows), dw_e; the dependency counters."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    shapes = (((m, hidden), bf16), ((m, hidden), bf16), ((m,), f32), ((m, 2 * inter), f32), ((m, 2 * inter), bf16),
+              ((m, inter), bf16), ((m, -(-inter // _DW_PART_COLS)), f32), ((m, hidden), bf16), ((m,), f32),
+              ((flag_words,), jnp.int32))
+    return tuple(jax.ShapeDtypeStruct((*lead, *shape), dtype) for shape, dtype in shapes)
+
+
 class ExpertsBackwardOutput(NamedTuple):
     """dx: f32[T, H] (the routed experts' part of d loss / d x); dw: f32[T, k] (d loss / d topk_weight, 0 for a
     slot without a row); d_gate_up: bf16[E, H, 2I]; d_down: bf16[E, I, H]; status: int32[] (0, or a bit mask of
@@ -185,17 +196,7 @@ def experts_backward(
         jax.ShapeDtypeStruct((num_experts, hidden, 2 * inter), bf16),  # d_gate_up
         jax.ShapeDtypeStruct((num_experts, inter, hidden), bf16),  # d_down
         jax.ShapeDtypeStruct((), jnp.int32),  # status
-        # scratch, dropped: the gathered x_e, dy_e, w_e; gu, dgu, hw = bf16(w h), the dw partials; dx_e, dw_e
-        jax.ShapeDtypeStruct((m, hidden), bf16),
-        jax.ShapeDtypeStruct((m, hidden), bf16),
-        jax.ShapeDtypeStruct((m,), f32),
-        jax.ShapeDtypeStruct((m, 2 * inter), f32),  # g, u in fp32, as the forward has them (kept: aliases gu)
-        jax.ShapeDtypeStruct((m, 2 * inter), bf16),
-        jax.ShapeDtypeStruct((m, inter), bf16),
-        jax.ShapeDtypeStruct((m, -(-inter // _DW_PART_COLS)), f32),
-        jax.ShapeDtypeStruct((m, hidden), bf16),  # dx_e: the per-row dx (dx_rows)
-        jax.ShapeDtypeStruct((m,), f32),
-        jax.ShapeDtypeStruct((_flag_words(m, num_experts, s_rows),), jnp.int32),  # the dependency counters
+        *_row_scratch(m, hidden, inter, _flag_words(m, num_experts, s_rows)),
         jax.ShapeDtypeStruct((hidden, 2 * s_inter), bf16),  # d_shared_gate_up
         jax.ShapeDtypeStruct((s_inter, hidden), bf16),  # d_shared_down
         # the shared expert's scratch, dropped: gus (f32), dgus, hws = bf16(h), dxs (its f32 dx)
@@ -362,17 +363,7 @@ def experts_backward_ep(
         jax.ShapeDtypeStruct((R, L, H, 2 * inter), bf16),  # d_gate_up
         jax.ShapeDtypeStruct((R, L, inter, H), bf16),  # d_down
         jax.ShapeDtypeStruct((R,), jnp.int32),  # status
-        # scratch, dropped: x_e, dy_e, w_e, gu (kept: aliases gu_in), dgu, hw, dw partials, dx_e, dw_e, flags
-        jax.ShapeDtypeStruct((R, m, H), bf16),
-        jax.ShapeDtypeStruct((R, m, H), bf16),
-        jax.ShapeDtypeStruct((R, m), f32),
-        jax.ShapeDtypeStruct((R, m, 2 * inter), f32),
-        jax.ShapeDtypeStruct((R, m, 2 * inter), bf16),
-        jax.ShapeDtypeStruct((R, m, inter), bf16),
-        jax.ShapeDtypeStruct((R, m, -(-inter // _DW_PART_COLS)), f32),
-        jax.ShapeDtypeStruct((R, m, H), bf16),
-        jax.ShapeDtypeStruct((R, m), f32),
-        jax.ShapeDtypeStruct((R, _flag_words(m, L)), jnp.int32),
+        *_row_scratch(m, H, inter, _flag_words(m, L), lead=(R,)),
     )
     # has_side_effect: the call talks to the peers through the workspace (as the comm ops and the forward)
     dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
