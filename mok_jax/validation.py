@@ -17,7 +17,7 @@ import numpy as np
 
 from mok_jax.weights import MoEWeights
 
-__all__ = ["check_experts_backward_args", "check_moe_args", "check_routing_values"]
+__all__ = ["check_experts_backward_args", "check_moe_args", "check_routing_values", "check_workspace_call"]
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -118,6 +118,33 @@ def check_expert_weights(gate_up, down, num_experts: int, hidden: int, *, max_ex
     if inter <= 0 or inter % 8:
         raise ValueError(f"{prefix}gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
     return inter
+
+
+def check_workspace_call(ws, where: str, arrays, *, ranks: int, tokens: int, hidden: int,
+                         max_ranks: int = 8) -> None:
+    """A call of the megakernel or the fused EP backward on workspace ``ws`` with ``ranks`` leading rank rows of
+    ``tokens`` x ``hidden``: ws open, each of ``arrays`` ((name, array, rank, dtype)) of that rank and dtype, the
+    ranks those of the workspace (an emulated one takes all of them in one call, at most ``max_ranks``; a mesh one
+    its own), x's hidden size the workspace's, and at EP > 1 no more tokens than its max_tokens."""
+    from mok_jax.workspace import Workspace
+
+    if not isinstance(ws, Workspace):
+        raise TypeError(f"{where}: ws must be a mok_jax.workspace.Workspace, got {type(ws).__name__}")
+    ws.require_open(where)
+    for name, a, rank, dtype in arrays:
+        if a.ndim != rank:
+            raise ValueError(f"{where}: {name} must have rank {rank} (a leading rank axis), got shape {a.shape}")
+        if a.dtype != dtype:
+            raise TypeError(f"{where}: {name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
+    cfg = ws.config
+    want = cfg.ep if ws.emulated else 1
+    if ranks != want or ranks > max_ranks:
+        raise ValueError(f"{where}: x carries {ranks} ranks; this workspace takes {want} per call (an emulated one all "
+                         f"its ranks, at most {max_ranks}; a mesh one its own)")
+    if hidden != cfg.hidden_size:
+        raise ValueError(f"{where}: x's hidden size {hidden} differs from the workspace's {cfg.hidden_size}")
+    if cfg.ep > 1 and tokens > cfg.max_tokens:
+        raise ValueError(f"{where}: x: {tokens} tokens per rank exceed the workspace's max_tokens ({cfg.max_tokens})")
 
 
 def check_num_sms(num_sms) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from mok_jax._native import require_native
 from mok_jax.expert_layout import kept_blocks
-from mok_jax.validation import check_experts_backward_args, check_num_sms
+from mok_jax.validation import check_experts_backward_args, check_num_sms, check_workspace_call
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPERTS_BACKWARD_MAX_TOP_K",
            "EXPERTS_BACKWARD_STATUS_COMM", "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP",
@@ -279,31 +279,16 @@ def experts_backward_ep(
     from mok_jax.workspace import Workspace
 
     where = "mok_jax.ops.experts_backward_ep"
-    if not isinstance(ws, Workspace):
-        raise TypeError(f"{where}: ws must be a mok_jax.workspace.Workspace, got {type(ws).__name__}")
-    ws.require_open(where)
+    if isinstance(ws, Workspace) and ws.config.ep < 2:
+        raise ValueError(f"{where}: the workspace spans {ws.config.ep} EP rank; at EP 1 use "
+                         f"mok_jax.ops.experts_backward")
+    arrays = (("x", x, 3, jnp.bfloat16), ("dy", dy, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32),
+              ("topk_weight", topk_weight, 3, jnp.float32), ("src_slot", src_slot, 2, jnp.int32),
+              ("group_sizes", group_sizes, 2, jnp.int32), ("gate_up", gate_up, 4, jnp.bfloat16),
+              ("down", down, 4, jnp.bfloat16))
+    R, T, H = x.shape if x.ndim == 3 else (0, 0, 0)  # a bad rank is reported by the check
+    check_workspace_call(ws, where, arrays, ranks=R, tokens=T, hidden=H, max_ranks=EXPERTS_BACKWARD_MAX_EMULATED_RANKS)
     cfg = ws.config
-    if cfg.ep < 2:
-        raise ValueError(f"{where}: the workspace spans {cfg.ep} EP rank; at EP 1 use mok_jax.ops.experts_backward")
-    for name, a, rank, dtype in (("x", x, 3, jnp.bfloat16), ("dy", dy, 3, jnp.bfloat16),
-                                 ("topk_idx", topk_idx, 3, jnp.int32), ("topk_weight", topk_weight, 3, jnp.float32),
-                                 ("src_slot", src_slot, 2, jnp.int32), ("group_sizes", group_sizes, 2, jnp.int32),
-                                 ("gate_up", gate_up, 4, jnp.bfloat16), ("down", down, 4, jnp.bfloat16)):
-        if a.ndim != rank:
-            raise ValueError(f"{where}: {name} must have rank {rank} (a leading rank axis), got shape {a.shape}")
-        if a.dtype != dtype:
-            raise TypeError(f"{where}: {name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
-    R, T, H = x.shape
-    want_r = cfg.ep if ws.emulated else 1
-    if R != want_r:
-        raise ValueError(f"{where}: x carries {R} ranks; this workspace takes {want_r} per call (an emulated one all "
-                         f"its ranks, a mesh one its own)")
-    if R > EXPERTS_BACKWARD_MAX_EMULATED_RANKS:
-        raise ValueError(f"{where}: an emulated call carries at most {EXPERTS_BACKWARD_MAX_EMULATED_RANKS} ranks")
-    if H != cfg.hidden_size:
-        raise ValueError(f"{where}: x's hidden size {H} differs from the workspace's {cfg.hidden_size}")
-    if T > cfg.max_tokens:
-        raise ValueError(f"{where}: x: {T} tokens per rank exceed the workspace's max_tokens ({cfg.max_tokens})")
     if dy.shape != x.shape:
         raise ValueError(f"{where}: dy must have x's shape {x.shape}, got {dy.shape}")
     k = topk_idx.shape[2]

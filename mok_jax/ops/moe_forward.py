@@ -17,6 +17,7 @@ import numpy as np
 from mok_jax._native import require_native
 from mok_jax import tuning
 from mok_jax.config import KernelConfig
+from mok_jax.validation import check_workspace_call
 
 __all__ = ["TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
@@ -96,31 +97,14 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     none. Then the call also returns keep_gu: f32[R, keep_rows, 2I] (rows no slot names are not written):
     (y, status, keep_gu). The other outputs do not change.
     """
-    from mok_jax.workspace import Workspace
-
-    if not isinstance(ws, Workspace):
-        raise TypeError(f"ws must be a mok_jax.workspace.Workspace, got {type(ws).__name__}")
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
-    ws.require_open("mok_jax.ops.moe_forward")
-    for name, a, rank, dtype in (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32),
-                                 ("topk_weight", topk_weight, 3, jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16),
-                                 ("down", down, 4, jnp.bfloat16)):
-        if a.ndim != rank:
-            raise ValueError(f"mok_jax.ops.moe_forward: {name} must have rank {rank}, got shape {a.shape}")
-        if a.dtype != dtype:
-            raise TypeError(f"mok_jax.ops.moe_forward: {name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
-    R, T, H = x.shape
+    where = "mok_jax.ops.moe_forward"
+    arrays = (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32), ("topk_weight", topk_weight, 3,
+              jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16), ("down", down, 4, jnp.bfloat16))
+    R, T, H = x.shape if x.ndim == 3 else (0, 0, 0)  # a bad rank is reported by the check
+    check_workspace_call(ws, where, arrays, ranks=R, tokens=T, hidden=H, max_ranks=_MAX_VIRTUAL_RANKS)
     cfg = ws.config
-    if not 1 <= R <= _MAX_VIRTUAL_RANKS or (R != 1 and R != cfg.ep):
-        raise ValueError(f"mok_jax.ops.moe_forward: x carries {R} ranks; a call carries 1 (inside shard_map) or "
-                         f"all {cfg.ep} of an emulated workspace (at most {_MAX_VIRTUAL_RANKS})")
-    if R != (cfg.ep if ws.emulated else 1):
-        raise ValueError("mok_jax.ops.moe_forward: an emulated workspace takes all its ranks in one call, a "
-                         "mesh workspace one rank per call")
-    if H != cfg.hidden_size:
-        raise ValueError(f"mok_jax.ops.moe_forward: x's hidden size {H} differs from the workspace's "
-                         f"{cfg.hidden_size}")
     k = topk_idx.shape[2]
     if topk_idx.shape[:2] != (R, T) or topk_weight.shape != topk_idx.shape:
         raise ValueError(f"mok_jax.ops.moe_forward: topk_idx and topk_weight must be [{R}, {T}, k], got "
@@ -136,9 +120,6 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                          f"{cfg.num_experts // cfg.ep}")
     if down.shape != (R, L, inter, H):
         raise ValueError(f"mok_jax.ops.moe_forward: down must be {(R, L, inter, H)}, got {down.shape}")
-    if cfg.ep > 1 and T > cfg.max_tokens:
-        raise ValueError(f"mok_jax.ops.moe_forward: {T} tokens per rank exceed the workspace's max_tokens "
-                         f"({cfg.max_tokens})")
     if (shared_gate_up is None) != (shared_down is None):
         raise ValueError("mok_jax.ops.moe_forward: shared_gate_up and shared_down must both be given or both None")
     if shared_gate_up is None or identity_experts:
