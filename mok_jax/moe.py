@@ -371,11 +371,11 @@ _SHARED_IN_OP = False
 
 # Whether at EP > 1 the layer's backward runs the fused expert-parallel op (mok_jax.ops.experts_backward_ep: one
 # kernel per rank, the rows crossing NVLink inside it; memory T k H per rank) rather than the op between XLA
-# collectives (an all-gather of x and dy, a reduce-scatter of P T k H slot rows). Both give the bits of EP 1. Off
-# until the fused kernel has run on a GPU: it is built and its reference tested on CPU (docs/design.md, "The
-# backward at EP sizes above 1"); mok_jax.emulation.emulated_moe_backward(fused=True) runs it on one GPU. Read at
-# trace time.
-_FUSED_EP_BACKWARD = False
+# collectives (an all-gather of x and dy, a reduce-scatter of P T k H slot rows). Both give the bits of EP 1. On:
+# the fused kernel passed its tests on an H200 with every rank emulated on one GPU (emulated EP 2/4/8 the bits of
+# EP 1, with the shared expert and kept g, u; a rank that skips a call times out with its status), ninth session,
+# benchmarks/results/moe_backward_h200.md; it has not yet run over real NVLink (issue 13). Read at trace time.
+_FUSED_EP_BACKWARD = True
 
 
 def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):

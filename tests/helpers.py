@@ -156,9 +156,10 @@ def assert_same_bits(case: str, got, want) -> None:
 
 
 def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
-    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.moe._FUSED_EP_BACKWARD),
-    its reference standing in for the kernel (collectives over the mesh axis 'ep' where the kernel moves rows over
-    NVLink) and a stand-in for the workspace this machine cannot create."""
+    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.moe._FUSED_EP_BACKWARD,
+    the layer's default), its reference standing in for the kernel (collectives over the mesh axis 'ep' where the
+    kernel moves rows over NVLink) and a stand-in for the workspace this machine cannot create; without, over the
+    collectives path around the EP-1 op."""
     import functools
     import importlib
     import types

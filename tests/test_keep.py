@@ -128,8 +128,7 @@ def test_keep_everything_at_ep_sizes_above_one(fake_kernels, monkeypatch, cpu_de
     """Under shard_map the kept rows are the owner's layout over the all-gathered tokens: keep and recompute give
     the same bits, and both the bits of EP 1 for the routed experts' gradients (the collectives path, or the fused
     op's)."""
-    if fused:
-        use_fused_ep_backward(monkeypatch, ep)
+    use_fused_ep_backward(monkeypatch, ep, fused)
     x, idx, w, W, dy = _problem(16 * ep, seed=ep)
     mesh = jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep])
     keep = _grads("everything", x, idx, w, W, dy, mesh)
@@ -242,8 +241,7 @@ def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused)
     """At EP 2 each source rank's ring tokens are kept (its local tokens >= the first ring token, 512 of 1200):
     each owner's plan keeps exactly the slots of those tokens of both ranks, and the gradients are the bits of
     keep="nothing" (the collectives path, or the fused op's)."""
-    if fused:
-        use_fused_ep_backward(monkeypatch, 2)
+    use_fused_ep_backward(monkeypatch, 2, fused)
     x, idx, w, W, dy = _problem(2400, seed=5)
     mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
     spec = jax.sharding.PartitionSpec
