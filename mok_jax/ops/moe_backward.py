@@ -77,6 +77,26 @@ def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple =
     return tuple(jax.ShapeDtypeStruct((*lead, *shape), dtype) for shape, dtype in shapes)
 
 
+def _kept_operands(gu, gu_part, gu_part_row, src_slot, inter: int, slots: int, ranks: int | None = None) -> tuple:
+    """The op's operands of kept g, u (gu_in, gu_part, gu_part_row, gu_block), checked by the caller: ``gu`` as
+    gu_in, or [0, 2I] when none is kept (the op recomputes them); ``gu_part`` with its row map and the flags of the
+    128-row blocks it covers (kept_blocks over the ``slots`` slot ids), or empty ones. ``ranks``: the EP form's
+    leading rank axis (each rank's blocks from its own layout), None at EP 1."""
+    lead = () if ranks is None else (ranks,)
+    f32 = jnp.float32
+    gu_in = gu if gu is not None else jnp.zeros((*lead, 0, 2 * inter), f32)
+    if gu_part is None:
+        return gu_in, jnp.zeros((*lead, 0, 2 * inter), f32), jnp.zeros((*lead, 0), jnp.int32), \
+            jnp.zeros((*lead, 0), jnp.int32)
+
+    def blocks(src, row, part):
+        return kept_blocks(src, row, part.shape[0], slots, EXPERTS_BACKWARD_GROUP_ALIGN)
+
+    gu_block = blocks(src_slot, gu_part_row, gu_part) if ranks is None else \
+        jnp.stack([blocks(src_slot[r], gu_part_row[r], gu_part[r]) for r in range(ranks)])
+    return gu_in, gu_part, gu_part_row, gu_block
+
+
 class ExpertsBackwardOutput(NamedTuple):
     """dx: f32[T, H] (the routed experts' part of d loss / d x); dw: f32[T, k] (d loss / d topk_weight, 0 for a
     slot without a row); d_gate_up: bf16[E, H, 2I]; d_down: bf16[E, I, H]; status: int32[] (0, or a bit mask of
@@ -180,12 +200,7 @@ def experts_backward(
     require_native(where)
     bf16, f32 = jnp.bfloat16, jnp.float32
     kept = gu is not None
-    gu_in = gu if kept else jnp.zeros((0, 2 * inter), f32)  # [0, 2I]: none kept, the op recomputes them
-    if gu_part is None:
-        gu_part, gu_part_row, gu_block = jnp.zeros((0, 2 * inter), f32), jnp.zeros((0,), jnp.int32), \
-            jnp.zeros((0,), jnp.int32)
-    else:
-        gu_block = kept_blocks(src_slot, gu_part_row, gu_part.shape[0], tokens * top_k, EXPERTS_BACKWARD_GROUP_ALIGN)
+    gu_in, gu_part, gu_part_row, gu_block = _kept_operands(gu, gu_part, gu_part_row, src_slot, inter, tokens * top_k)
     s_inter = shared_down.shape[0] if shared else 0
     s_rows = tokens if shared else 0
     if not shared:
@@ -326,20 +341,17 @@ def experts_backward_ep(
         raise ValueError(f"{where}: gu (every row kept) and gu_part (some rows kept) are exclusive")
     if kept and (gu.dtype != f32 or gu.shape != (R, m, 2 * inter)):
         raise ValueError(f"{where}: gu must be f32[{R}, {m}, {2 * inter}], got {gu.dtype}{list(gu.shape)}")
-    gu_in = gu if kept else jnp.zeros((R, 0, 2 * inter), f32)
     if gu_part is None:
         if gu_part_row is not None:
             raise ValueError(f"{where}: gu_part_row needs gu_part")
-        gu_part, gu_part_row, gu_block = (jnp.zeros((R, 0, 2 * inter), f32), jnp.zeros((R, 0), jnp.int32),
-                                          jnp.zeros((R, 0), jnp.int32))
     else:
         if gu_part.dtype != f32 or gu_part.ndim != 3 or gu_part.shape[0] != R or gu_part.shape[2] != 2 * inter:
             raise ValueError(f"{where}: gu_part must be f32[{R}, rows, {2 * inter}], got "
                              f"{gu_part.dtype}{list(gu_part.shape)}")
         if gu_part_row is None or gu_part_row.dtype != jnp.int32 or gu_part_row.shape != (R, m):
             raise ValueError(f"{where}: gu_part_row must be int32[{R}, {m}] with gu_part")
-        gu_block = jnp.stack([kept_blocks(src_slot[r], gu_part_row[r], gu_part.shape[1], cfg.ep * T * k,
-                                          EXPERTS_BACKWARD_GROUP_ALIGN) for r in range(R)])
+    gu_in, gu_part, gu_part_row, gu_block = _kept_operands(gu, gu_part, gu_part_row, src_slot, inter, cfg.ep * T * k,
+                                                           ranks=R)
     require_native(where)
     bf16 = jnp.bfloat16
     out = (

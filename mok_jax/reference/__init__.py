@@ -9,5 +9,5 @@ from mok_jax.reference.experts import grouped_ffn, moe, shared_expert, swiglu_ba
 from mok_jax.reference.expert_parallel import ep_moe
 from mok_jax.reference.router import route
 
-__all__ = ["ep_dispatch_combine_identity", "ep_dispatch_layout", "ep_moe", "experts_backward_ep_reference", "experts_backward_reference", "grouped_ffn",
-           "moe", "route", "shared_expert", "swiglu_backward", "swiglu_ffn"]
+__all__ = ["ep_dispatch_combine_identity", "ep_dispatch_layout", "ep_moe", "experts_backward_ep_reference",
+           "experts_backward_reference", "grouped_ffn", "moe", "route", "shared_expert", "swiglu_backward", "swiglu_ffn"]
