@@ -562,3 +562,38 @@ def test_emulated_ep_keep_everything_gives_the_bits_of_ep_one(ep, fused):
     got = jax.jit(grads)(x, idx, w, W, dy)
     for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
         np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep} with keep: {name}")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_fused_ep_backward_with_part_kept_gu_gives_the_bits_of_ep_one(ep):
+    """The fused expert-parallel backward fed, per rank, only the g, u of the slots of each rank's second half of
+    tokens (gu_part: the form keep="ring" gives it once a rank's tokens outrun the ring; rows indexed by the kept
+    tokens' slots, every rank's, as the layer keeps them): a 128-row block whose slot rows all have kept rows copies
+    them, the others recompute (each rank has blocks of both kinds), and every gradient is the bits of EP 1. The
+    kept buffer's rows that no row of the rank's layout names hold NaN, so reading one would show."""
+    from mok_jax.emulation import emulated_moe, emulated_moe_backward
+    from mok_jax.moe import KeptGateUp
+
+    E, H, I, k, per_rank = 8, 256, 256, 4, 1024
+    first = per_rank // 2  # kept: the tokens [first, per_rank) of each rank
+    x, idx, w, W, dy = _problem(f"part_ep{ep}", _shape(E, H, I, k, 0), ep * per_rank, "masked")
+    one = _mok_grads(x, w, W, idx, dy)
+    _, status, kept = jax.jit(functools.partial(emulated_moe, ep=ep, keep=True))(x, idx, w, W)
+    assert not np.asarray(status).any(), f"EP {ep}: forward status {np.asarray(status)}"
+    ring_slots = ep * (per_rank - first) * k
+    parts = []
+    for r, c in enumerate(kept):
+        src = np.asarray(c.layout.src_slot)
+        tok = np.where(src >= 0, src // k, -1)
+        mine = (src >= 0) & (tok % per_rank >= first)
+        # the kept row of slot (token t of rank q, j): ((q (per_rank - first) + t - first) k + j
+        row = np.where(mine, ((tok // per_rank) * (per_rank - first) + tok % per_rank - first) * k + src % k, -1)
+        gu_part = jnp.full((ring_slots, 2 * I), jnp.nan, _F32).at[row[mine]].set(c.gu[np.nonzero(mine)[0]])
+        blocks = used_kept_blocks(src, row, ring_slots, ep * per_rank * k, c.layout.group_sizes)
+        assert 0 < blocks.sum() < blocks.size, f"EP {ep} rank {r}: want copied and recomputed blocks, got {blocks}"
+        parts.append(KeptGateUp(gu_part, c.layout, jnp.asarray(row, jnp.int32)))
+    *got, status = jax.jit(functools.partial(emulated_moe_backward, ep=ep, fused=True, return_status=True))(
+        x, idx, w, W, dy, kept=parts)
+    assert not np.asarray(status).any(), f"EP {ep}: backward status {np.asarray(status)}"
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
+        np.testing.assert_array_equal(_bits(a), _bits(b), f"EP {ep} with part-kept g, u: {name} differs from EP 1")

@@ -54,6 +54,63 @@ struct Want {
   const char* shape;
 };
 
+// The kept g, u operands of both handlers, with `ranks` leading rank entries (0: the EP-1 op's, no rank axis):
+// gu_in [M | 0, 2I] (every row kept, or none), gu_part [rows, 2I] with gu_part_row [M] and gu_block
+// [ceil(M / 128)] (some rows kept), or gu_part [0, 2I] with both empty; the two forms are exclusive. On success
+// *kept and *part say which form came. With every row kept, the result gu is the kept buffer (XLA aliases it to
+// gu_in; a caller that does not gets a copy here), whose padding rows the gather zeroes in place.
+ffi::Error check_kept_gu(const char* op, cudaStream_t stream, int64_t ranks, int64_t m, int64_t inter,
+                         const ffi::Buffer<ffi::F32>& gu_in, const ffi::Buffer<ffi::F32>& gu_part,
+                         const ffi::Buffer<ffi::S32>& gu_part_row, const ffi::Buffer<ffi::S32>& gu_block,
+                         ffi::ResultBuffer<ffi::F32>& gu, bool* kept, bool* part) {
+  using mok::ffi_util::invalid;
+  const size_t lead = ranks > 0 ? 1 : 0;
+  const std::string r = ranks > 0 ? "ranks, " : "";
+  const auto gin = gu_in.dimensions(), gpart = gu_part.dimensions();
+  const bool gin_ok = gin.size() == 2 + lead && (!lead || gin[0] == ranks) && gin[lead + 1] == 2 * inter &&
+                      (gin[lead] == m || gin[lead] == 0);
+  if (!gin_ok)
+    return invalid(op, "gu_in (the kept g, u) must be f32[" + r + "M or 0, 2I] with M = " + std::to_string(m) +
+                           ", 2I = " + std::to_string(2 * inter) + ", got " + dims_str(gin));
+  *kept = m > 0 && gin[lead] == m;
+  if (gpart.size() != 2 + lead || (lead && gpart[0] != ranks) || gpart[lead + 1] != 2 * inter)
+    return invalid(op, "gu_part must be f32[" + r + "rows, 2I] with 2I = " + std::to_string(2 * inter) +
+                           ", got " + dims_str(gpart));
+  *part = gu_part_row.element_count() != 0;
+  const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
+  const bool rows_ok = lead ? dims_are(gu_part_row.dimensions(), {ranks, m}) &&
+                                  dims_are(gu_block.dimensions(), {ranks, m_blocks})
+                            : dims_are(gu_part_row.dimensions(), {m}) && dims_are(gu_block.dimensions(), {m_blocks});
+  if (*part ? !rows_ok : gpart[lead] != 0 || gu_block.element_count() != 0)
+    return invalid(op, "gu_part_row and gu_block must be s32[" + r + "M] and s32[" + r + "ceil(M / 128)] with M = " +
+                           std::to_string(m) + ", or all three of gu_part, gu_part_row and gu_block empty; got " +
+                           dims_str(gpart) + ", " + dims_str(gu_part_row.dimensions()) + ", " +
+                           dims_str(gu_block.dimensions()));
+  if (*part && *kept) return invalid(op, "gu_in (all rows kept) and gu_part (some rows kept) are exclusive");
+  if (*kept && gu->untyped_data() != gu_in.untyped_data())
+    if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(),
+                                          size_t(gu_in.element_count()) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                          stream);
+        err != cudaSuccess)
+      return mok::ffi_util::cuda_error(op, err);
+  return ffi::Error::Success();
+}
+
+// The scratch results both handlers bind after status, in this order (the EP op's with a leading rank axis).
+template <typename Binding>
+auto bind_scratch(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()  // x_e
+      .template Ret<ffi::Buffer<ffi::BF16>>()      // dy_e
+      .template Ret<ffi::Buffer<ffi::F32>>()       // w_e
+      .template Ret<ffi::Buffer<ffi::F32>>()       // gu (with every row kept, aliased to gu_in)
+      .template Ret<ffi::Buffer<ffi::BF16>>()      // dgu
+      .template Ret<ffi::Buffer<ffi::BF16>>()      // hw
+      .template Ret<ffi::Buffer<ffi::F32>>()       // dw_part
+      .template Ret<ffi::Buffer<ffi::BF16>>()      // dx_e
+      .template Ret<ffi::Buffer<ffi::F32>>()       // dw_e
+      .template Ret<ffi::Buffer<ffi::S32>>();      // flags (the kernel's dependency counters)
+}
+
 ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
@@ -89,25 +146,6 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   const int64_t m = src_slot.dimensions()[0], e = group_sizes.dimensions()[0];
   const int64_t inter = gate_up.dimensions()[2] / 2;
   const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
-  // gu: kept (the operand has the rows, the scratch result none) or recomputed (the other way round)
-  if (!dims_are(gu_in.dimensions(), {m, 2 * inter}) && !dims_are(gu_in.dimensions(), {0, 2 * inter}))
-    return invalid(kOp, "gu (the kept g, u operand) must be f32[M, 2I] = [" + std::to_string(m) + ", " +
-                            std::to_string(2 * inter) + "] or f32[0, 2I] (none kept), got " +
-                            dims_str(gu_in.dimensions()));
-  const bool kept = m > 0 && gu_in.dimensions()[0] == m;
-  // part kept: gu_part [R, 2I] with gu_part_row [M] and gu_block [ceil(M / 128)], or [0, 2I], [0], [0]
-  const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
-  const bool part = gu_part_row.element_count() != 0;
-  if (gu_part.dimensions().size() != 2 || gu_part.dimensions()[1] != 2 * inter)
-    return invalid(kOp, "gu_part must be f32[R, 2I] with 2I = " + std::to_string(2 * inter) + ", got " +
-                            dims_str(gu_part.dimensions()));
-  if (part ? !dims_are(gu_part_row.dimensions(), {m}) || !dims_are(gu_block.dimensions(), {m_blocks})
-           : gu_part.dimensions()[0] != 0 || gu_block.element_count() != 0)
-    return invalid(kOp, "gu_part_row and gu_block must be s32[M] and s32[ceil(M / 128)] = [" + std::to_string(m) +
-                            "], [" + std::to_string(m_blocks) + "], or all three of gu_part, gu_part_row and "
-                            "gu_block empty; got " + dims_str(gu_part.dimensions()) + ", " +
-                            dims_str(gu_part_row.dimensions()) + ", " + dims_str(gu_block.dimensions()));
-  if (part && kept) return invalid(kOp, "gu (all rows kept) and gu_part (some rows kept) are exclusive");
   // the shared expert: shared_gate_up [H, 2Is], shared_down [Is, H]; [H, 0] and [0, H] for none
   if (shared_gate_up.dimensions().size() != 2 || shared_gate_up.dimensions()[1] % 2 != 0)
     return invalid(kOp, "shared_gate_up must be rank 2 [H, 2Is] ([H, 0]: no shared expert), got " +
@@ -148,6 +186,11 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
     if (!dims_are(c.got, c.want))
       return invalid(kOp, std::string(c.name) + " must be " + c.shape + ", got " + dims_str(c.got));
   if (status->element_count() != 1) return invalid(kOp, "status must be a scalar s32");
+  bool kept = false, part = false;
+  if (ffi::Error err = check_kept_gu(kOp, stream, 0, m, inter, gu_in, gu_part, gu_part_row, gu_block, gu, &kept,
+                                     &part);
+      err.failure())
+    return err;
 
   mok::ExpertsBackwardParams p{};
   p.x = x.untyped_data();
@@ -158,13 +201,6 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.group_sizes = group_sizes.typed_data();
   p.gate_up = gate_up.untyped_data();
   p.down = down.untyped_data();
-  // Kept: the result gu is the kept buffer (XLA aliases it to gu_in; a caller that does not gets a copy here),
-  // whose padding rows the gather zeroes in place.
-  if (kept && gu->untyped_data() != gu_in.untyped_data())
-    if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(), size_t(m) * 2 * inter * 4,
-                                          cudaMemcpyDeviceToDevice, stream);
-        err != cudaSuccess)
-      return mok::ffi_util::cuda_error(kOp, err);
   p.gu_kept = kept ? gu->typed_data() : nullptr;
   if (part) {
     p.gu_part = gu_part.typed_data();
@@ -207,7 +243,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
 }  // namespace
 
 MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
-                ffi::Ffi::Bind()
+                bind_scratch(ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Arg<ffi::Buffer<ffi::BF16>>() // x
                     .Arg<ffi::Buffer<ffi::BF16>>() // dy
@@ -228,16 +264,7 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_gate_up
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_down
                     .Ret<ffi::Buffer<ffi::S32>>()  // status
-                    .Ret<ffi::Buffer<ffi::BF16>>() // x_e (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>() // dy_e (scratch)
-                    .Ret<ffi::Buffer<ffi::F32>>()  // w_e (scratch)
-                    .Ret<ffi::Buffer<ffi::F32>>()  // gu (scratch; [0, 2I] when gu_in is kept)
-                    .Ret<ffi::Buffer<ffi::BF16>>() // dgu (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>() // hw (scratch)
-                    .Ret<ffi::Buffer<ffi::F32>>()  // dw_part (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>() // dx_e (scratch)
-                    .Ret<ffi::Buffer<ffi::F32>>()  // dw_e (scratch)
-                    .Ret<ffi::Buffer<ffi::S32>>()  // flags (scratch: the kernel's dependency counters)
+                    ) // then the scratch, then the shared expert's
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_shared_gate_up
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_shared_down
                     .Ret<ffi::Buffer<ffi::F32>>()  // gus (scratch)
@@ -304,18 +331,6 @@ ffi::Error experts_backward_ep_impl(
   const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
   const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
   const int64_t words = mok::experts_backward_flag_words(m, e, 0);
-  const auto gi = gu_in.dimensions(), gp = gu_part.dimensions();
-  if (gi.size() != 3 || gi[0] != R || gi[2] != 2 * inter || (gi[1] != m && gi[1] != 0))
-    return invalid(kOp, "gu_in must be f32[ranks, M or 0, 2I], got " + dims_str(gi));
-  const bool kept = m > 0 && gi[1] == m;
-  if (gp.size() != 3 || gp[0] != R || gp[2] != 2 * inter)
-    return invalid(kOp, "gu_part must be f32[ranks, rows, 2I], got " + dims_str(gp));
-  const bool part = gu_part_row.element_count() != 0;
-  if (part ? !dims_are(gu_part_row.dimensions(), {R, m}) || !dims_are(gu_block.dimensions(), {R, m_blocks})
-           : gp[1] != 0 || gu_block.element_count() != 0)
-    return invalid(kOp, "gu_part_row and gu_block must be s32[ranks, M] and s32[ranks, ceil(M / 128)], or all "
-                        "three of gu_part, gu_part_row and gu_block empty");
-  if (part && kept) return invalid(kOp, "gu_in (all rows kept) and gu_part (some rows kept) are exclusive");
   const Want checks[] = {
       {"dy", dy.dimensions(), {R, t, hidden}, "[ranks, T, H]"},
       {"topk_weight", topk_weight.dimensions(), {R, n, k}, "[ranks, ep T, k]"},
@@ -340,12 +355,12 @@ ffi::Error experts_backward_ep_impl(
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
       return invalid(kOp, std::string(c.name) + " must be " + c.shape + ", got " + dims_str(c.got));
-  if (kept)  // the result gu is the kept buffer (XLA aliases it to gu_in), whose padding rows the gather zeroes
-    if (gu->untyped_data() != gu_in.untyped_data())
-      if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(), size_t(R * m) * 2 * inter * 4,
-                                            cudaMemcpyDeviceToDevice, stream);
-          err != cudaSuccess)
-        return mok::ffi_util::cuda_error(kOp, err);
+  bool kept = false, part = false;
+  if (ffi::Error err = check_kept_gu(kOp, stream, R, m, inter, gu_in, gu_part, gu_part_row, gu_block, gu, &kept,
+                                     &part);
+      err.failure())
+    return err;
+  const int64_t gp_rows = gu_part.dimensions()[1];
   auto at = [](auto* base, int64_t r, int64_t per) { return base + r * per; };
   std::vector<mok::ExpertsBackwardParams> ranks(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -362,10 +377,10 @@ ffi::Error experts_backward_ep_impl(
     p.down = at(static_cast<const uint16_t*>(down.untyped_data()), r, e * inter * hidden);
     p.gu_kept = kept ? at(gu->typed_data(), r, m * 2 * inter) : nullptr;
     if (part) {
-      p.gu_part = at(gu_part.typed_data(), r, gp[1] * 2 * inter);
+      p.gu_part = at(gu_part.typed_data(), r, gp_rows * 2 * inter);
       p.gu_part_row = at(gu_part_row.typed_data(), r, m);
       p.gu_block = at(gu_block.typed_data(), r, m_blocks);
-      p.gu_part_rows = gp[1];
+      p.gu_part_rows = gp_rows;
     }
     p.dx = at(dx->typed_data(), r, t * hidden);
     p.dw = at(dw->typed_data(), r, t * k);
@@ -395,7 +410,7 @@ ffi::Error experts_backward_ep_impl(
 }  // namespace
 
 MOK_FFI_HANDLER(MokExpertsBackwardEp, experts_backward_ep_impl,
-                ffi::Ffi::Bind()
+                bind_scratch(ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
                     .Ctx<ffi::DeviceOrdinal>()
                     .Attrs<ExpertsBackwardEpAttrs>()
@@ -415,14 +430,4 @@ MOK_FFI_HANDLER(MokExpertsBackwardEp, experts_backward_ep_impl,
                     .Ret<ffi::Buffer<ffi::F32>>()   // dw
                     .Ret<ffi::Buffer<ffi::BF16>>()  // d_gate_up
                     .Ret<ffi::Buffer<ffi::BF16>>()  // d_down
-                    .Ret<ffi::Buffer<ffi::S32>>()   // status
-                    .Ret<ffi::Buffer<ffi::BF16>>()  // x_e (scratch)
-                    .Ret<ffi::Buffer<ffi::BF16>>()  // dy_e
-                    .Ret<ffi::Buffer<ffi::F32>>()   // w_e
-                    .Ret<ffi::Buffer<ffi::F32>>()   // gu
-                    .Ret<ffi::Buffer<ffi::BF16>>()  // dgu
-                    .Ret<ffi::Buffer<ffi::BF16>>()  // hw
-                    .Ret<ffi::Buffer<ffi::F32>>()   // dw_part
-                    .Ret<ffi::Buffer<ffi::BF16>>()  // dx_e
-                    .Ret<ffi::Buffer<ffi::F32>>()   // dw_e
-                    .Ret<ffi::Buffer<ffi::S32>>()); // flags
+                    .Ret<ffi::Buffer<ffi::S32>>())); // status, then the scratch
