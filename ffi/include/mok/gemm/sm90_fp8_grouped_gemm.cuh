@@ -30,14 +30,16 @@
 //   kBf16: the halves are columns [n0, n0 + 128) and [n0 + 128, n0 + 256).
 //
 // Roles (384 threads, one CTA per SM, persistent over the static tile list of group_scheduler.cuh):
-//   warpgroup 0, warp 0, one lane : producer: per k block, one A box (128 x 128) + up to four B boxes
-//                                   (64 x 128) by TMA into the stage, full[s] counts the bytes
+//   warpgroup 0, warp 0            : producer: per k block, lane 0 loads one A box (128 x 128) + up to four B
+//                                   boxes (64 x 128) by TMA into the stage (full[s] counts the bytes), and the
+//                                   32 lanes copy the block's 128 row scales and 2 column scales by cp.async
 //   warpgroup 0, warps 1..3       : padding rows [sum(group sizes), M) of out (zeros; out_scale 1)
 //   warpgroups 1, 2 (consumers)   : per k block two wgmma chains, each waited for and promoted; after the
 //                                   second chain the stage is freed; then the epilogue
 //
-// Shared memory: kStages (4) x (16 KB A + 32 KB B) = 192 KB, 8 KB group table: < 227 KB.
-// Stage ring: full[s] 1 producer arrive + TMA bytes; empty[s] one arrive per consumer warp (8).
+// Shared memory: kStages (4) x (16 KB A + 32 KB B + 528 B scales) = 194 KB, 8 KB group table: < 227 KB.
+// Stage ring: full[s] 1 + 32 producer arrives (lane 0's with the TMA bytes, then each lane's when its scale
+// copies land); empty[s] one arrive per consumer warp (8).
 //
 // Invariants: every output element is written by one CTA with a fixed k order and fixed per-thread
 // arithmetic, so the result is bitwise reproducible and independent of the CTA count. Rows of a tile past
@@ -54,6 +56,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/memory_sm80.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/float8.h>
 
@@ -97,6 +100,7 @@ struct Sm90Fp8GroupedGemm {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;
   static constexpr int kOutCols = kSwiGLU ? kHalfN : kBlockN;  // output columns per tile
+  static_assert(kBlockM == 4 * 32, "each producer lane copies 4 row scales");
   static constexpr int kGroupM = 16;   // raster band (m-blocks), as the bf16 grouped GEMM
   static constexpr int kMaxGroups = 1024;
   static constexpr int kProducerRegs = 40;
@@ -160,6 +164,8 @@ struct Sm90Fp8GroupedGemm {
   struct SharedStorage {
     alignas(1024) Element a[kStages * kStageElemsA];
     alignas(1024) Element b[kStages * kStageElemsB];
+    alignas(16) float a_scale[kStages][kBlockM];  // the stage's k block: the scales of the tile's rows
+    alignas(16) float b_scale[kStages][4];        // and of its two column halves ([2], [3] unused)
     alignas(8) uint64_t full[kStages];
     alignas(8) uint64_t empty[kStages];
     GroupTable<kMaxGroups> table;
@@ -175,8 +181,12 @@ struct Sm90Fp8GroupedGemm {
     return half_col(p, n_block, j / 2) + (j % 2) * kBox;
   }
 
-  // ---- producer: one thread ------------------------------------------------------------------------
-  __device__ static void producer(const Params& p, SharedStorage& s, int n_blocks) {
+  // ---- producer: one warp -------------------------------------------------------------------------
+  // Lane 0 issues the stage's TMA loads (full[s] counts their bytes); every lane copies 4 of the tile's 128 row
+  // scales of the k block by cp.async (lanes 0, 1 also a half's column scale; rows past M and a half past n_b
+  // read as 0) and arrives on full[s] when its copies land. The consumers then read the scales from shared
+  // memory after the stage's wait, so no global load sits in their loop.
+  __device__ static void producer(const Params& p, SharedStorage& s, int n_blocks, int lane) {
     using namespace cute;
     const int num_tiles = s.table.tile_start[p.num_groups];
     const int n_k = p.k / kBlockK;
@@ -189,28 +199,43 @@ struct Sm90Fp8GroupedGemm {
       Tensor gA = local_tile(domain_offset(make_coord(tc.row_begin, 0), mA), Shape<Int<kBlockM>, Int<kBlockK>>{},
                              make_coord(0, _));  // (BM, BK, k)
       Tensor mBg = mB(_, _, tc.group);
+      const int b_col = half_col(p, tc.n_block, lane % 2);
+      const bool b_valid = lane < 2 && b_col < p.n_b;
+      const float* b_src =
+          p.b_scale + (int64_t(tc.group) * (p.n_b / kFp8ScaleBlock) + (b_valid ? b_col : 0) / kFp8ScaleBlock) * n_k;
       uint32_t bytes = kStageElemsA * sizeof(Element);
       CUTE_UNROLL
       for (int j = 0; j < kBoxes; ++j)
         if (box_col(p, tc.n_block, j) < p.n_b) bytes += kBoxElems * sizeof(Element);
       for (int kb = 0; kb < n_k; ++kb) {
         if (!mbarrier_wait(&s.empty[stage], phase ^ 1, p.status)) return;
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], bytes);
-        Tensor sA = make_tensor(make_smem_ptr(s.a + stage * kStageElemsA), SmemLayoutAStage{});
-        auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
-                                        group_modes<0, 2>(gA(_, _, kb)));
-        copy(p.tma_a.with(s.full[stage]), tAg, tAs);
-        CUTE_UNROLL
-        for (int j = 0; j < kBoxes; ++j) {
-          const int col = box_col(p, tc.n_block, j);
-          if (col >= p.n_b) continue;  // the N tail of the down GEMM: never stored
-          Tensor gB = local_tile(domain_offset(make_coord(col, 0), mBg), Shape<Int<kBox>, Int<kBlockK>>{},
-                                 make_coord(0, _));  // (box, BK, k)
-          Tensor sB = make_tensor(make_smem_ptr(s.b + stage * kStageElemsB + j * kBoxElems), SmemLayoutBox{});
-          auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                          group_modes<0, 2>(gB(_, _, kb)));
-          copy(p.tma_b.with(s.full[stage]), tBg, tBs);
+        if (lane == 0) {
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], bytes);
+          Tensor sA = make_tensor(make_smem_ptr(s.a + stage * kStageElemsA), SmemLayoutAStage{});
+          auto [tAg, tAs] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                          group_modes<0, 2>(gA(_, _, kb)));
+          copy(p.tma_a.with(s.full[stage]), tAg, tAs);
+          CUTE_UNROLL
+          for (int j = 0; j < kBoxes; ++j) {
+            const int col = box_col(p, tc.n_block, j);
+            if (col >= p.n_b) continue;  // the N tail of the down GEMM: never stored
+            Tensor gB = local_tile(domain_offset(make_coord(col, 0), mBg), Shape<Int<kBox>, Int<kBlockK>>{},
+                                   make_coord(0, _));  // (box, BK, k)
+            Tensor sB = make_tensor(make_smem_ptr(s.b + stage * kStageElemsB + j * kBoxElems), SmemLayoutBox{});
+            auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                            group_modes<0, 2>(gB(_, _, kb)));
+            copy(p.tma_b.with(s.full[stage]), tBg, tBs);
+          }
         }
+        const float* a_src = p.a_scale + int64_t(kb) * p.num_rows;
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const int r = 4 * lane + i, row = tc.row_begin + r;
+          cutlass::arch::cp_async_zfill<4>(&s.a_scale[stage][r], row < p.num_rows ? a_src + row : p.a_scale,
+                                           row < p.num_rows);
+        }
+        if (lane < 2) cutlass::arch::cp_async_zfill<4>(&s.b_scale[stage][lane], b_src + kb, b_valid);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
@@ -245,7 +270,6 @@ struct Sm90Fp8GroupedGemm {
     const int num_tiles = s.table.tile_start[p.num_groups];
     const int wg = ct / 128, t = ct % 128, lane = t % 32, warp = t / 32;
     const int n_k = p.k / kBlockK;
-    const int b_blocks = p.n_b / kFp8ScaleBlock;
     // wgmma accumulator fragment (PTX ISA, m64nNk16/k32 f32 D): value i of thread (warp, lane) of the
     // warpgroup sits at row 16 warp + lane/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (lane % 4) + i % 2.
     const int r_local = kRowsPerConsumer * wg + 16 * warp + lane / 4;  // and r_local + 8
@@ -256,31 +280,18 @@ struct Sm90Fp8GroupedGemm {
     uint32_t phase = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileCoord tc = decode_tile<kMaxGroups, kBlockM, kGroupM>(s.table, p.num_groups, tile, n_blocks);
-      const int row0 = tc.row_begin + r_local, row1 = row0 + 8;
-      const bool in0 = row0 < p.num_rows, in1 = row1 < p.num_rows;
-      const int col0 = half_col(p, tc.n_block, 0), col1 = half_col(p, tc.n_block, 1);
-      const bool b_in0 = col0 < p.n_b, b_in1 = col1 < p.n_b;
-      const float* bs0 = p.b_scale + (int64_t(tc.group) * b_blocks + (b_in0 ? col0 : 0) / kFp8ScaleBlock) * n_k;
-      const float* bs1 = p.b_scale + (int64_t(tc.group) * b_blocks + (b_in1 ? col1 : 0) / kFp8ScaleBlock) * n_k;
       CUTE_UNROLL
       for (int i = 0; i < size(total0); ++i) total0(i) = 0.0f, total1(i) = 0.0f;
-      // The scales of k block kb + 1 are loaded while block kb's wgmmas run. Loaded at the top of their own block,
-      // their L2 latency stalled it (ncu, kimi-k2: long-scoreboard stalls a third of the warps' stall cycles, the
-      // tensor pipe 53% busy); loaded one block ahead the GEMMs took 970 and 526 us instead of 984 and 546, but
-      // the stall stays, at the compiler's copy of `next` into the block's registers before its first wgmma (a
-      // fifth of the stall samples). Copied into shared memory by cp.async instead, they took 1010 and 595 us.
-      auto scales = [&](int kb, float* v) {
-        v[0] = in0 ? __ldg(p.a_scale + int64_t(kb) * p.num_rows + row0) : 0.0f;
-        v[1] = in1 ? __ldg(p.a_scale + int64_t(kb) * p.num_rows + row1) : 0.0f;
-        v[2] = b_in0 ? __ldg(bs0 + kb) : 0.0f;
-        v[3] = b_in1 ? __ldg(bs1 + kb) : 0.0f;
-      };
-      float next[4];
-      scales(0, next);
+      // The k block's scales come with its stage, in shared memory (the producer's cp.async). Loaded by the
+      // consumers from global memory, their latency stalled the chains: ncu on kimi-k2 had long-scoreboard stalls
+      // at a third of the warps' stall cycles with the tensor pipe 53% busy; loaded one block ahead into registers,
+      // the stall stayed at the compiler's copy of them before the block's first wgmma (970 and 526 us for the two
+      // GEMMs); copied by the consumers' own cp.async, 1010 and 595 us. Brought by the producer: 849 and 512 us at a
+      // lower clock (-19% and -4% in cycles), the tensor pipe 66% and 52% busy.
       for (int kb = 0; kb < n_k; ++kb) {
-        const float a0 = next[0], a1 = next[1], b0 = next[2], b1 = next[3];
-        if (kb + 1 < n_k) scales(kb + 1, next);
         if (!mbarrier_wait(&s.full[stage], phase, p.status)) return;
+        const float a0 = s.a_scale[stage][r_local], a1 = s.a_scale[stage][r_local + 8];
+        const float b0 = s.b_scale[stage][0], b1 = s.b_scale[stage][1];
         Tensor sA = make_tensor(make_smem_ptr(s.a + stage * kStageElemsA + wg * kRowsPerConsumer * kBlockK),
                                 SmemLayoutAWg{});
         Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, 1, 4) descriptors
@@ -301,7 +312,9 @@ struct Sm90Fp8GroupedGemm {
     }
   }
 
-  // One half's chain: partial = A_wg (64 x 128) @ B_half (128 x 128)^T, waited for.
+  // One half's chain: partial = A_wg (64 x 128) @ B_half (128 x 128)^T, waited for. (Issuing the two warpgroups'
+  // chains in turn, 0, 1, 0, 1, ..., ordered by a pair of mbarriers so that the tensor core runs one warpgroup's
+  // chain while the other promotes, made both GEMMs slower: kimi-k2's pair 1.80 against 1.72 ms.)
   template <class Thr, class FragA>
   __device__ static void mma_half(TiledMma& mma, Thr& thr, FragA& tCrA, Element* b_half, Accumulator& partial) {
     using namespace cute;
@@ -398,7 +411,7 @@ struct Sm90Fp8GroupedGemm {
     const int n_blocks = (p.n_out + kOutCols - 1) / kOutCols;
     if (warp == 0 && lane == 0) {
       for (int i = 0; i < kStages; ++i) {
-        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1 + 32);  // TMA bytes + the warp's scale copies
         cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarpgroups * 4);
       }
       cutlass::arch::fence_barrier_init();
@@ -411,7 +424,7 @@ struct Sm90Fp8GroupedGemm {
     if (threadIdx.x < 128) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == 0) {
-        if (cute::elect_one_sync()) producer(p, s, n_blocks);
+        producer(p, s, n_blocks, lane);
       } else {
         pad_rows(p, s, threadIdx.x - 32, 96);
       }
