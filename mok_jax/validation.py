@@ -17,7 +17,8 @@ import numpy as np
 
 from mok_jax.weights import MoEWeights
 
-__all__ = ["check_experts_backward_args", "check_moe_args", "check_routing_values", "check_workspace_call"]
+__all__ = ["check_experts_backward_args", "check_kept_gu", "check_moe_args", "check_routing_values",
+           "check_workspace_call"]
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -229,30 +230,43 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
     if tokens * top_k >= 2**31:
         raise ValueError(f"{where}: topk_weight: slots T * k must be below 2^31 (int32 slot ids in src_slot), got "
                          f"{tokens} * {top_k}")
+    check_kept_gu(where, gu, gu_part, gu_part_row, m, inter)
+    _check_shared_expert(shared_gate_up, shared_down, hidden, tokens, where, dtype)
+    return tokens, top_k, m, hidden, inter, num_experts
+
+
+def check_kept_gu(where: str, gu, gu_part, gu_part_row, m: int, inter: int, ranks: int | None = None) -> None:
+    """The kept g, u operands of the experts' backward ops: gu float32[M, 2I] (every row's), or gu_part
+    float32[R, 2I] with gu_part_row int32[M] (some rows' and each row's row of them), or none; with ``ranks`` (the
+    fused EP op) each has that leading rank axis. A wrong dtype of gu is a TypeError, anything else a ValueError
+    naming the argument."""
+    lead, lead_name = ((), "") if ranks is None else ((ranks,), "ranks, ")
     if gu is not None:
-        want = (m, 2 * inter)
+        want = (*lead, m, 2 * inter)
         if getattr(gu, "dtype", None) != jnp.float32:
-            raise TypeError(f"{where}: gu (the kept g, u) must be float32[M, 2I] = float32{list(want)}, got "
-                            f"{getattr(gu, 'dtype', type(gu).__name__)}{list(getattr(gu, 'shape', ()))}")
+            raise TypeError(f"{where}: gu (the kept g, u) must be float32[{lead_name}M, 2I] = float32{list(want)}, "
+                            f"got {getattr(gu, 'dtype', type(gu).__name__)}{list(getattr(gu, 'shape', ()))}")
         if tuple(gu.shape) != want:
-            raise ValueError(f"{where}: gu (the kept g, u) must be [M, 2I] = {want} (src_slot's rows, twice "
-                             f"gate_up's I), got {tuple(gu.shape)}")
+            raise ValueError(f"{where}: gu (the kept g, u) must be [{lead_name}M, 2I] = {want} (src_slot's rows, "
+                             f"twice gate_up's I), got {tuple(gu.shape)}")
     if (gu_part is None) != (gu_part_row is None):
         raise ValueError(f"{where}: gu_part and gu_part_row (some rows' kept g, u and each row's row of them) must "
                          f"both be given or both be None")
-    if gu_part is not None:
-        if gu is not None:
-            raise ValueError(f"{where}: gu (every row's kept g, u) and gu_part (some rows') are exclusive")
-        if getattr(gu_part, "dtype", None) != jnp.float32 or getattr(gu_part, "ndim", None) != 2 \
-                or gu_part.shape[1] != 2 * inter:
-            raise ValueError(f"{where}: gu_part (some rows' kept g, u) must be float32[R, 2I] with 2I = {2 * inter}, "
-                             f"got {getattr(gu_part, 'dtype', type(gu_part).__name__)}"
-                             f"{list(getattr(gu_part, 'shape', ()))}")
-        if getattr(gu_part_row, "dtype", None) != jnp.int32 or tuple(getattr(gu_part_row, "shape", ())) != (m,):
-            raise ValueError(f"{where}: gu_part_row (each row's row of gu_part) must be int32[M] = int32[{m}] "
-                             f"(src_slot's rows), got {getattr(gu_part_row, 'dtype', type(gu_part_row).__name__)}"
-                             f"{list(getattr(gu_part_row, 'shape', ()))}")
-        if gu_part.shape[0] >= 2**31:
-            raise ValueError(f"{where}: gu_part: rows R must be below 2^31, got {gu_part.shape[0]}")
-    _check_shared_expert(shared_gate_up, shared_down, hidden, tokens, where, dtype)
-    return tokens, top_k, m, hidden, inter, num_experts
+    if gu_part is None:
+        return
+    if gu is not None:
+        raise ValueError(f"{where}: gu (every row's kept g, u) and gu_part (some rows') are exclusive")
+    shape = tuple(getattr(gu_part, "shape", ()))
+    if getattr(gu_part, "dtype", None) != jnp.float32 or len(shape) != len(lead) + 2 or shape[:len(lead)] != lead \
+            or shape[-1] != 2 * inter:
+        raise ValueError(f"{where}: gu_part (some rows' kept g, u) must be float32[{lead_name}R, 2I] with "
+                         f"{f'ranks = {ranks}, ' if lead else ''}2I = {2 * inter}, got "
+                         f"{getattr(gu_part, 'dtype', type(gu_part).__name__)}{list(shape)}")
+    want_row = (*lead, m)
+    if getattr(gu_part_row, "dtype", None) != jnp.int32 or tuple(getattr(gu_part_row, "shape", ())) != want_row:
+        raise ValueError(f"{where}: gu_part_row (each row's row of gu_part) must be int32[{lead_name}M] = "
+                         f"int32{list(want_row)} (src_slot's rows), got "
+                         f"{getattr(gu_part_row, 'dtype', type(gu_part_row).__name__)}"
+                         f"{list(getattr(gu_part_row, 'shape', ()))}")
+    if shape[-2] >= 2**31:
+        raise ValueError(f"{where}: gu_part: rows R must be below 2^31, got {shape[-2]}")

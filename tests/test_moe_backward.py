@@ -892,7 +892,18 @@ def test_fused_ep_op_lowers_to_one_call_with_the_workspace(monkeypatch):
     (lambda a: {**a, "down": a["down"][:, :, :5]}, "down must be"),
     (lambda a: {**a, "comm_items": 0}, "comm_items must be an int >= 1"),
     (lambda a: {**a, "skip_rank": 2}, "skip_rank must be"),
-    (lambda a: {**a, "gu_part_row": a["src_slot"]}, "gu_part_row needs gu_part"),
+    (lambda a: {**a, "gu_part_row": a["src_slot"]}, "gu_part and gu_part_row .* both be given or both be None"),
+    # the kept g, u: the EP-1 op's checks (mok_jax.validation.check_kept_gu) with the rank axis
+    (lambda a: {**a, "gu": jnp.zeros((*a["src_slot"].shape, 48), jnp.bfloat16)},
+     r"gu \(the kept g, u\) must be float32\[ranks, M, 2I\] = float32\[2, \d+, 48\], got bfloat16"),
+    (lambda a: {**a, "gu": jnp.zeros((1, a["src_slot"].shape[1], 48), jnp.float32)},
+     r"gu \(the kept g, u\) must be \[ranks, M, 2I\] = \(2, \d+, 48\) .*got \(1, "),
+    (lambda a: {**a, "gu": jnp.zeros((*a["src_slot"].shape, 48), jnp.float32), "gu_part": jnp.zeros((2, 4, 48)),
+                "gu_part_row": a["src_slot"]}, r"gu \(every row's kept g, u\) and gu_part .* exclusive"),
+    (lambda a: {**a, "gu_part": jnp.zeros((4, 48)), "gu_part_row": a["src_slot"]},
+     r"gu_part \(some rows' kept g, u\) must be float32\[ranks, R, 2I\] with ranks = 2, 2I = 48, got float32\[4, 48\]"),
+    (lambda a: {**a, "gu_part": jnp.zeros((2, 4, 48)), "gu_part_row": a["src_slot"][:, 1:]},
+     r"gu_part_row \(each row's row of gu_part\) must be int32\[ranks, M\] = int32\[2, \d+\]"),
 ])
 def test_fused_ep_op_names_the_bad_argument(monkeypatch, change, match):
     mb = importlib.import_module("mok_jax.ops.moe_backward")

@@ -30,7 +30,7 @@ import numpy as np
 
 from mok_jax._native import require_native
 from mok_jax.expert_layout import kept_blocks
-from mok_jax.validation import check_experts_backward_args, check_num_sms, check_workspace_call
+from mok_jax.validation import check_experts_backward_args, check_kept_gu, check_num_sms, check_workspace_call
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPERTS_BACKWARD_MAX_TOP_K",
            "EXPERTS_BACKWARD_STATUS_COMM", "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP",
@@ -335,21 +335,9 @@ def experts_backward_ep(
     if not (isinstance(skip_rank, (int, np.integer)) and -1 <= skip_rank < R) or (skip_rank >= 0 and R == 1):
         raise ValueError(f"{where}: skip_rank must be -1, or a rank of an emulated call, got {skip_rank!r}")
     check_num_sms(num_sms)
+    check_kept_gu(where, gu, gu_part, gu_part_row, m, inter, ranks=R)
     f32 = jnp.float32
     kept = gu is not None
-    if kept and gu_part is not None:
-        raise ValueError(f"{where}: gu (every row kept) and gu_part (some rows kept) are exclusive")
-    if kept and (gu.dtype != f32 or gu.shape != (R, m, 2 * inter)):
-        raise ValueError(f"{where}: gu must be f32[{R}, {m}, {2 * inter}], got {gu.dtype}{list(gu.shape)}")
-    if gu_part is None:
-        if gu_part_row is not None:
-            raise ValueError(f"{where}: gu_part_row needs gu_part")
-    else:
-        if gu_part.dtype != f32 or gu_part.ndim != 3 or gu_part.shape[0] != R or gu_part.shape[2] != 2 * inter:
-            raise ValueError(f"{where}: gu_part must be f32[{R}, rows, {2 * inter}], got "
-                             f"{gu_part.dtype}{list(gu_part.shape)}")
-        if gu_part_row is None or gu_part_row.dtype != jnp.int32 or gu_part_row.shape != (R, m):
-            raise ValueError(f"{where}: gu_part_row must be int32[{R}, {m}] with gu_part")
     gu_in, gu_part, gu_part_row, gu_block = _kept_operands(gu, gu_part, gu_part_row, src_slot, inter, cfg.ep * T * k,
                                                            ranks=R)
     require_native(where)
