@@ -25,7 +25,9 @@ bound.
 This module is pure JAX: it runs anywhere, and it is the oracle of the FP8 kernels
 (``mok_jax.ops.fp8_grouped_ffn``): ``quantize_expert_weights`` makes the weights in the kernels' layout,
 ``grouped_ffn_reference`` runs the same pipeline, and ``ffn_error_sigma`` estimates its distance from the
-unquantised FFN.
+unquantised FFN. ``moe_reference`` is the whole layer with FP8 routed experts (the plan of docs/design.md: rows
+quantised at dispatch, routed experts in FP8, the shared expert and the combine as the bf16 layer's), the oracle
+of the FP8 layer forward.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BLOCK", "E4M3_MAX", "Fp8ExpertWeights", "Fp8FfnReference", "block_scaled_matmul", "dequantize_rows",
-           "dequantize_weight_blocks", "ffn_error_sigma", "grouped_ffn_reference", "quantization_error_bound",
-           "quantize_expert_weights", "quantize_rows", "quantize_weight_blocks", "reference_layout"]
+__all__ = ["BLOCK", "E4M3_MAX", "Fp8ExpertWeights", "Fp8FfnReference", "Fp8MoeReference", "block_scaled_matmul",
+           "dequantize_rows", "dequantize_weight_blocks", "ffn_error_sigma", "grouped_ffn_reference", "moe_reference",
+           "quantization_error_bound", "quantize_expert_weights", "quantize_rows", "quantize_weight_blocks",
+           "reference_layout"]
 
 BLOCK = 128  # the scale block: 1 x 128 for activations, 128 x 128 for weights
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -298,3 +301,64 @@ def ffn_error_sigma(x: jax.Array, group_sizes: Sequence[int], gate_up: jax.Array
         off += n
     out.append(jnp.zeros((m - off, hidden), _F32))
     return jnp.concatenate(out, axis=0)
+
+
+# --- the layer with FP8 routed experts ---------------------------------------------------------------------------
+
+
+class Fp8MoeReference(NamedTuple):
+    """The layer with FP8 routed experts (``moe_reference``)."""
+
+    y: jax.Array        # [T, H] in x's dtype: routed + shared, rounded once
+    routed: jax.Array   # f32 [T, H]: sum_j topk_weight[t, j] * the FP8 expert's output, in slot order
+    shared: jax.Array   # f32 [T, H]: the shared expert as the bf16 layer computes it (zeros without one)
+    sigma: jax.Array    # f32 [T, H]: the E4M3 error's standard deviation in ``routed`` (ffn_error_sigma, combined)
+
+
+def moe_reference(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights, w: Fp8ExpertWeights, *,
+                  accumulation_rel: float | None = None) -> Fp8MoeReference:
+    """y_t = sum_j topk_weight[t, j] * fp8_expert_{topk_idx[t, j]}(x_t) + shared(x_t), on the host's values.
+
+    x: [T, H] (bf16 or f32); topk_idx: int32[T, k] (ids outside [0, E) are masked slots: they add nothing, whatever
+    their weight); topk_weight: f32[T, k]; weights: the layer's MoEWeights (its shared expert runs as in
+    mok_jax.reference.moe, and its routed weights give ``sigma``); w = quantize_expert_weights(weights.gate_up,
+    weights.down). Each routed slot runs ``grouped_ffn_reference``'s pipeline on its token's row (x quantised in
+    1 x 128 tiles, as the FP8 dispatch will send it); the slots are summed in f32 in slot order j = 0..k-1, then
+    the shared expert is added and the sum rounded to x's dtype, as the bf16 layer does. ``sigma`` combines the
+    slots' ``ffn_error_sigma`` as independent errors: sqrt(sum_j (topk_weight[t, j] sigma_slot)^2).
+    Not jit-able: the experts' row counts are taken from topk_idx on the host."""
+    from mok_jax.reference.experts import shared_expert
+
+    x = jnp.asarray(x)
+    idx = np.asarray(topk_idx)
+    if x.ndim != 2 or idx.ndim != 2 or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, H] and topk_idx [T, k] over the same tokens, got {x.shape}, {idx.shape}")
+    topk_weight = jnp.asarray(topk_weight, _F32)
+    if topk_weight.shape != idx.shape:
+        raise ValueError(f"topk_weight must be [T, k] = {idx.shape} (topk_idx's shape), got {topk_weight.shape}")
+    num_experts = w.gate_up.shape[0]
+    tokens, k = idx.shape
+    slots = idx.reshape(-1)
+    valid = (slots >= 0) & (slots < num_experts)
+    order = np.argsort(np.where(valid, slots, num_experts), kind="stable")[:int(valid.sum())]  # expert-major
+    sizes = np.bincount(slots[order], minlength=num_experts).astype(np.int32)
+    if len(order):
+        rows = x[jnp.asarray(order // k)]
+        y_rows = grouped_ffn_reference(rows, sizes, w).y
+        sig_rows = ffn_error_sigma(rows, sizes, weights.gate_up, weights.down, w, accumulation_rel=accumulation_rel)
+    else:  # every slot masked
+        y_rows = sig_rows = jnp.zeros((0, x.shape[1]), _F32)
+    where = np.full(tokens * k, len(order), np.int64)  # each slot's row of y_rows; masked: a zero row
+    where[order] = np.arange(len(order))
+    zero = jnp.zeros((1, x.shape[1]), _F32)
+    per_slot = jnp.concatenate([y_rows, zero])[jnp.asarray(where)].reshape(tokens, k, -1)
+    sig_slot = jnp.concatenate([sig_rows, zero])[jnp.asarray(where)].reshape(tokens, k, -1)
+    mine = jnp.asarray(valid.reshape(tokens, k))
+    routed = jnp.zeros((tokens, x.shape[1]), _F32)
+    var = jnp.zeros((tokens, x.shape[1]), _F32)
+    for j in range(k):
+        wj = topk_weight[:, j, None]
+        routed = routed + jnp.where(mine[:, j, None], wj * per_slot[:, j], 0.0)
+        var = var + jnp.where(mine[:, j, None], (wj * sig_slot[:, j]) ** 2, 0.0)
+    shared = shared_expert(x, weights)
+    return Fp8MoeReference((routed + shared).astype(x.dtype), routed, shared, jnp.sqrt(var))
