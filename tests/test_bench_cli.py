@@ -98,6 +98,22 @@ def test_kernel_benchmarks_without_a_gpu_say_so_and_exit_nonzero(module):
                      "timed"]
 
 
+def test_grouped_ffn_kernels_only_table_names_the_library_and_the_output_crcs():
+    """--kernels-only (the A/B of two library builds, scripts/gpu_fp8_ab.sh): its table has the two kernels'
+    times, the FP8 speedup and each output's CRC, and the library it ran; without FP8, dashes."""
+    from mok_jax.bench.grouped_ffn import table
+
+    k = {"ms": 2.0, "tflops": 700.0, "y_crc32": 123}
+    f8 = {"ms": 1.6, "tflops": 875.0, "speedup_over_bf16": 1.25, "y_crc32": 456}
+    result = {"device": "H200", "num_sms": 132, "tokens_per_gpu": 2048, "library": "loaded from /x/lib.so",
+              "cases": [{"setting": "ep64", "model": "kimi-k2", "kernel_all_sms": k, "fp8_all_sms": f8},
+                        {"setting": "ep64", "model": "glm-5", "kernel_all_sms": k}]}
+    lines = table(result).splitlines()
+    assert "library: loaded from /x/lib.so" in lines[0]
+    assert lines[3] == "| ep64 | kimi-k2 | 2.000 (700) | 1.600 (875) | 1.25x | 123 | 456 |"
+    assert lines[4] == "| ep64 | glm-5 | 2.000 (700) | - | - | 123 | - |"
+
+
 def test_list_models(capsys):
     assert cli.main(["--list-models"]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,9 @@ Settings (the benchmark problems of the H200 machines), 2048 tokens per GPU, M =
 The kernel runs with every SM and with 108 SMs (the rest left to communication in the megakernel); the FP8
 kernel (mok_jax.ops.fp8_grouped_ffn, E4M3 with DeepSeek-V3 block scales, weights quantised once outside the
 timing) with every SM in the same process, reported beside bf16 as TFLOP/s and as the bf16 time over the FP8
-time (--no-fp8 leaves it out).
+time (--no-fp8 leaves it out). --kernels-only times the two kernels with every SM and nothing else, and records a
+CRC of each output: the A/B of two builds of the library, one process each (MOK_JAX_LIB), compares their times
+and checks that a change moved no bit (scripts/gpu_fp8_ab.sh).
 Times: median of device-synchronised samples (mok_jax.bench.timing.time_fn). A short table is printed last.
 Without a CUDA GPU (or the native library) it says so in one line and exits 1.
 """
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mok_jax._native import native_status
 from mok_jax.bench.timing import kernels_unavailable, time_fn
 from mok_jax.config import load_model
 from mok_jax.fp8 import quantize_expert_weights
@@ -75,7 +78,12 @@ def _batched_einsum(xb, gate_up, down):
     return jnp.einsum("eci,eih->ech", h, down)
 
 
-def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int, fp8: bool = True) -> dict:
+def _digest(a: jax.Array) -> int:
+    return zlib.crc32(np.asarray(a).tobytes())
+
+
+def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int, fp8: bool = True,
+                kernels_only: bool = False) -> dict:
     shape = load_model(model)
     hidden, inter = shape.hidden_size, shape.intermediate_size
     experts = shape.num_experts // EP_DEGREE[setting]
@@ -92,13 +100,14 @@ def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int, fp8: boo
     out = {"model": model, "setting": setting, "rows": m, "experts": experts, "hidden": hidden,
            "intermediate": inter, "flops": flops, "weight_bytes": weight_bytes}
 
-    for label, n in (("kernel_all_sms", None), (f"kernel_{REDUCED_SMS}_sms", REDUCED_SMS)):
+    runs = (("kernel_all_sms", None),) + (() if kernels_only else ((f"kernel_{REDUCED_SMS}_sms", REDUCED_SMS),))
+    for label, n in runs:
         f = jax.jit(lambda a, g, w1, w2, n=n: grouped_ffn(a, g, w1, w2, num_sms=n))
         y, h, status = jax.block_until_ready(f(x, group_sizes, gate_up, down))
         ok = int(status) == 0 and bool(jnp.isfinite(y.astype(jnp.float32)).all())
         t = time_fn(f, x, group_sizes, gate_up, down, **timing_kw)
         out[label] = {"ms": t.median_ms, "tflops": flops / (t.median_ms * 1e-3) / 1e12, "sane_output": ok,
-                      "timing": t.as_dict(), "num_sms": n or num_sms_full}
+                      "timing": t.as_dict(), "num_sms": n or num_sms_full, "y_crc32": _digest(y)}
         del y, h
 
     if fp8:  # the FP8 kernel, every SM; the weights are quantised once, outside the timing
@@ -110,8 +119,10 @@ def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int, fp8: boo
         t = time_fn(f, x, group_sizes, w8, **timing_kw)
         out["fp8_all_sms"] = {"ms": t.median_ms, "tflops": flops / (t.median_ms * 1e-3) / 1e12, "sane_output": ok,
                               "timing": t.as_dict(), "num_sms": num_sms_full,
-                              "speedup_over_bf16": out["kernel_all_sms"]["ms"] / t.median_ms}
+                              "speedup_over_bf16": out["kernel_all_sms"]["ms"] / t.median_ms, "y_crc32": _digest(y)}
         del y, w8
+    if kernels_only:
+        return out
 
     # Dense GEMM pair of the same FLOPs: all M rows against one expert's weights (XLA -> cuBLAS).
     f = jax.jit(_dense_pair)
@@ -132,18 +143,20 @@ def _bench_case(model: str, setting: str, timing_kw, num_sms_full: int, fp8: boo
     return out
 
 
-def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10, fp8: bool = True) -> dict:
+def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10, fp8: bool = True,
+        kernels_only: bool = False) -> dict:
     dev = jax.devices()[0]
     num_sms = getattr(dev, "core_count", None) or 132
     timing_kw = dict(warmup=2, samples=samples, target_sample_ms=15.0)
-    copy_bw = _measure_copy_bandwidth(timing_kw)
-    print(f"device {dev.device_kind}, {num_sms} SMs; device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    copy_bw = None if kernels_only else _measure_copy_bandwidth(timing_kw)
+    print(f"device {dev.device_kind}, {num_sms} SMs" +
+          ("" if copy_bw is None else f"; device copy {copy_bw / 1e12:.2f} TB/s (read + write)"), flush=True)
     cases = []
     for setting in settings:
         for model in models:
-            c = _bench_case(model, setting, timing_kw, num_sms, fp8)
-            dense = c["dense_same_flops"]["ms"]
-            for label in ("kernel_all_sms", f"kernel_{REDUCED_SMS}_sms"):
+            c = _bench_case(model, setting, timing_kw, num_sms, fp8, kernels_only)
+            for label in () if kernels_only else ("kernel_all_sms", f"kernel_{REDUCED_SMS}_sms"):
+                dense = c["dense_same_flops"]["ms"]
                 k = c[label]
                 k["fraction_of_dense_rate"] = dense / k["ms"]
                 k["weight_bandwidth_bytes_per_s"] = c["weight_bytes"] / (k["ms"] * 1e-3)
@@ -155,11 +168,26 @@ def run(models=MODELS, settings=("ep64", "ep2"), *, samples: int = 10, fp8: bool
                               for kk, vv in c.items()}), flush=True)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": dev.device_kind, "num_sms": num_sms, "jax": jax.__version__,
-            "tokens_per_gpu": TOKENS_PER_GPU, "copy_bandwidth_bytes_per_s": copy_bw,
+            "library": native_status(), "tokens_per_gpu": TOKENS_PER_GPU, "copy_bandwidth_bytes_per_s": copy_bw,
             "hbm_nominal_bytes_per_s": HBM_NOMINAL_BYTES_PER_S, "cases": cases}
 
 
+def _kernels_table(result: dict) -> str:
+    lines = [f"grouped FFN kernels on {result['device']} ({result['num_sms']} SMs), {result['tokens_per_gpu']} "
+             f"tokens/GPU, every SM; library: {result.get('library')}",
+             "| setting | model | bf16 ms (TF/s) | fp8 ms (TF/s) | fp8 speedup | bf16 y crc32 | fp8 y crc32 |",
+             "|" + " --- |" * 7]
+    for c in result["cases"]:
+        k, f8 = c["kernel_all_sms"], c.get("fp8_all_sms")
+        fp8_cols = (f"{f8['ms']:.3f} ({f8['tflops']:.0f}) | {f8['speedup_over_bf16']:.2f}x" if f8 else "- | -")
+        lines.append(f"| {c['setting']} | {c['model']} | {k['ms']:.3f} ({k['tflops']:.0f}) | {fp8_cols} | "
+                     f"{k['y_crc32']} | {f8['y_crc32'] if f8 else '-'} |")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
+    if result["cases"] and "dense_same_flops" not in result["cases"][0]:
+        return _kernels_table(result)
     r = REDUCED_SMS
     copy = HARDWARE_MD_COPY_BYTES_PER_S
     lines = [f"grouped FFN on {result['device']} ({result['num_sms']} SMs), {result['tokens_per_gpu']} tokens/GPU; "
@@ -197,11 +225,15 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="+", default=["ep64", "ep2"], choices=sorted(EP_DEGREE))
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--no-fp8", action="store_true", help="leave out the FP8 kernel")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="time only the bf16 and FP8 kernels with every SM, with a CRC of each output "
+                         "(an A/B of two builds of the library)")
     args = ap.parse_args(argv)
     if why := kernels_unavailable():
         print(f"python -m mok_jax.bench.grouped_ffn: {why}", file=sys.stderr, flush=True)
         return 1
-    result = run(args.models, args.settings, samples=args.samples, fp8=not args.no_fp8)
+    result = run(args.models, args.settings, samples=args.samples, fp8=not args.no_fp8,
+                 kernels_only=args.kernels_only)
     text = table(result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
