@@ -38,6 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mok_jax.reference.experts import shared_expert
+from mok_jax.weights import MoEWeights
+
 __all__ = ["BLOCK", "E4M3_MAX", "Fp8ExpertWeights", "Fp8FfnReference", "Fp8MoeReference", "block_scaled_matmul",
            "dequantize_rows", "dequantize_weight_blocks", "ffn_error_sigma", "grouped_ffn_reference", "moe_reference",
            "quantization_error_bound", "quantize_expert_weights", "quantize_rows", "quantize_weight_blocks",
@@ -315,7 +318,8 @@ class Fp8MoeReference(NamedTuple):
     sigma: jax.Array    # f32 [T, H]: the E4M3 error's standard deviation in ``routed`` (ffn_error_sigma, combined)
 
 
-def moe_reference(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights, w: Fp8ExpertWeights, *,
+def moe_reference(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights,
+                  w: Fp8ExpertWeights, *,
                   accumulation_rel: float | None = None) -> Fp8MoeReference:
     """y_t = sum_j topk_weight[t, j] * fp8_expert_{topk_idx[t, j]}(x_t) + shared(x_t), on the host's values.
 
@@ -327,8 +331,6 @@ def moe_reference(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, wei
     the shared expert is added and the sum rounded to x's dtype, as the bf16 layer does. ``sigma`` combines the
     slots' ``ffn_error_sigma`` as independent errors: sqrt(sum_j (topk_weight[t, j] sigma_slot)^2).
     Not jit-able: the experts' row counts are taken from topk_idx on the host."""
-    from mok_jax.reference.experts import shared_expert
-
     x = jnp.asarray(x)
     idx = np.asarray(topk_idx)
     if x.ndim != 2 or idx.ndim != 2 or idx.shape[0] != x.shape[0]:
