@@ -26,7 +26,7 @@ FFI_TARGETS: dict[str, str] = {
     "mok_grouped_ffn": "MokGroupedFfn",
     "mok_fp8_grouped_ffn": "MokFp8GroupedFfn",  # ffi_fp8.cu
     "mok_comm_dispatch": "MokCommDispatch", "mok_comm_combine": "MokCommCombine",  # ffi_comm.cu
-    "mok_moe_forward": "MokMoeForward",  # ffi_moe.cu
+    "mok_moe_forward": "MokMoeForward", "mok_moe_forward_fp8": "MokMoeForwardFp8",  # ffi_moe.cu
     "mok_experts_backward": "MokExpertsBackward",  # ffi_moe_backward.cu
     "mok_experts_backward_ep": "MokExpertsBackwardEp",  # ffi_moe_backward.cu
 }

@@ -16,6 +16,7 @@ __all__ = ["KernelConfig", "ModelShape", "MoEConfig", "list_models", "load_model
 
 Implementation = Literal["xla", "mok"]
 KEEP = ("nothing", "ring", "everything")  # MoEConfig.keep: least to most memory
+PRECISIONS = ("bf16", "fp8")  # MoEConfig.precision: the routed experts' forward
 ScoreFunc = Literal["softmax", "sigmoid"]
 
 
@@ -170,6 +171,14 @@ class MoEConfig:
         EP > 1); "ring" f32 [ep T' k, 2I] with T' <= ring_slots * granularity the ring's tokens per rank, so
         bounded by the ring, not by T (when every token fits in the ring it keeps what "everything" keeps). The
         gradients are the same bits for each. Ignored by ``implementation="xla"``.
+    precision: the routed experts' forward on ``implementation="mok"``: "bf16", or "fp8": E4M3 with DeepSeek-V3
+        block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source stages it
+        (so FP8 rows and their scales cross NVLink: about half the bytes), the gate/up and down GEMMs run in FP8
+        with fp32 scales promoted per 128-long K block, h is quantised in the SwiGLU epilogue; the shared expert,
+        the combine and y stay bf16. H and I must be multiples of 128. The weights' E4M3 form comes from
+        ``mok_jax.fp8.quantize_expert_weights`` (``moe(..., fp8_weights=)``, else each call quantises them). The
+        backward stays bf16: it recomputes the experts from the bf16 weights (the gradient of the bf16 layer at
+        the FP8 forward's point, as straight-through training takes it), so keep must be "nothing".
     """
 
     implementation: Implementation = "xla"
@@ -178,6 +187,7 @@ class MoEConfig:
     workspace: object | None = None
     checkify_ids: bool = True
     keep: str = "nothing"
+    precision: str = "bf16"
 
     def __post_init__(self):
         _require(self.implementation in ("xla", "mok"),
@@ -186,6 +196,15 @@ class MoEConfig:
                  f"MoEConfig.ep_axis must be a mesh axis name or None, got {self.ep_axis!r}", TypeError)
         _require(self.keep in KEEP,
                  f"MoEConfig.keep must be one of {', '.join(map(repr, KEEP))}, got {self.keep!r}")
+        _require(self.precision in PRECISIONS,
+                 f"MoEConfig.precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
+        if self.precision == "fp8":
+            _require(self.implementation == "mok",
+                     "MoEConfig.precision='fp8' runs on implementation='mok' (the megakernel); implementation='xla' "
+                     "is bf16/f32 (the FP8 layer's pure-JAX oracle is mok_jax.fp8.moe_reference)")
+            _require(self.keep == "nothing",
+                     f"MoEConfig.precision='fp8' needs keep='nothing', got keep={self.keep!r}: the backward recomputes "
+                     f"the experts in bf16, so the forward's FP8 accumulators are not its values")
         _require(isinstance(self.checkify_ids, bool),
                  f"MoEConfig.checkify_ids must be a bool, got {self.checkify_ids!r}", TypeError)
         _require(self.kernel is None or isinstance(self.kernel, KernelConfig),

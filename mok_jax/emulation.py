@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from mok_jax import ops
 from mok_jax._native import require_native
 from mok_jax.config import KernelConfig
-from mok_jax.validation import check_moe_args
+from mok_jax.fp8 import Fp8ExpertWeights, quantize_expert_weights
+from mok_jax.validation import check_fp8_expert_weights, check_moe_args
 from mok_jax.weights import MoEWeights
 from mok_jax.workspace import Workspace, emulated_workspace
 
@@ -69,7 +70,8 @@ def _emulated_workspace(workspace, device, ep: int, x, topk_idx, num_experts: in
 def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights, *, ep: int,
                  kernel: KernelConfig | None = None, workspace: Workspace | None = None, device: jax.Device | None = None,
                  identity_experts: bool = False, skip_rank: int = -1, timeout_s: float = 10.0,
-                 num_sms: int = 0, timing_mode: int = 0, keep: bool = False) -> tuple:
+                 num_sms: int = 0, timing_mode: int = 0, keep: bool = False, precision: str = "bf16",
+                 fp8_weights: Fp8ExpertWeights | None = None) -> tuple:
     """The layer forward at EP size ``ep``, every rank on one GPU (``device``, default the first GPU).
 
     x: bf16[ep * T, H]; topk_idx: int32[ep * T, k] (global ids, -1 = masked); topk_weight: f32[ep * T, k];
@@ -78,17 +80,28 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
     (default: cached per device, ep and shape); identity_experts, skip_rank: the kernel's test modes;
     timing_mode: its bench-only timing mode (ops.moe_forward). keep: also return each rank's kept g, u
     (MoEConfig(keep="everything")): (y, status, [mok_jax.moe.KeptGateUp of rank r for r in range(ep)]), for
-    ``emulated_moe_backward(..., kept=...)``.
+    ``emulated_moe_backward(..., kept=...)``. precision "fp8" (MoEConfig.precision): the routed experts in E4M3 from
+    ``fp8_weights`` (all E experts, mok_jax.fp8.quantize_expert_weights), else from the weights quantised here.
     Jit-compatible when ``workspace`` is given or the shapes are static (the workspace is set up at trace time).
     """
     x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
     num_experts = weights.num_local_experts
     if not -1 <= skip_rank < ep:
         raise ValueError(f"skip_rank must be -1 (none) or in [0, {ep}), got {skip_rank}")
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+    if fp8_weights is not None and precision != "fp8":
+        raise ValueError("fp8_weights is given but precision is 'bf16'")
     require_native("mok_jax.emulation.emulated_moe")
     tokens, H = x.shape[0] // ep, x.shape[1]
     ws = _emulated_workspace(workspace, device, ep, x, topk_idx, num_experts, timeout_s)
     per_rank = functools.partial(_per_rank, ep=ep)
+    fp8 = {}
+    if precision == "fp8":
+        if fp8_weights is None:
+            fp8_weights = quantize_expert_weights(weights.gate_up, weights.down)
+        check_fp8_expert_weights(fp8_weights, num_experts, H, name="fp8_weights", source="E and H from weights")
+        fp8 = dict(fp8_weights=Fp8ExpertWeights(*map(per_rank, fp8_weights)))
     layouts, kept = None, {}
     if keep:
         from mok_jax.moe import _rank_layout
@@ -101,7 +114,7 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         None if weights.shared_gate_up is None else weights.shared_gate_up.astype(jnp.bfloat16),
         None if weights.shared_down is None else weights.shared_down.astype(jnp.bfloat16),
         kernel=kernel, identity_experts=identity_experts, skip_rank=skip_rank, num_sms=num_sms,
-        timing_mode=timing_mode, **kept)
+        timing_mode=timing_mode, **kept, **fp8)
     if not keep:
         return y.reshape(ep * tokens, H), status
     from mok_jax.moe import KeptGateUp

@@ -64,6 +64,8 @@ class MoELayer(nnx.Module):
     implementation: "xla" (pure JAX) or "mok" (the CUDA megakernel).
     kernel: the megakernel's KernelConfig (None: tuned table or heuristic); ignored by "xla".
     keep: "mok" only: what the forward keeps for the backward (MoEConfig.keep: "nothing", "ring" or "everything").
+    precision: "mok" only: "bf16" or "fp8" routed experts in the forward (MoEConfig.precision; the E4M3 weights are
+        quantised from the parameters in every call, which is once per optimizer step without accumulation).
     max_tokens: "mok" only: the most tokens one call takes (x's leading dimensions flattened, over the
         whole mesh); given, the workspace is set up here, at construction (module docstring).
     dtype: compute dtype of x and the expert weights (bf16 or f32); param_dtype: storage dtype.
@@ -80,6 +82,7 @@ class MoELayer(nnx.Module):
         implementation: str = "xla",
         kernel: KernelConfig | None = None,
         keep: str = "nothing",
+        precision: str = "bf16",
         max_tokens: int | None = None,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
@@ -96,7 +99,7 @@ class MoELayer(nnx.Module):
                 raise ValueError(f"shape.num_experts ({shape.num_experts}) must be divisible by the size of mesh "
                                  f"axis {ep_axis!r} ({mesh.shape[ep_axis]})")
         self.config = MoEConfig(implementation=implementation, ep_axis=ep_axis if mesh is not None else None,
-                                kernel=kernel, keep=keep)
+                                kernel=kernel, keep=keep, precision=precision)
         E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
         self.router = _param(rngs, (H, E), H, param_dtype, (None, None), mesh)
         self.gate_up = _param(rngs, (E, H, 2 * I), H, param_dtype, (ep_axis, None, None), mesh)
@@ -225,6 +228,7 @@ class LinenMoELayer(linen.Module):
     implementation: str = "xla"
     kernel: KernelConfig | None = None
     keep: str = "nothing"
+    precision: str = "bf16"
     max_tokens: int | None = None
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32

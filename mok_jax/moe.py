@@ -46,9 +46,10 @@ from mok_jax import reference
 from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
 from mok_jax.expert_layout import PaddedLayout, padded_layout
+from mok_jax.fp8 import BLOCK as FP8_BLOCK, Fp8ExpertWeights, quantize_expert_weights
 from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
-from mok_jax.validation import check_moe_args, check_routing_values
+from mok_jax.validation import check_fp8_weights, check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
 __all__ = ["kept_rows", "moe"]
@@ -80,6 +81,7 @@ class MoEResiduals(NamedTuple):
     topk_weight: jax.Array
     weights: MoEWeights
     kept: KeptGateUp | None = None
+    fp8_weights: Fp8ExpertWeights | None = None  # kept only for its zero cotangent: the backward is bf16
 
 
 def _ep_size(config: MoEConfig) -> int:
@@ -142,28 +144,33 @@ def _workspace(config: MoEConfig, x, topk_idx, weights: MoEWeights):
 
 
 def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig,
-                 keep: tuple[jax.Array, int] | None = None):
+                 keep: tuple[jax.Array, int] | None = None, fp8_weights: Fp8ExpertWeights | None = None):
     """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
-    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: f32[rows, 2I])."""
+    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: f32[rows, 2I]). With
+    config.precision "fp8" the routed experts run in E4M3: ``fp8_weights``, else the weights quantised here."""
     from mok_jax import ops
 
     ws = _workspace(config, x, topk_idx, weights)
     kept = {} if keep is None else dict(keep_pos=keep[0].reshape(1, -1), keep_rows=keep[1])
+    if config.precision == "fp8":
+        w8 = fp8_weights if fp8_weights is not None else quantize_expert_weights(weights.gate_up, weights.down)
+        kept["fp8_weights"] = jax.tree.map(lambda a: a[None], w8)
     y, _, *gu = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
                                 weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=config.kernel,
                                 **kept)
     return y[0] if keep is None else (y[0], gu[0][0])
 
 
-def _forward(x, topk_idx, topk_weight, weights, config: MoEConfig):
+def _forward(x, topk_idx, topk_weight, weights, fp8_weights, config: MoEConfig):
     if config.implementation == "mok":
-        return _forward_mok(x, topk_idx, topk_weight, weights, config)
+        given = {} if fp8_weights is None else dict(fp8_weights=fp8_weights)  # None: quantised there (precision fp8)
+        return _forward_mok(x, topk_idx, topk_weight, weights, config, **given)
     return _forward_xla(x, topk_idx, topk_weight, weights, config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _moe(x, topk_idx, topk_weight, weights, config):
-    return _forward(x, topk_idx, topk_weight, weights, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config):
+    return _forward(x, topk_idx, topk_weight, weights, fp8_weights, config)
 
 
 def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
@@ -215,8 +222,8 @@ def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: Padd
     return layout.pos.reshape(-1), m, None
 
 
-def _moe_fwd(x, topk_idx, topk_weight, weights, config):
-    if config.implementation == "mok" and config.keep != "nothing":
+def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config):
+    if config.implementation == "mok" and config.keep != "nothing":  # bf16 only (MoEConfig checks)
         ep, num_local = _ep_size(config), weights.num_local_experts
         if ep == 1:
             layout = _rank_layout(topk_idx, num_local, 0)
@@ -226,8 +233,8 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, config):
         keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout)
         y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows))
         return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout, row))
-    y = _forward(x, topk_idx, topk_weight, weights, config)
-    return y, MoEResiduals(x, topk_idx, topk_weight, weights)
+    y = _forward(x, topk_idx, topk_weight, weights, fp8_weights, config)
+    return y, MoEResiduals(x, topk_idx, topk_weight, weights, fp8_weights=fp8_weights)
 
 
 def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array):
@@ -405,7 +412,7 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
         from mok_jax import ops
 
         experts_fn = ops.experts_backward
-    x, topk_idx, topk_weight, weights, kept = residuals
+    x, topk_idx, topk_weight, weights, kept, _ = residuals
     dy = _drop_invalid_tokens(dy, topk_idx, weights.num_local_experts * ep, x.dtype)
     w32 = topk_weight.astype(jnp.float32)
     if ep == 1:
@@ -450,15 +457,17 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
 
 
 def _moe_bwd(config, residuals, dy):
+    # the E4M3 weights are a function of the bf16 ones that the backward does not differentiate (precision docs)
+    d_fp8 = jax.tree.map(jnp.zeros_like, residuals.fp8_weights)
     if config.implementation == "mok":
-        return _backward_mok(config, residuals, dy)
+        return *_backward_mok(config, residuals, dy), d_fp8
     _, vjp = jax.vjp(
         lambda x, w, W: _forward_xla(x, residuals.topk_idx, w, W, config),
         residuals.x, residuals.topk_weight, residuals.weights,
     )
     dx, dw, dW = vjp(dy)
     d_idx = np.zeros(residuals.topk_idx.shape, jax.dtypes.float0)
-    return dx, d_idx, dw, dW
+    return dx, d_idx, dw, dW, d_fp8
 
 
 _moe.defvjp(_moe_fwd, _moe_bwd)
@@ -471,6 +480,7 @@ def moe(
     weights: MoEWeights,
     *,
     config: MoEConfig = MoEConfig(),
+    fp8_weights: Fp8ExpertWeights | None = None,
 ) -> jax.Array:
     """The MoE layer on one rank's tokens.
 
@@ -479,6 +489,11 @@ def moe(
     local experts when ``config.ep_axis`` is set). Returns [T, H] in x.dtype; NaN rows for tokens with an
     invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight, at every EP
     size.
+
+    fp8_weights (only with ``config.precision="fp8"``): the E4M3 form of the routed weights that the forward
+    reads, ``mok_jax.fp8.quantize_expert_weights(weights.gate_up, weights.down)`` (of this rank's experts), made
+    once per optimizer step by the caller; None quantises them in every call. No gradient flows into them: the
+    backward differentiates the bf16 layer (MoEConfig.precision).
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
@@ -488,6 +503,16 @@ def moe(
     check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=ep)
     num_experts = weights.num_local_experts * ep
     check_routing_values(topk_idx, num_experts)
+    if fp8_weights is not None:
+        if config.precision != "fp8":
+            raise ValueError("fp8_weights is given but MoEConfig.precision is 'bf16': set precision='fp8' (or drop "
+                             "fp8_weights)")
+        check_fp8_weights(fp8_weights, weights)
+    if config.precision == "fp8":
+        hidden, inter = weights.hidden_size, weights.intermediate_size
+        if hidden % FP8_BLOCK or inter % FP8_BLOCK:
+            raise ValueError(f"MoEConfig.precision='fp8' needs H and I multiples of {FP8_BLOCK} (the FP8 scale block), "
+                             f"got H={hidden}, I={inter}")
     if config.implementation == "mok":
         require_native("implementation='mok'")
         if x.dtype != jnp.bfloat16:
@@ -498,4 +523,4 @@ def moe(
     # Casts outside the custom_vjp, so that autodiff hands f32 master weights f32 gradients and a bf16
     # topk_weight a bf16 one; no-ops when the dtypes already match.
     weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)
-    return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, config)
+    return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, fp8_weights, config)

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import MoEConfig
+from mok_jax.fp8 import Fp8ExpertWeights
 from mok_jax.moe import moe
 from mok_jax.weights import MoEWeights
 
@@ -56,12 +57,15 @@ def expert_parallel_moe(
     mesh: Mesh,
     config: MoEConfig = MoEConfig(ep_axis="ep"),
     token_axes: tuple[str, ...] | None = None,
+    fp8_weights: Fp8ExpertWeights | None = None,
 ) -> jax.Array:
     """The MoE layer on global arrays over ``mesh``, expert-parallel over ``config.ep_axis``.
 
     x: [T, H] (T divisible by the number of token shards), topk_idx: int32[T, k] with global expert
     ids, topk_weight: f32[T, k], weights: global MoEWeights (gate_up [E, H, 2I], E divisible by
-    the ep size). Returns [T, H], sharded like x.
+    the ep size). Returns [T, H], sharded like x. fp8_weights (config.precision "fp8"): the E4M3 form of all
+    E routed experts (mok_jax.fp8.quantize_expert_weights), sharded over the EP axis like gate_up; None: each
+    rank quantises its experts in every call.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
@@ -89,10 +93,11 @@ def expert_parallel_moe(
     shared = P() if weights.shared_gate_up is not None else None
     wspec = MoEWeights(P(ep_axis), P(ep_axis), shared, shared)
 
-    args = (x, topk_idx, topk_weight, weights)
-    specs = (tok, tok, tok, wspec)
+    args = (x, topk_idx, topk_weight, weights, fp8_weights)
+    specs = (tok, tok, tok, wspec, None if fp8_weights is None else Fp8ExpertWeights(*[P(ep_axis)] * 4))
     args = jax.tree.map(lambda a, spec: place(a, NamedSharding(mesh, spec)), args, specs)
     body = jax.shard_map(
-        lambda x, i, w, W: moe(x, i, w, W, config=config), mesh=mesh, in_specs=specs, out_specs=tok
+        lambda x, i, w, W, W8: moe(x, i, w, W, config=config, fp8_weights=W8), mesh=mesh, in_specs=specs,
+        out_specs=tok
     )
     return body(*args)

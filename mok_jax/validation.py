@@ -17,8 +17,8 @@ import numpy as np
 
 from mok_jax.weights import MoEWeights
 
-__all__ = ["check_experts_backward_args", "check_kept_gu", "check_moe_args", "check_routing_values",
-           "check_workspace_call"]
+__all__ = ["check_experts_backward_args", "check_fp8_expert_weights", "check_fp8_weights", "check_kept_gu",
+           "check_moe_args", "check_routing_values", "check_workspace_call"]
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -119,6 +119,58 @@ def check_expert_weights(gate_up, down, num_experts: int, hidden: int, *, max_ex
     if inter <= 0 or inter % 8:
         raise ValueError(f"{prefix}gate_up: intermediate size I must be a positive multiple of 8, got {inter}")
     return inter
+
+
+def check_fp8_expert_weights(w, num_experts: int, hidden: int, *, max_experts: int | None = None,
+                             name: str = "weights", source: str = "E from group_sizes, H from x") -> int:
+    """Routed weights in the FP8 kernels' form (mok_jax.fp8.Fp8ExpertWeights from quantize_expert_weights) for E
+    experts and hidden size H: E4M3 values, K-major ([E, 2I, H], [E, H, I]) with f32 128 x 128 block scales, H and I
+    multiples of 128. Returns I; errors name the argument ``name`` and say where E and H come from (``source``)."""
+    from mok_jax.fp8 import BLOCK, Fp8ExpertWeights
+
+    if not isinstance(w, Fp8ExpertWeights):
+        raise TypeError(f"{name} must be a mok_jax.fp8.Fp8ExpertWeights (from quantize_expert_weights), "
+                        f"got {type(w).__name__}")
+    for field in ("gate_up", "down"):
+        a = getattr(w, field)
+        if getattr(a, "dtype", None) != jnp.float8_e4m3fn:
+            raise TypeError(f"{name}.{field} must be float8_e4m3fn, got {getattr(a, 'dtype', None)}")
+        if a.ndim != 3:
+            raise ValueError(f"{name}.{field} must be rank 3, got shape {a.shape}")
+    for field in ("gate_up_scale", "down_scale"):
+        a = getattr(w, field)
+        if getattr(a, "dtype", None) != jnp.float32:
+            raise TypeError(f"{name}.{field} must be float32, got {getattr(a, 'dtype', None)}")
+    gu = w.gate_up
+    if gu.shape[0] != num_experts or gu.shape[2] != hidden or gu.shape[1] % 2:
+        raise ValueError(f"{name}.gate_up must be [E, 2I, H] = [{num_experts}, 2I, {hidden}] ({source}; K-major, "
+                         f"as quantize_expert_weights makes it), got {gu.shape}")
+    inter = gu.shape[1] // 2
+    if num_experts < 1 or (max_experts is not None and num_experts > max_experts):
+        raise ValueError(f"group_sizes: the number of experts must be in [1, {max_experts or 'inf'}], got {num_experts}")
+    if hidden <= 0 or hidden % BLOCK:
+        raise ValueError(f"x: hidden size H must be a positive multiple of {BLOCK} (the FP8 scale block), "
+                         f"got {hidden}")
+    if inter <= 0 or inter % BLOCK:
+        raise ValueError(f"{name}.gate_up: intermediate size I must be a positive multiple of {BLOCK} (the FP8 "
+                         f"scale block), got {inter}")
+    hb, ib = hidden // BLOCK, inter // BLOCK
+    for field, want in (("gate_up_scale", (num_experts, 2 * ib, hb)), ("down", (num_experts, hidden, inter)),
+                        ("down_scale", (num_experts, hb, ib))):
+        got = getattr(w, field).shape
+        if got != want:
+            raise ValueError(f"{name}.{field} must have shape {want} (E={num_experts}, H={hidden}, I={inter}), "
+                             f"got {got}")
+    return inter
+
+
+def check_fp8_weights(fp8_weights, weights: MoEWeights) -> None:
+    """``moe(..., fp8_weights=)``: the E4M3 form of ``weights``' routed experts (the same E, H and I)."""
+    inter = check_fp8_expert_weights(fp8_weights, weights.num_local_experts, weights.hidden_size, name="fp8_weights",
+                                     source="E and H from weights.gate_up")
+    if inter != weights.intermediate_size:
+        raise ValueError(f"fp8_weights has intermediate size {inter}, weights {weights.intermediate_size}: quantise "
+                         f"this layer's weights with mok_jax.fp8.quantize_expert_weights(gate_up, down)")
 
 
 def check_workspace_call(ws, where: str, arrays, *, ranks: int, tokens: int, hidden: int,

@@ -220,9 +220,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_moe_error_words.restype = i32
         lib.mok_moe_clear_call_error.argtypes = [i64, i32]
         lib.mok_moe_clear_call_error.restype = i32
-        lib.mok_moe_scratch_bytes.argtypes = [i32] * 11
+        lib.mok_moe_scratch_bytes.argtypes = [i32] * 12
         lib.mok_moe_scratch_bytes.restype = i64
-        lib.mok_moe_unsupported.argtypes = [i32] * 10 + [p, i32]
+        lib.mok_moe_unsupported.argtypes = [i32] * 11 + [p, i32]
         lib.mok_moe_unsupported.restype = i32
         _declared = True
 

@@ -64,8 +64,9 @@ def test_every_ffi_call_declares_a_vmap_method():
                 calls += 1
                 kw = {k.arg for k in node.keywords}
                 assert "vmap_method" in kw, f"{path.name}:{node.lineno}: ffi_call without vmap_method"
-    # grouped_ffn, fp8_grouped_ffn, expert_counts, dispatch, combine, moe_forward, experts_backward, experts_backward_ep
-    assert calls == 8
+    # grouped_ffn, fp8_grouped_ffn, expert_counts, dispatch, combine, moe_forward (bf16 and fp8), experts_backward,
+    # experts_backward_ep
+    assert calls == 9
 
 
 def test_vmap_grouped_ffn_and_expert_counts_lower_as_loops_of_unbatched_calls(monkeypatch):
@@ -170,8 +171,8 @@ def test_linen_forwards_every_argument(cpu_devices, monkeypatch):
     """Every argument, at a non-default value, reaches MoELayer as given (recorded before anything runs)."""
     mesh = jax.make_mesh((2, 4), ("dp", "expert"))
     values = dict(mesh=mesh, ep_axis="expert", token_axes=("expert",), implementation="mok",
-                  kernel=mj.KernelConfig(granularity=1024), keep="everything", max_tokens=64, dtype=jnp.float32,
-                  param_dtype=jnp.bfloat16, use_selection_bias=True)
+                  kernel=mj.KernelConfig(granularity=1024), keep="everything", precision="fp8", max_tokens=64,
+                  dtype=jnp.float32, param_dtype=jnp.bfloat16, use_selection_bias=True)
     assert set(values) == {p.name for p in _nnx_init_args()} - {"shape"}
     seen = {}
 

@@ -9,9 +9,11 @@
 
 namespace mok::moe {
 
+// kFp8: the form with FP8 routed experts (forward_kernel.cuh); the bf16 form has none of its code.
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ Params params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  run(params);
+  run<kFp8>(params);
 #endif
   // Without sm_90a machine code the kernel does nothing; the host refuses to launch such a build.
 }
@@ -19,6 +21,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
 namespace {
 
 using Bf16 = cutlass::bfloat16_t;
+using E4M3 = cutlass::float_e4m3_t;
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
@@ -40,6 +43,11 @@ const char* forward_unsupported(const ForwardShape& s, const ForwardKnobs& k) {
   if (k.comm_items < 1) return "comm_items must be >= 1";
   if (k.ring_slots < 1 || k.ring_slots > kMaxRingSlots) return "ring_slots must be in [1, 8]";
   if (k.num_sms < 0) return "num_sms must be >= 0 (0 = every SM)";
+  if (s.routed_fp8) {  // whole scale blocks along both reductions
+    if (s.hidden % gemm::kFp8ScaleBlock) return "FP8 routed experts need the hidden size H to be a multiple of 128";
+    if (s.inter % gemm::kFp8ScaleBlock) return "FP8 routed experts need the intermediate size I to be a multiple of 128";
+    if (k.identity_experts) return "identity_experts runs no GEMM: it has no FP8 form";
+  }
   const Plan p = make_plan(s, k);
   if (int64_t(p.S) * p.slot_rows >= INT_MAX / 2) return "ring_slots * rows per slot must fit int32";
   if (p.sync_words >= (int64_t(1) << 31)) return "the schedule does not fit int32 offsets";
@@ -59,8 +67,12 @@ ScratchLayout forward_scratch_layout(const ForwardShape& s, const ForwardKnobs& 
     off = align256(off + bytes);
     return at;
   };
-  l.recv = take(rows * s.hidden * 2);
-  l.h = take(rows * s.inter * 2);
+  l.recv = take(rows * s.hidden * 2);  // FP8: the E4M3 row in its first H bytes, then the bf16 output
+  l.h = take(rows * s.inter * (s.routed_fp8 ? 1 : 2));
+  // the scales, k-block major, with the slack that the tiles' bulk copies of 132 row scales read past the end
+  auto scales = [&](int32_t n) { return s.routed_fp8 ? (size_t(p.scale_ld) * (n / 128) + Fp8Tile::kScaleTail) * 4 : 0; };
+  l.recv_scale = take(scales(s.hidden));
+  l.h_scale = take(scales(s.inter));
   l.shared_h = take(size_t(s.tokens) * p.Is * 2);
   l.shared_out = take(p.Is ? size_t(s.tokens) * s.hidden * 4 : 0);
   // The slot of each ring row, for the kept g, u: outside the zeroed sync words (PLACE writes every entry a
@@ -115,31 +127,45 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
     rp.keep_gu = in.keep_pos != nullptr ? in.keep_gu : nullptr;
     rp.keep_rows = in.keep_rows;
     const auto* x = static_cast<const Bf16*>(in.x);
-    const auto* gate_up = static_cast<const Bf16*>(in.gate_up);
-    const auto* down = static_cast<const Bf16*>(in.down);
-    rp.a_gu = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.recv), rows, H);
-    rp.a_dn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.h), rows, I);
-    rp.b_gu = Tile::make_tma_b(gate_up, 2 * I, H, L);
-    rp.b_dn = Tile::make_tma_b(down, H, I, L);
     rp.a_sgu = Tile::make_tma_a(x, T, H);
+    if (shape.routed_fp8) {
+      rp.recv_scale = reinterpret_cast<float*>(base + sl.recv_scale);
+      rp.h_scale = reinterpret_cast<float*>(base + sl.h_scale);
+      rp.b_gu_scale = in.gate_up_scale;
+      rp.b_dn_scale = in.down_scale;
+      Fp8RoutedTma& d = rp.routed.fp8;  // the ring's E4M3 rows keep the bf16 rows' stride (2H bytes)
+      d.a_gu = Fp8Tile::make_tma_a(reinterpret_cast<const E4M3*>(rp.recv), rows, H, 2 * int64_t(H));
+      d.a_dn = Fp8Tile::make_tma_a(reinterpret_cast<const E4M3*>(rp.h), rows, I, I);
+      d.b_gu = Fp8Tile::make_tma_b(static_cast<const E4M3*>(in.gate_up), 2 * I, H, L);
+      d.b_dn = Fp8Tile::make_tma_b(static_cast<const E4M3*>(in.down), H, I, L);
+    } else {
+      Bf16RoutedTma& d = rp.routed.bf16;
+      d.a_gu = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.recv), rows, H);
+      d.a_dn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.h), rows, I);
+      d.b_gu = Tile::make_tma_b(static_cast<const Bf16*>(in.gate_up), 2 * I, H, L);
+      d.b_dn = Tile::make_tma_b(static_cast<const Bf16*>(in.down), H, I, L);
+    }
     if (Is > 0) {
       rp.a_sdn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.shared_h), T, Is);
       rp.b_sgu = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_gate_up), 2 * Is, H, 1);
       rp.b_sdn = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_down), H, Is, 1);
     } else {  // never used: valid descriptors of existing tensors
       rp.a_sdn = rp.a_sgu;
-      rp.b_sgu = rp.b_gu;
-      rp.b_sdn = rp.b_dn;
+      rp.b_sgu = rp.b_sdn = Tile::make_tma_b(x, H, T, 1);  // x read as a T x H matrix
     }
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
   }
-  return launch_sm90a(&forward_kernel, grid, kThreads, kSmemBytes, stream, params);
+  return launch_sm90a(shape.routed_fp8 ? &forward_kernel<true> : &forward_kernel<false>, grid, kThreads, kSmemBytes,
+                      stream, params);
 }
 
 cudaError_t preload_forward_kernel() {
-  cudaFuncAttributes attr;
-  MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, forward_kernel));
-  return cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  for (auto* kernel : {&forward_kernel<false>, &forward_kernel<true>}) {
+    cudaFuncAttributes attr;
+    MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+    MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  }
+  return cudaSuccess;
 }
 
 }  // namespace mok::moe

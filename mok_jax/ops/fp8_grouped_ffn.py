@@ -11,7 +11,7 @@ import numpy as np
 
 from mok_jax._native import require_native
 from mok_jax.fp8 import BLOCK, Fp8ExpertWeights
-from mok_jax.validation import check_num_sms
+from mok_jax.validation import check_fp8_expert_weights, check_num_sms
 
 __all__ = ["Fp8GroupedFfnOutput", "fp8_grouped_ffn"]
 
@@ -32,43 +32,6 @@ class Fp8GroupedFfnOutput(NamedTuple):
     x_q: jax.Array
     x_scale: jax.Array
     status: jax.Array
-
-
-def _check_weights(w, num_experts: int, hidden: int) -> int:
-    if not isinstance(w, Fp8ExpertWeights):
-        raise TypeError(f"weights must be a mok_jax.fp8.Fp8ExpertWeights (from quantize_expert_weights), "
-                        f"got {type(w).__name__}")
-    for name in ("gate_up", "down"):
-        a = getattr(w, name)
-        if getattr(a, "dtype", None) != _F8:
-            raise TypeError(f"weights.{name} must be float8_e4m3fn, got {getattr(a, 'dtype', None)}")
-        if a.ndim != 3:
-            raise ValueError(f"weights.{name} must be rank 3, got shape {a.shape}")
-    for name in ("gate_up_scale", "down_scale"):
-        a = getattr(w, name)
-        if getattr(a, "dtype", None) != jnp.float32:
-            raise TypeError(f"weights.{name} must be float32, got {getattr(a, 'dtype', None)}")
-    gu = w.gate_up
-    if gu.shape[0] != num_experts or gu.shape[2] != hidden or gu.shape[1] % 2:
-        raise ValueError(f"weights.gate_up must be [E, 2I, H] = [{num_experts}, 2I, {hidden}] (E from group_sizes, "
-                         f"H from x; K-major, as quantize_expert_weights makes it), got {gu.shape}")
-    inter = gu.shape[1] // 2
-    if num_experts < 1 or num_experts > _MAX_EXPERTS:
-        raise ValueError(f"group_sizes: the number of experts must be in [1, {_MAX_EXPERTS}], got {num_experts}")
-    if hidden <= 0 or hidden % BLOCK:
-        raise ValueError(f"x: hidden size H must be a positive multiple of {BLOCK} (the FP8 scale block), "
-                         f"got {hidden}")
-    if inter <= 0 or inter % BLOCK:
-        raise ValueError(f"weights.gate_up: intermediate size I must be a positive multiple of {BLOCK} (the FP8 "
-                         f"scale block), got {inter}")
-    hb, ib = hidden // BLOCK, inter // BLOCK
-    for name, want in (("gate_up_scale", (num_experts, 2 * ib, hb)), ("down", (num_experts, hidden, inter)),
-                       ("down_scale", (num_experts, hb, ib))):
-        got = getattr(w, name).shape
-        if got != want:
-            raise ValueError(f"weights.{name} must have shape {want} (E={num_experts}, H={hidden}, I={inter}), "
-                             f"got {got}")
-    return inter
 
 
 def fp8_grouped_ffn(
@@ -100,7 +63,7 @@ def fp8_grouped_ffn(
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
     m, hidden = x.shape
     (num_experts,) = group_sizes.shape
-    inter = _check_weights(weights, num_experts, hidden)
+    inter = check_fp8_expert_weights(weights, num_experts, hidden, max_experts=_MAX_EXPERTS)
     if m >= 2**31:
         raise ValueError(f"x: rows M must be below 2^31, got {m}")
     check_num_sms(num_sms)

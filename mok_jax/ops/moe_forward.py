@@ -17,7 +17,8 @@ import numpy as np
 from mok_jax._native import require_native
 from mok_jax import tuning
 from mok_jax.config import KernelConfig
-from mok_jax.validation import check_workspace_call
+from mok_jax.fp8 import Fp8ExpertWeights
+from mok_jax.validation import check_fp8_expert_weights, check_workspace_call
 
 __all__ = ["TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
@@ -37,12 +38,13 @@ def _lib():
 
 
 def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, top_k: int, local_experts: int,
-                  ep: int, kernel: KernelConfig, identity_experts: bool = False) -> int:
-    """Bytes of one rank's per-call scratch (the ring of ``kernel.ring_slots`` microbatch slots dominates).
-    Raises ValueError, saying why, for a call the kernel does not support."""
+                  ep: int, kernel: KernelConfig, identity_experts: bool = False, fp8: bool = False) -> int:
+    """Bytes of one rank's per-call scratch (the ring of ``kernel.ring_slots`` microbatch slots dominates; ``fp8``:
+    the FP8 routed experts' ring, with E4M3 activations and their scales). Raises ValueError, saying why, for a call
+    the kernel does not support."""
     lib = _lib()
     args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
-            kernel.granularity, kernel.comm_sms_fwd, kernel.ring_slots]
+            kernel.granularity, kernel.comm_sms_fwd, kernel.ring_slots, int(bool(fp8))]
     n = int(lib.mok_moe_scratch_bytes(*args, int(bool(identity_experts))))
     if n < 0:
         buf = ctypes.create_string_buffer(256)
@@ -78,7 +80,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                 down: jax.Array, shared_gate_up: jax.Array | None, shared_down: jax.Array | None, *,
                 kernel: KernelConfig | None = None, identity_experts: bool = False, skip_rank: int = -1,
                 num_sms: int = 0, timing_mode: int = 0, keep_pos: jax.Array | None = None,
-                keep_rows: int = 0) -> tuple[jax.Array, ...]:
+                keep_rows: int = 0, fp8_weights: Fp8ExpertWeights | None = None) -> tuple[jax.Array, ...]:
     """The MoE forward of R ranks: x: bf16[R, T, H]; topk_idx: int32[R, T, k] (global expert ids, -1 =
     masked slot); topk_weight: f32[R, T, k]; gate_up: bf16[R, L, H, 2I]; down: bf16[R, L, I, H] (rank r's
     experts); shared_gate_up: bf16[H, 2Is] and shared_down: bf16[Is, H], or None.
@@ -96,6 +98,12 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     buffer of rank r's experts' g | u (its fp32 gate/up accumulators), or any value outside [0, keep_rows) for
     none. Then the call also returns keep_gu: f32[R, keep_rows, 2I] (rows no slot names are not written):
     (y, status, keep_gu). The other outputs do not change.
+
+    fp8_weights (MoEConfig(precision="fp8")): rank r's routed experts in E4M3 (mok_jax.fp8.Fp8ExpertWeights with a
+    leading rank axis: gate_up f8[R, L, 2I, H], gate_up_scale f32[R, L, 2I/128, H/128], down f8[R, L, H, I],
+    down_scale f32[R, L, H/128, I/128], from quantize_expert_weights). The routed experts then run in FP8 from them
+    (each token row quantised in 1 x 128 tiles once, by its source), and gate_up and down are only checked
+    against them; H and I must be multiples of 128; not with keep_pos or identity_experts.
     """
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
@@ -145,10 +153,27 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         if isinstance(keep_rows, bool) or not isinstance(keep_rows, (int, np.integer)) or not 0 < keep_rows < 2**31:
             raise ValueError(f"mok_jax.ops.moe_forward: keep_rows must be an int in [1, 2^31) with keep_pos, got "
                              f"{keep_rows!r}")
+    fp8 = fp8_weights is not None
+    if fp8:
+        if keep_rows or identity_experts:
+            raise ValueError("mok_jax.ops.moe_forward: fp8_weights cannot be combined with keep_pos or identity_experts "
+                             "(the FP8 forward keeps nothing, and its test of the data path is the bitwise match with "
+                             "the standalone FP8 FFN)")
+        if not isinstance(fp8_weights, Fp8ExpertWeights):
+            raise TypeError(f"mok_jax.ops.moe_forward: fp8_weights must be a mok_jax.fp8.Fp8ExpertWeights, got "
+                            f"{type(fp8_weights).__name__}")
+        for name, a in fp8_weights._asdict().items():
+            if getattr(a, "ndim", 0) != 4 or a.shape[:2] != (R, L):
+                raise ValueError(f"mok_jax.ops.moe_forward: fp8_weights.{name} must be [{R}, {L}, ...] (ranks, experts "
+                                 f"per rank), got {getattr(a, 'shape', None)}")
+        flat = Fp8ExpertWeights(*(a.reshape(R * L, *a.shape[2:]) for a in fp8_weights))
+        if check_fp8_expert_weights(flat, R * L, H, name="fp8_weights", source="ranks x experts per rank and H from "
+                                    "gate_up") != inter:
+            raise ValueError(f"mok_jax.ops.moe_forward: fp8_weights has another intermediate size than gate_up ({inter})")
     require_native("mok_jax.ops.moe_forward")
     kernel = resolve_kernel(ws, kernel, tokens=T, hidden=H, inter=inter, top_k=k, local_experts=L)
     nbytes = scratch_bytes(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L, ep=cfg.ep,
-                           kernel=kernel, identity_experts=identity_experts)
+                           kernel=kernel, identity_experts=identity_experts, fp8=fp8)
     out = (
         jax.ShapeDtypeStruct((R, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((R, 4), jnp.int32),
@@ -160,6 +185,11 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                  dispatch_push=np.int32(kernel.dispatch == "push"), combine_pull=np.int32(kernel.combine == "pull"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
                  skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))
+    if fp8:  # the same handler body and attributes (ffi/src/ffi_moe.cu), the routed weights in E4M3
+        y, status, _ = jax.ffi.ffi_call("mok_moe_forward_fp8", out[:3], has_side_effect=True,
+                                        vmap_method="sequential")(
+            x, topk_idx, topk_weight, *fp8_weights, shared_gate_up, shared_down, **attrs)
+        return y, status
     y, status, _, keep_gu = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: ops/comm.py
                                              vmap_method="sequential")(
         x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, keep_pos, **attrs)

@@ -10,9 +10,15 @@
 // Arithmetic of the reductions is fixed: fp32, one rounding per multiply and per add
 // (__fmul_rn/__fadd_rn never contract into FMA), slots in ascending lane order, so results are
 // bitwise reproducible and equal to the reference.
+//
+// FP8 rows (the megakernel's FP8 routed experts): a bf16 row is quantised in 1 x 128 tiles as it moves
+// (warp_quantize_row: H E4M3 bytes plus H/128 fp32 scales, gemm/fp8_quant.cuh's rule, so the bits of
+// mok_jax.fp8.quantize_rows), and a quantised row's scales are scattered to their destinations' scale columns
+// (warp_scatter_scales) while its E4M3 bytes move with warp_copy_row.
 #pragma once
 
 #include "mok/comm/ptx.cuh"
+#include "mok/gemm/fp8_quant.cuh"
 
 namespace mok::comm {
 
@@ -162,6 +168,74 @@ __device__ __forceinline__ void warp_sum_rows(const int4* my_src, int num_src, i
     for (int u = 0; u < kUnroll; ++u) {
       const int v = v0 + u * 32 + lane;
       if (v < nvec) st_v4(dst + v, round8(acc[u]));
+    }
+  }
+}
+
+// Quantise src (nvec 16-byte vectors: H = 8 nvec bf16 values, nvec a multiple of 16) in 1 x 128 tiles and store
+// it to the destination of every lane in `lanes`: lane j's my_q (H E4M3 bytes) and my_scale (the row's H/128
+// scales, scale_stride floats apart). A tile is 16 vectors, one per lane of a half-warp: its amax takes four
+// xor-shuffles inside the half, so each pass of a warp quantises two tiles per unrolled vector.
+template <int kUnroll>
+__device__ __forceinline__ void warp_quantize_row(const int4* src, int nvec, uint8_t* my_q, float* my_scale,
+                                                  int64_t scale_stride, uint32_t lanes, int lane) {
+  for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
+    int4 buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+      buf[u] = v < nvec ? ld_v4_na(src + v) : make_int4(0, 0, 0, 0);  // a half-warp is all in or all out
+    }
+    uint2 q[kUnroll];
+    float sc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t w[4] = {uint32_t(buf[u].x), uint32_t(buf[u].y), uint32_t(buf[u].z), uint32_t(buf[u].w)};
+      float f[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[2 * i] = bf16_lo(w[i]);
+        f[2 * i + 1] = bf16_hi(w[i]);
+        amax = fmaxf(amax, fmaxf(fabsf(f[2 * i]), fabsf(f[2 * i + 1])));
+      }
+#pragma unroll
+      for (int d = 1; d < 16; d *= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, d));
+      sc[u] = gemm::fp8_scale_of(amax);
+      const float inv = 1.0f / sc[u];  // q = x * (1 / scale), as mok_jax.fp8
+      q[u].x = uint32_t(gemm::fp8_pack2(f[0], f[1], inv)) | (uint32_t(gemm::fp8_pack2(f[2], f[3], inv)) << 16);
+      q[u].y = uint32_t(gemm::fp8_pack2(f[4], f[5], inv)) | (uint32_t(gemm::fp8_pack2(f[6], f[7], inv)) << 16);
+    }
+    uint32_t m = lanes;
+    while (m) {
+      const int j = __ffs(m) - 1;
+      m &= m - 1;
+      auto* dst = reinterpret_cast<uint2*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_q), j));
+      auto* sdst = reinterpret_cast<float*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scale), j));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v >= nvec) continue;
+        dst[v] = q[u];
+        if ((lane & 15) == 0) sdst[int64_t(v / 16) * scale_stride] = sc[u];
+      }
+    }
+  }
+}
+
+// The num_scales fp32 scales at src (a quantised row's, contiguous) to every lane's my_scale in `lanes`, scale_stride
+// floats apart.
+__device__ __forceinline__ void warp_scatter_scales(const float* src, int num_scales, float* my_scale,
+                                                    int64_t scale_stride, uint32_t lanes, int lane) {
+  for (int b0 = 0; b0 < num_scales; b0 += 32) {
+    const int b = b0 + lane;
+    const float sc = b < num_scales ? __ldcg(src + b) : 0.0f;  // written by a peer in this call: from L2
+    uint32_t m = lanes;
+    while (m) {
+      const int j = __ffs(m) - 1;
+      m &= m - 1;
+      auto* dst = reinterpret_cast<float*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_scale), j));
+      if (b < num_scales) dst[int64_t(b) * scale_stride] = sc;
     }
   }
 }

@@ -15,6 +15,12 @@
 // microbatch slots of received rows (the down GEMM's output overwrites them in place), the SwiGLU
 // activations of those rows, the shared expert's activations and fp32 output, and the call's schedule and
 // counters. Nothing in it outlives the call.
+//
+// FP8 routed experts (ForwardShape::routed_fp8): the received rows arrive quantised, H E4M3 bytes at the start
+// of each ring row (the down GEMM's bf16 output still overwrites the whole row), with their 1 x 128 scales in
+// recv_scale; h is E4M3 with its scales in h_scale. What changes in the math: expert_e(x) is the FP8 pipeline
+// of mok_jax.fp8.grouped_ffn_reference (x and h quantised in 1 x 128 tiles, block-scaled GEMMs promoted per
+// 128-long K block), rounded to bf16 as above; the shared expert and the combine are unchanged.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,6 +44,7 @@ struct ForwardShape {
   int32_t top_k;          // k
   int32_t local_experts;  // L = E / ep
   int32_t ep;             // EP ranks of the group
+  int32_t routed_fp8 = 0; // 1: routed experts in FP8 E4M3 with DeepSeek-V3 block scales (H, I multiples of 128)
 };
 
 struct ForwardKnobs {     // speed only: the outputs are bitwise the same for every value
@@ -69,8 +76,10 @@ struct ForwardRank {
   const void* x;                 // bf16 [T][H]
   const int32_t* topk_idx;       // [T][k] global expert ids; -1 = masked slot
   const float* topk_weight;      // [T][k]
-  const void* gate_up;           // bf16 [L][H][2I]
-  const void* down;              // bf16 [L][I][H]
+  const void* gate_up;           // bf16 [L][H][2I]; FP8: e4m3 [L][2I][H] (K-major, mok_jax.fp8.quantize_expert_weights)
+  const void* down;              // bf16 [L][I][H]; FP8: e4m3 [L][H][I]
+  const float* gate_up_scale;    // FP8 only: [L][2I/128][H/128], one scale per 128 x 128 block
+  const float* down_scale;       // FP8 only: [L][H/128][I/128]
   const void* shared_gate_up;    // bf16 [H][2Is] (unused when Is == 0)
   const void* shared_down;       // bf16 [Is][H]
   void* y;                       // bf16 [T][H], fully written
@@ -91,6 +100,7 @@ struct ScratchLayout {
   int32_t slots;          // min(S, M)
   int32_t slot_rows;      // rows of one ring slot: ep * min(G, T) * min(k, L) (the dropless worst case)
   size_t recv, h, shared_h, shared_out, row_slot, sync;
+  size_t recv_scale, h_scale;  // FP8 only (else empty): the ring rows' and h's scales, [blocks][scale_ld] f32
   size_t sync_bytes;      // zeroed before every call
   size_t total;
 };

@@ -17,7 +17,16 @@
 // items, so that many SMs move rows while the rest run tiles (the "communication SMs" knob).
 //
 // Registers: producer warpgroup 40, consumers 232 per thread (setmaxnreg; the CTA's 168 x 384 in all). Shared memory: stage ring
-// 192 KB + epilogue staging 18 KB + work ring and scan scratch; one CTA per SM.
+// 192 KB + the FP8 stages' scales 2 KB + epilogue staging 18 KB + work ring and scan scratch; one CTA per SM.
+//
+// FP8 routed experts (the kernel's kFp8 form, Plan::fp8): each token row is quantised once in 1 x 128 tiles by
+// its source (POST into its staged row at EP > 1, DISPATCH for its own rows: comm::warp_quantize_row), so the
+// staged rows carry H E4M3 bytes and H/128 scales and DISPATCH copies those into the ring: the E4M3 bytes at
+// the start of the ring row (whose 2H bytes the down tile's bf16 output overwrites in place, as in the bf16
+// form) and the scales into the ring's k-block-major recv_scale. GU and DN tiles are gemm::Sm90Fp8Tile's (the
+// standalone FP8 FFN's chains, promotions and epilogues: the same bits per row), fed through the same stage ring
+// by the same producer thread (row scales by a bulk copy); GU's epilogue writes h in E4M3 with its scales. The shared
+// expert, SEND, REDUCE and y are the bf16 form's.
 //
 // Synchronisation. Within a rank: counters in the call's scratch (zeroed before the launch), bumped with
 // a release after an item's stores (and a proxy fence where TMA reads the data next), polled with acquire
@@ -42,6 +51,7 @@
 #include "mok/comm/rows.cuh"
 #include "mok/comm/sync.cuh"
 #include "mok/gemm/group_scheduler.cuh"
+#include "mok/gemm/sm90_fp8_tile.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 #include "mok/moe/forward.cuh"
@@ -50,6 +60,7 @@
 namespace mok::moe {
 
 using Tile = gemm::Sm90Tile;
+using Fp8Tile = gemm::Sm90Fp8Tile;
 using comm::CommView;
 
 constexpr int kThreads = 128 + Tile::kConsumerThreads;
@@ -64,19 +75,43 @@ static_assert(kProducerRegs * 128 + kConsumerRegs * Tile::kConsumerThreads <= kL
 constexpr int kWorkSlots = 2;
 constexpr int kGroupM = 16;          // raster band of m-blocks inside an expert (as the grouped FFN)
 constexpr int kCopyUnroll = 8;       // 16-byte vectors per lane in flight when copying a row
+// ... in the FP8 form. Its tiles hold 192 accumulator registers per consumer thread (the bf16 tile's 128), and the
+// copy's vectors, though in another item, cost them registers in ptxas's allocation of the one consumer loop: with
+// 8, the promotions' totals were spilled, 103 local loads and stores per 128-long K block and thread (SASS of the
+// K loop); with 2, 23. The FP8 form copies only remote rows (EP > 1), of half the bf16 bytes.
+constexpr int kCopyUnrollFp8 = 2;
+template <bool kFp8>
+constexpr int copy_unroll() { return kFp8 ? kCopyUnrollFp8 : kCopyUnroll; }
+constexpr int kQuantUnroll = 4;      // ... when quantising a row to FP8
 constexpr int kSumUnroll = 2;        // ... when summing rows
 constexpr int kSumGroup = 2;         // rows whose loads are in flight together in a weighted sum
 constexpr int kReduceUnroll = 2;     // vectors per lane and row in flight in the origin's final sum
 constexpr int kReduceGroup = 2;      // rows whose loads are in flight together there
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
 
-struct RankParams {
+// The routed GEMMs' TMA descriptors of one form of the kernel (a union: the parameter space holds 8 ranks).
+struct Bf16RoutedTma {
   Tile::TmaA a_gu;    // received rows, [S * slot_rows, H]
   Tile::TmaA a_dn;    // h of the received rows, [S * slot_rows, I]
-  Tile::TmaA a_sgu;   // x, [T, H]
-  Tile::TmaA a_sdn;   // shared h, [T, Is]
   Tile::TmaB b_gu;    // gate_up, L x [H, 2I]
   Tile::TmaB b_dn;    // down, L x [I, H]
+};
+struct Fp8RoutedTma {
+  Fp8Tile::TmaA a_gu;      // x_q of the received rows, [S * slot_rows, H], row stride 2H (the ring's rows)
+  Fp8Tile::TmaA a_dn;      // h_q, [S * slot_rows, I]
+  Fp8Tile::TmaB b_gu;      // gate_up, L x [2I, H] (K-major)
+  Fp8Tile::TmaB b_dn;      // down, L x [H, I] (K-major)
+};
+union RoutedTma {
+  Bf16RoutedTma bf16;  // forward_kernel<false>
+  Fp8RoutedTma fp8;    // forward_kernel<true>
+  RoutedTma() {}
+};
+
+struct RankParams {
+  RoutedTma routed;
+  Tile::TmaA a_sgu;   // x, [T, H]
+  Tile::TmaA a_sdn;   // shared h, [T, Is]
   Tile::TmaB b_sgu;   // shared gate_up, 1 x [H, 2Is]
   Tile::TmaB b_sdn;   // shared down, 1 x [Is, H]
   CommView view;
@@ -94,6 +129,11 @@ struct RankParams {
   const int32_t* keep_pos;  // ForwardRank::keep_pos (nullptr: nothing kept)
   float* keep_gu;           // [keep_rows][2I]
   int32_t keep_rows;
+  // FP8 routed experts (Plan::fp8; then h holds E4M3 values)
+  const float* b_gu_scale;  // [L][2I/128][H/128]
+  const float* b_dn_scale;  // [L][H/128][I/128]
+  float* recv_scale;        // [H/128][scale_ld]: the scales of the received rows, k-block major (Fp8Tile::kScaleTail
+  float* h_scale;           // [I/128][scale_ld]         floats of slack past each: the producer's bulk copies)
 };
 
 struct Params {
@@ -115,6 +155,7 @@ struct Item {
 
 struct SharedStorage {
   Tile::Stages stages;
+  gemm::Fp8StageScales scales;  // the FP8 tiles' scales of each stage (unused by the bf16 form)
   alignas(16) uint32_t epi[Tile::kConsumerWarpgroups][Tile::kEpiWords];
   Item work[kWorkSlots];
   alignas(8) uint64_t work_full[kWorkSlots];
@@ -353,7 +394,9 @@ __device__ __forceinline__ void nan_row(int4* dst, int nvec, int lane) {
   for (int i = lane; i < nvec; i += 32) comm::st_v4(dst + i, nan);
 }
 
-// POST (source side, ep > 1): my routing into every peer, then my rows where the owners will look for them.
+// POST (source side, ep > 1): my routing into every peer, then my rows where the owners will look for them (FP8:
+// quantised, the row's H E4M3 bytes then its H/128 scales).
+template <bool kFp8>
 __device__ inline void run_post(const Params& P, const RankParams& R, const Item& it, int ct, uint64_t epoch) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
@@ -387,7 +430,13 @@ __device__ inline void run_post(const Params& P, const RankParams& R, const Item
     } else if (remote) {
       my_dst = v.peer<int4>(owner, v.layout.stage) + (stage_row0 + t) * nvec;
     }
-    comm::warp_copy_row<kCopyUnroll>(R.x + t * nvec, nvec, my_dst, lanes, lane);
+    if constexpr (kFp8) {
+      auto* q = reinterpret_cast<uint8_t*>(my_dst);
+      comm::warp_quantize_row<kQuantUnroll>(R.x + t * nvec, nvec, q, q ? reinterpret_cast<float*>(q + p.H) : nullptr,
+                                            1, lanes, lane);
+    } else {
+      comm::warp_copy_row<copy_unroll<kFp8>()>(R.x + t * nvec, nvec, my_dst, lanes, lane);
+    }
   }
 }
 
@@ -571,7 +620,9 @@ __device__ __forceinline__ int stage_share(const Plan& p, const Item& it, int pe
   return t_lo;
 }
 
-// DISPATCH(m): every (source, token) of microbatch m with local slots -> its rows of the ring slot.
+// DISPATCH(m): every (source, token) of microbatch m with local slots -> its rows of the ring slot. FP8: my own
+// rows are quantised here, a source's staged row (quantised by its POST) is copied as E4M3 bytes and scales.
+template <bool kFp8>
 __device__ inline void run_dispatch(const Params& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
@@ -591,8 +642,22 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
     const int4* src = s == v.rank ? R.x + t * nvec
                       : P.dispatch_push ? v.local<const int4>(v.layout.stage) + stage_row(v, s, t) * nvec
                                         : v.peer<const int4>(s, v.layout.stage) + stage_row(v, s, t) * nvec;
-    for (int rep = (p.timing_mode & kTimingTwiceDispatchRows) ? 2 : 1; rep > 0; --rep)
-      comm::warp_copy_row<kCopyUnroll>(src, nvec, row >= 0 ? slot + size_t(row) * nvec : nullptr, lanes, lane);
+    int4* my_dst = row >= 0 ? slot + size_t(row) * nvec : nullptr;
+    for (int rep = (p.timing_mode & kTimingTwiceDispatchRows) ? 2 : 1; rep > 0; --rep) {
+      if constexpr (kFp8) {
+        float* my_scale = row >= 0 ? R.recv_scale + size_t(it.mb % p.S) * p.slot_rows + row : nullptr;
+        auto* my_q = reinterpret_cast<uint8_t*>(my_dst);
+        if (s == v.rank) {
+          comm::warp_quantize_row<kQuantUnroll>(src, nvec, my_q, my_scale, p.scale_ld, lanes, lane);
+        } else {
+          comm::warp_copy_row<kCopyUnrollFp8>(src, p.H / 16, my_dst, lanes, lane);
+          comm::warp_scatter_scales(reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(src) + p.H),
+                                    p.H / gemm::kFp8ScaleBlock, my_scale, p.scale_ld, lanes, lane);
+        }
+      } else {
+        comm::warp_copy_row<kCopyUnroll>(src, nvec, my_dst, lanes, lane);
+      }
+    }
   }
   gemm::fence_proxy_async_global();  // the GU tiles read these rows with TMA
 }
@@ -738,6 +803,18 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
 
 // ================================================================================ GEMM tiles
 
+// FP8 routed tiles (kFp8): GU reads the ring's x_q and gate_up, DN reads h_q and down (both K-major).
+__device__ inline Fp8Tile::TileLoad fp8_tile_load(const Plan& p, const Item& it) {
+  const int rows = p.S * p.slot_rows;
+  if (it.kind == kGu)
+    return Fp8Tile::TileLoad{rows, p.H, it.row0, 2 * p.I, p.L, it.group, it.n_block * kGuCols,
+                             it.n_block * kGuCols + p.I};
+  return Fp8Tile::TileLoad{rows, p.I, it.row0, p.H, p.L, it.group, it.n_block * kDnCols,
+                           it.n_block * kDnCols + Fp8Tile::kHalfN};
+}
+
+__device__ __forceinline__ bool is_routed(int kind) { return kind == kGu || kind == kDn; }
+
 __device__ inline Tile::TileLoad tile_load(const Plan& p, const Item& it) {
   const int rows = p.S * p.slot_rows;
   switch (it.kind) {
@@ -754,12 +831,24 @@ __device__ inline Tile::TileLoad tile_load(const Plan& p, const Item& it) {
   }
 }
 
+template <bool kFp8>
 __device__ inline bool load_item(const RankParams& R, SharedStorage& s, Tile::StagePos& pos, const Plan& p,
                                  const Item& it, int32_t* status) {
+  if constexpr (kFp8) {
+    if (is_routed(it.kind)) {
+      const Fp8Tile::TileLoad t = fp8_tile_load(p, it);
+      const Fp8RoutedTma& d = R.routed.fp8;
+      return it.kind == kGu
+                 ? Fp8Tile::load_tile(d.a_gu, d.b_gu, R.recv_scale, p.scale_ld, R.b_gu_scale, s.stages, s.scales,
+                                      pos, t, status)
+                 : Fp8Tile::load_tile(d.a_dn, d.b_dn, R.h_scale, p.scale_ld, R.b_dn_scale, s.stages, s.scales, pos,
+                                      t, status);
+    }
+  }
   const Tile::TileLoad t = tile_load(p, it);
   switch (it.kind) {
-    case kGu: return Tile::load_tile(R.a_gu, R.b_gu, s.stages, pos, t, status);
-    case kDn: return Tile::load_tile(R.a_dn, R.b_dn, s.stages, pos, t, status);
+    case kGu: return Tile::load_tile(R.routed.bf16.a_gu, R.routed.bf16.b_gu, s.stages, pos, t, status);
+    case kDn: return Tile::load_tile(R.routed.bf16.a_dn, R.routed.bf16.b_dn, s.stages, pos, t, status);
     case kSharedGu: return Tile::load_tile(R.a_sgu, R.b_sgu, s.stages, pos, t, status);
     default: return Tile::load_tile(R.a_sdn, R.b_sdn, s.stages, pos, t, status);
   }
@@ -830,8 +919,36 @@ __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStor
 // A GEMM tile: MMAs, then the epilogue. (Kept inline: as a called function its accumulators spilled.) The
 // accumulators' 128 registers stay allocated across the whole consumer loop, which is why the row movers of
 // the communication items keep few vectors in flight (kSumUnroll etc.): more spilled.
+// An FP8 routed tile: chains and promotions into two 64-value totals, then GU's SwiGLU with h quantised (E4M3 and
+// its scales, read by DN's TMA next) or DN's bf16 rows over the ring rows, in place.
+__device__ __forceinline__ bool fp8_tile_item(const Plan& p, const RankParams& R, SharedStorage& s, Tile::StagePos& pos,
+                                           const Item& it, int ct) {
+  Fp8Tile::Accumulator total0, total1;
+  const int n_k = (it.kind == kGu ? p.H : p.I) / gemm::kFp8ScaleBlock;
+  if (!Fp8Tile::mma_tile(s.stages, s.scales, pos, total0, total1, n_k, it.row0 % gemm::kFp8RowScaleSlack, ct,
+                         nullptr))
+    return false;
+  const int wg = ct / 128, t = ct % 128;
+  if (it.kind == kGu) {
+    Fp8Tile::store_swiglu_quant(total0, total1,
+                                Fp8Tile::TileStore{R.h, p.I, R.h_scale, p.scale_ld, it.row0, it.row_end,
+                                                   it.n_block * kGuCols, p.I},
+                                wg, t);
+    gemm::fence_proxy_async_global();  // the DN tiles read h and its scales with TMA
+  } else {
+    const Fp8Tile::TileStore st{R.recv, p.H, nullptr, 0, it.row0, it.row_end, it.n_block * kDnCols, p.H};
+    Fp8Tile::store_bf16(total0, st, 0, wg, t);
+    Fp8Tile::store_bf16(total1, st, 1, wg, t);
+  }
+  return true;
+}
+
+template <bool kFp8>
 __device__ __forceinline__ bool tile_item(const Plan& p, const RankParams& R, SharedStorage& s, Tile::StagePos& pos,
                                        const Item& it, int ct) {
+  if constexpr (kFp8) {
+    if (is_routed(it.kind)) return fp8_tile_item(p, R, s, pos, it, ct);
+  }
   Tile::Accumulator acc;
   if (!Tile::mma_tile(s.stages, pos, acc, tile_k(p, it.kind), ct, nullptr)) return false;
   store_item(p, R, s, acc, it, ct / 128, ct % 128);
@@ -840,6 +957,7 @@ __device__ __forceinline__ bool tile_item(const Plan& p, const RankParams& R, Sh
 
 // ================================================================================ roles
 
+template <bool kFp8>
 __device__ inline void producer(const Params& P, const RankParams& R, SharedStorage& s, int ctas, uint64_t epoch) {
   const Plan& p = P.plan;
   Tile::StagePos pos;
@@ -859,7 +977,7 @@ __device__ inline void producer(const Params& P, const RankParams& R, SharedStor
     if (it.kind == kEnd) return;
     if (is_tile(it.kind) && !it.skip) {
       gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
-      if (!load_item(R, s, pos, p, it, nullptr)) {
+      if (!load_item<kFp8>(R, s, pos, p, it, nullptr)) {
         comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
         return;
       }
@@ -867,6 +985,7 @@ __device__ inline void producer(const Params& P, const RankParams& R, SharedStor
   }
 }
 
+template <bool kFp8>
 __device__ inline void consumer(const Params& P, const RankParams& R, SharedStorage& s, int ct, int ctas,
                                 uint64_t epoch) {
   const Plan& p = P.plan;
@@ -885,17 +1004,17 @@ __device__ inline void consumer(const Params& P, const RankParams& R, SharedStor
     if (++w == kWorkSlots) w = 0, phase ^= 1;
     if (it.kind == kEnd) return;
     if (is_tile(it.kind)) {
-      if (!it.skip && !tile_item(p, R, s, pos, it, ct)) {
+      if (!it.skip && !tile_item<kFp8>(p, R, s, pos, it, ct)) {
         comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
         return;
       }
     } else if (!it.skip || it.kind == kReduce) {
       switch (it.kind) {
-        case kPost: run_post(P, R, it, ct, epoch); break;
+        case kPost: run_post<kFp8>(P, R, it, ct, epoch); break;
         case kCount: run_count(p, R, it, ct); break;
         case kScan: run_scan(p, R, s, ct, ctas); break;
         case kPlace: run_place(p, R, it, ct); break;
-        case kDispatch: run_dispatch(P, R, it, ct); break;
+        case kDispatch: run_dispatch<kFp8>(P, R, it, ct); break;
         case kSend: run_send(P, R, it, ct); break;
         case kReduce: run_reduce(P, R, it, ct); break;
         default: break;
@@ -949,6 +1068,7 @@ __device__ inline void finish_call(const Plan& p, const RankParams& R, SharedSto
   __threadfence();
 }
 
+template <bool kFp8>
 __device__ inline void run(const Params& P) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
@@ -965,18 +1085,27 @@ __device__ inline void run(const Params& P) {
       cutlass::arch::ClusterBarrier::init(&s.work_empty[i], kWorkerWarps);
     }
     cutlass::arch::fence_barrier_init();
-    cute::prefetch_tma_descriptor(R.a_gu.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(R.a_dn.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(R.b_gu.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(R.b_dn.get_tma_descriptor());
+    if constexpr (kFp8) {
+      const Fp8RoutedTma& d = R.routed.fp8;
+      cute::prefetch_tma_descriptor(d.a_gu.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(d.a_dn.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(d.b_gu.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(d.b_dn.get_tma_descriptor());
+    } else {
+      const Bf16RoutedTma& d = R.routed.bf16;
+      cute::prefetch_tma_descriptor(d.a_gu.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(d.a_dn.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(d.b_gu.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(d.b_dn.get_tma_descriptor());
+    }
   }
   __syncthreads();
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) producer(P, R, s, ctas, epoch);
+    if (warp == 0 && cute::elect_one_sync()) producer<kFp8>(P, R, s, ctas, epoch);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consumer(P, R, s, threadIdx.x - 128, ctas, epoch);
+    consumer<kFp8>(P, R, s, threadIdx.x - 128, ctas, epoch);
   }
   __syncthreads();
   finish_call(P.plan, R, s, ctas, epoch);

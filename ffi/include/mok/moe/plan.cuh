@@ -60,6 +60,8 @@ struct Plan {
   int32_t g;                        // compute lag behind dispatch (0 or 1)
   int32_t identity;                 // test mode: no GEMMs
   int32_t timing_mode;                // timing mode: TimingMode bits
+  int32_t fp8;                      // routed experts in FP8 E4M3 (ForwardShape::routed_fp8)
+  int32_t scale_ld;                 // FP8: floats per K block of the ring's scales (S * slot_rows, rounded up to 4)
   // ticket bounds of the static prefix
   int32_t t_count, t_scan, t_place, t_disp0, t_sgu, t_sdn, t_dynamic;
   // word offsets in the sync region (int32 words)
@@ -81,6 +83,8 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
   p.g = p.S >= 2 ? 1 : 0;
   const int32_t per_token = s.top_k < s.local_experts ? s.top_k : s.local_experts;
   p.slot_rows = s.ep * (p.G < s.tokens ? p.G : s.tokens) * per_token;
+  p.fp8 = s.routed_fp8;
+  p.scale_ld = (p.S * p.slot_rows + 3) / 4 * 4;  // every K block's column 16-byte aligned (the tiles' bulk copies)
   p.nchunks = comm::num_chunks(s.tokens);
   p.chunks_per_mb = p.G / comm::kChunkTokens;
   p.D = kn.comm_items;
