@@ -2,7 +2,7 @@
 # The MoE layer's kernels on a lent H200, in one command: environment, the GPU tests of the megakernel and of
 # the grouped FFN (whose GEMM pieces it shares), then mok-bench against the JAX baselines in the same process.
 # Logs under $OUT (the device tool's folder) or ./out. A short summary is printed last.
-# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline train backward ring curve zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
+# Usage there: NCCL_NVLS_ENABLE=0 [BENCH_STEPS='tune headline train fp8 backward ring curve curve-fp8 zipf granularity sweep breakdown profile'] bash scripts/gpu_moe.sh [pytest -k expr]
 # (SKIP_TESTS=1 skips the tests; BENCH_STEPS='' skips the benchmarks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,14 @@ for s in ${BENCH_STEPS-headline granularity}; do
             --json "$LOGS/backward_ring.json" ;;
     curve) step curve 200 $PY -m mok_jax.bench.train_curve --steps ${CURVE_STEPS:-50} --json "$LOGS/train_curve.json" \
              --plot "$LOGS/train_curve.png" ;;
+    # issue 12: the FP8 layer trained 200 steps beside the bf16 one (the gap column is against mok)
+    curve-fp8) step curve-fp8 ${CURVE_FP8_LIMIT:-300} $PY -m mok_jax.bench.train_curve --steps ${FP8_CURVE_STEPS:-200} \
+                 --impl mok,mok-fp8 ${FP8_TOLERANCE:+--tolerance $FP8_TOLERANCE} --json "$LOGS/train_curve_fp8.json" \
+                 --plot "$LOGS/train_curve_fp8.png" ;;
+    # mok-fp8 (FP8 routed experts) timed right after the bf16 mok, forward and fwd+bwd: 'vs bf16' is their ratio
+    fp8) FP8_BENCH=("${BENCH[@]/bf16/fp8}")
+         step fp8 ${FP8_LIMIT:-300} "${FP8_BENCH[@]/fwd/fwd,fwd+bwd}" --model "$MODELS" --tokens 2048 \
+           --impl ${FP8_IMPLS:-mok} --time-budget ${FP8_BUDGET:-250} --json "$LOGS/fp8.json" ;;
     zipf) step zipf 150 "${BENCH[@]}" --model "$MODELS" --tokens 2048 --routing zipf --zipf-s 1.2 \
             --impl xla,xla-capacity,mok --time-budget 120 --json "$LOGS/zipf.json" ;;
     granularity) step granularity 150 "${BENCH[@]}" --model kimi-k2 --tokens ${GTOKENS:-2048} --impl mok \

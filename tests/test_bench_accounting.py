@@ -36,6 +36,36 @@ def test_executed_flops_and_rows_by_hand():
         acc.capacity(5, 2, 4, 0.0)
 
 
+def test_compute_floor_by_hand():
+    """At a peak of 1e-9 TFLOP/s (1e3 FLOP/s) a FLOP takes a ms, so the floor in ms is the FLOPs it counts."""
+    s = _shape()  # T = 5: routed forward 480 FLOPs, shared 360 (test_flops_by_hand)
+    floor = lambda pass_, **kw: acc.compute_floor_ms(s, 5, pass_, peak_tflops=1e-9, **kw)  # noqa: E731
+    assert acc.forward_flops_per_gpu(s, 5) == (480, 360)
+    assert floor("fwd") == pytest.approx(840) and floor("fwd+bwd") == pytest.approx(3 * 840)
+    # fp8 at twice the peak: only the forward's routed GEMMs go faster: 480/2 + 360; fwd+bwd adds the bf16 backward
+    assert floor("fwd", precision="fp8", fp8_peak_tflops=2e-9) == pytest.approx(240 + 360)
+    assert floor("fwd+bwd", precision="fp8", fp8_peak_tflops=2e-9) == pytest.approx(240 + 360 + 2 * 840)
+    assert floor("fwd", precision="bf16", fp8_peak_tflops=2e-9) == pytest.approx(840)  # bf16 ignores the fp8 peak
+    with pytest.raises(ValueError, match="fp8_peak_tflops"):
+        floor("fwd", precision="fp8")
+    with pytest.raises(ValueError, match="precision must be one of bf16, fp8"):
+        floor("fwd", precision="int8")
+
+
+@pytest.mark.parametrize("name", ["kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro"])
+def test_fp8_compute_floor_between_the_two_peaks(name):
+    """The FP8 layer's floor: at an FP8 peak equal to bf16's, the bf16 floor; at HARDWARE.md's 1477 vs 805 TFLOP/s
+    between the all-FP8 floor and the bf16 one, by exactly the routed share's saving."""
+    s = acc.bench_shape(load_model(name), 2, "ep64-slice")
+    bf16 = acc.compute_floor_ms(s, 2048, "fwd", peak_tflops=805)
+    fp8 = acc.compute_floor_ms(s, 2048, "fwd", peak_tflops=805, precision="fp8", fp8_peak_tflops=1477)
+    assert acc.compute_floor_ms(s, 2048, "fwd", peak_tflops=805, precision="fp8",
+                                fp8_peak_tflops=805) == pytest.approx(bf16)
+    assert bf16 * 805 / 1477 < fp8 < bf16
+    routed, shared = acc.forward_flops_per_gpu(s, 2048)
+    assert bf16 - fp8 == pytest.approx(routed / 805e9 - routed / 1477e9)
+
+
 def test_bytes_by_hand():
     s = _shape()
     # T*k*H*2 bytes: 5*2*4*2 = 80; half of it remote at 2 GPUs
@@ -44,6 +74,20 @@ def test_bytes_by_hand():
     assert acc.uniform_remote_fraction(8) == 7 / 8
     assert acc.uniform_remote_fraction(1) == 0.0
     assert acc.transfers_per_pass("fwd") == 2 and acc.transfers_per_pass("fwd+bwd") == 4
+
+
+def test_fp8_row_bytes_by_hand():
+    # an E4M3 row: H bytes and one f32 scale per 1 x 128 tile (a partial tile still has one)
+    assert acc.row_bytes(7168) == 14336 and acc.row_bytes(7168, "fp8") == 7168 + 4 * 56
+    assert acc.row_bytes(64, "fp8") == 64 + 4 and acc.row_bytes(200, "fp8") == 200 + 4 * 2
+    s = _shape(hidden_size=256)
+    assert acc.dispatch_bytes_per_gpu(s, 5, "fp8") == 5 * 2 * (256 + 8)
+    # the forward's dispatch in E4M3, its combine and the backward's two transfers in bf16
+    assert acc.link_bytes_per_row(256, "fwd") == 2 * 512 and acc.link_bytes_per_row(256, "fwd+bwd") == 4 * 512
+    assert acc.link_bytes_per_row(256, "fwd", "fp8") == 264 + 512
+    assert acc.link_bytes_per_row(256, "fwd+bwd", "fp8") == 264 + 3 * 512
+    with pytest.raises(ValueError, match="precision"):
+        acc.row_bytes(256, "fp16")
 
 
 def test_traffic_by_hand():
@@ -190,6 +234,11 @@ def test_mok_memory_per_rank():
     # a third ring slot costs scratch
     more = acc.mok_memory_per_rank(s, 2048, k.replace(ring_slots=3))["scratch_bytes_per_rank"]
     assert more > m["scratch_bytes_per_rank"]
+    # the FP8 layer's scratch is its own ring's (E4M3 rows and their scales)
+    fp8 = acc.mok_memory_per_rank(s, 2048, k, precision="fp8")
+    assert fp8["scratch_bytes_per_rank"] == scratch_bytes(tokens=2048, hidden=7168, inter=2048, shared_inter=2048,
+                                                          top_k=8, local_experts=6, ep=2, kernel=k, fp8=True)
+    assert fp8["workspace_bytes_per_rank"] == m["workspace_bytes_per_rank"]
 
 
 def test_mok_keep_residuals_are_the_kept_fp32_gate_up_rows():
@@ -210,3 +259,25 @@ def test_mok_ring_residuals_are_the_ring_tokens_rows():
     assert ring(8192, 2048, 3) == 2 * 6144 * 8 * 2 * 2048 * 4
     assert ring(2048, 2048, 3) == acc.mok_memory_per_rank(s, 2048, KernelConfig(), keep="everything")[
         "residual_bytes_per_rank"]
+
+
+def test_fp8_weight_bytes_are_the_quantised_arrays():
+    """fp8_weight_bytes_per_rank counts the arrays mok_jax.fp8.quantize_expert_weights makes (E4M3 values and f32
+    block scales), and by hand for kimi-k2's 6 experts per GPU: 3*H*I bytes + 4*(2*16*56 + 56*16) per expert."""
+    import jax
+    import jax.numpy as jnp
+
+    from mok_jax.fp8 import quantize_expert_weights
+
+    s = _shape(experts_per_gpu=3, hidden_size=256, intermediate_size=384)
+    arrays = jax.eval_shape(quantize_expert_weights, jax.ShapeDtypeStruct((3, 256, 768), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((3, 384, 256), jnp.bfloat16))
+    assert acc.fp8_weight_bytes_per_rank(s) == sum(a.size * a.dtype.itemsize for a in arrays)
+    kimi = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
+    assert acc.fp8_weight_bytes_per_rank(kimi) == 6 * (3 * 7168 * 2048 + 4 * (2 * 16 * 56 + 56 * 16))
+    assert acc.mok_memory_per_rank(kimi, 2048, KernelConfig(), precision="fp8")["fp8_weight_bytes_per_rank"] == (
+        acc.fp8_weight_bytes_per_rank(kimi))
+    assert acc.mok_memory_per_rank(kimi, 2048, KernelConfig())["fp8_weight_bytes_per_rank"] is None
+    assert acc.mok_memory_per_rank(kimi, 2048, KernelConfig(), precision="fp8")["residual_bytes_per_rank"] == 0
+    with pytest.raises(ValueError, match="precision"):
+        acc.mok_memory_per_rank(kimi, 2048, KernelConfig(), precision="e5m2")

@@ -136,7 +136,7 @@ def test_capacity_drop_count_one_expert(cpu_devices):
 def test_build_and_errors(cpu_devices):
     mesh = _mesh(2)
     assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring",
-                                              "mok-keep"}
+                                              "mok-keep", "mok-fp8"}
     # the CLI names them without importing this module (jax) at its own import: the same names, in one order
     from mok_jax.bench import cli
 
@@ -158,7 +158,7 @@ def test_mok_builder_passes_the_kernel_config(cpu_devices, monkeypatch):
 
     seen = []
 
-    def fake_ep_moe(x, topk_idx, topk_weight, weights, *, mesh, config):
+    def fake_ep_moe(x, topk_idx, topk_weight, weights, *, mesh, config, fp8_weights=None):
         seen.append(config)
         return x
 
@@ -173,3 +173,49 @@ def test_mok_builder_passes_the_kernel_config(cpu_devices, monkeypatch):
         ("mok", "ep", None)]  # None: mok_jax.tuning resolves inside the layer
     with pytest.raises(TypeError, match="KernelConfig"):
         baselines.mok(_mesh(2), kernel={"granularity": 1024})
+
+
+def test_mok_variants_set_keep_and_precision(cpu_devices, monkeypatch):
+    """Each mok implementation's MoEConfig (keep, precision), and mok-fp8's fp8_weights reaching the layer."""
+    from mok_jax import sharding
+
+    seen = []
+
+    def fake_ep_moe(x, topk_idx, topk_weight, weights, *, mesh, config, fp8_weights=None):
+        seen.append((config.keep, config.precision, None if fp8_weights is None else fp8_weights.gate_up.shape))
+        return x
+
+    monkeypatch.setattr(sharding, "expert_parallel_moe", fake_ep_moe)
+    x, idx, w, W = random_problem(mj.load_model("ci"), 8, seed=91)
+    for name in ("mok", "mok-ring", "mok-keep", "mok-fp8"):
+        baselines.build(name, _mesh(2))(x, idx, w, W)
+    from mok_jax.fp8 import Fp8ExpertWeights
+
+    W8 = Fp8ExpertWeights(*[jnp.zeros((16, 1))] * 4)  # any arrays: the fake reads their shape
+    baselines.build("mok-fp8", _mesh(2))(x, idx, w, W, fp8_weights=W8)
+    assert seen == [("nothing", "bf16", None), ("ring", "bf16", None), ("everything", "bf16", None),
+                    ("nothing", "fp8", None), ("nothing", "fp8", (16, 1))]
+    assert {n: v._asdict() for n, v in baselines.MOK_IMPLEMENTATIONS.items()} == {
+        "mok": {"keep": "nothing", "precision": "bf16"}, "mok-ring": {"keep": "ring", "precision": "bf16"},
+        "mok-keep": {"keep": "everything", "precision": "bf16"}, "mok-fp8": {"keep": "nothing", "precision": "fp8"}}
+
+
+def test_quantize_weights_per_rank_equals_the_global_quantisation(cpu_devices):
+    """Each rank quantising its own experts gives the bits of quantize_expert_weights on all of them (the blocks
+    are per expert), sharded over ep like gate_up."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mok_jax.fp8 import quantize_expert_weights
+
+    k1, k2 = jax.random.split(jax.random.key(92))
+    gate_up = jax.random.normal(k1, (4, 128, 256), jnp.bfloat16)
+    down = jax.random.normal(k2, (4, 128, 128), jnp.bfloat16) * 3
+    mesh = _mesh(2)
+    got = baselines.quantize_weights(mj.MoEWeights(gate_up, down), mesh)
+    want = quantize_expert_weights(gate_up, down)
+    for name, a, b in zip(want._fields, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), name)
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, P("ep")), a.ndim), name
+    with pytest.raises(ValueError, match="multiple of 128"):
+        baselines.quantize_weights(mj.MoEWeights(gate_up[:, :64], down[:, :, :64]), mesh)

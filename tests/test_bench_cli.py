@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,15 +42,13 @@ def test_parse_args():
         cli.parse_args(["--impl", "xla,torch"])
     with pytest.raises(cli.UsageError, match="once"):
         cli.parse_args(["ci", "--model", "ci"])
-    with pytest.raises(NotImplementedError, match="fp8 is not implemented yet"):
-        cli.parse_args(["--dtype", "fp8"])
     with pytest.raises(SystemExit):
         cli.parse_args(["--routing", "sorted"])  # argparse's own choices
 
 
 def test_main_rejects_bad_options(capsys):
-    assert cli.main(["--dtype", "fp8"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert cli.main(["--impl", "mok-fp8"]) == 2
+    assert "mok-bench: error: --impl/--baseline mok-fp8 is the FP8 layer: give --dtype fp8" in capsys.readouterr().err
     assert cli.main(["--tokens", "0"]) == 2
     assert cli.main(["ci", "--ep-mode", "ep64-slice"]) == 2  # 16 experts: not a multiple of 64
     assert "not a multiple of 64" in capsys.readouterr().err
@@ -83,8 +82,10 @@ def test_default_run_without_a_gpu_exits_zero_says_cpu_once_and_shows_no_gpu_roo
     assert both.count("CPU NUMBERS") == 1 and done.stdout.startswith(cli.CPU_NOTICE + "\n")
     header = done.stdout.splitlines()[1].split()
     assert header[:5] == ["model", "mode", "T/GPU", "pass", "impl"] and "TFLOP/s" in header
-    for gpu_figure in ("%peak", "% of peak", "comm ms", "%comm", "NVLink", "805"):
+    for gpu_figure in ("%peak", "% of peak", "comm ms", "%comm", "NVLink"):
         assert gpu_figure not in both, gpu_figure
+    for peak in cli.PEAK_TFLOPS.values():  # as a figure of its own, not inside a time such as 0.805 ms
+        assert not re.search(rf"(?<![\d.]){peak:g}(?![\d.])", both), peak
     rows = [ln.split() for ln in done.stdout.splitlines()[3:6]]
     assert [r[4] for r in rows] == ["xla", "reference", "xla-capacity"] and {r[0] for r in rows} == {"ci"}
 
@@ -140,10 +141,10 @@ def test_default_run_json_schema(default_run, cpu_devices):
     assert rep["device"]["platform"] == "cpu" and rep["device"]["used"] == 8
     assert {"python", "jax", "jaxlib", "numpy", "mok_jax", "flax"} <= set(rep["versions"])
     assert isinstance(rep["git"]["commit"], str) and rep["git"]["commit"]
-    assert rep["roofline"] == {"peak_tflops": None, "nvlink_gbps": None}  # the H200's do not apply on CPU
+    assert rep["roofline"] == {"peak_tflops": None, "peak_tflops_fp8": None, "nvlink_gbps": None}  # H200's: not CPU
     cfg = rep["config"]
     assert cfg["models"] == ["ci"] and cfg["tokens"] == [32] and cfg["ep_mode"] == "full" and cfg["baseline"] == "xla"
-    assert cfg["peak_tflops"] is None and cfg["nvlink_gbps"] is None
+    assert cfg["peak_tflops"] is None and cfg["peak_tflops_fp8"] is None and cfg["nvlink_gbps"] is None
     assert rep["command"][0] == "mok-bench"
     results = rep["results"]
     assert [(r["pass"], r["impl"]) for r in results] == [  # pass-major, the baseline first
@@ -151,6 +152,7 @@ def test_default_run_json_schema(default_run, cpu_devices):
     for r in results:
         assert tuple(r) == RESULT_KEYS  # every record has exactly the documented keys, in order
         assert r["status"] == "ok", r["error"]
+        assert r["dtype"] == "bf16" and r["speedup_vs_bf16"] is None
         assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["samples"] == 2
         assert r["tflops"] == pytest.approx(r["flops_per_gpu"] / r["median_ms"] / 1e9)
         for figure in ("compute_floor_ms", "compute_fraction", "comm_floor_ms", "comm_fraction",
@@ -245,7 +247,8 @@ def test_parse_tune_conflicts():
     assert cli.parse_args(["--tune", "--impl", "mok"]).impls == ("mok",)
     for argv, msg in ((["--granularity", "512"], "drop --granularity"), (["--comm-sms", "8", "--ring-slots", "2"],
                                                                           "drop --comm-sms, --ring-slots"),
-                      (["--impl", "xla"], "mok only"), (["--pass", "fwd,fwd+bwd"], "forward only")):
+                      (["--impl", "xla"], "mok only"), (["--pass", "fwd,fwd+bwd"], "forward only"),
+                      (["--dtype", "fp8"], "drop --dtype fp8")):
         with pytest.raises(cli.UsageError, match=msg):
             cli.parse_args(["--tune", *argv])
 
@@ -351,8 +354,8 @@ def test_mok_rows_kernel_memory_and_unsupported_backward(tmp_path, cpu_devices, 
         assert r["kernel_source"] == "explicit" and r["kernel"]["ring_slots"] == 3
         if r["pass"] == "fwd":
             k = KernelConfig(**r["kernel"])
-            assert {f: r[f] for f in ("workspace_bytes_per_rank", "scratch_bytes_per_rank",
-                                      "residual_bytes_per_rank")} == acc.mok_memory_per_rank(shape, 16, k)
+            assert {f: r[f] for f in ("workspace_bytes_per_rank", "scratch_bytes_per_rank", "residual_bytes_per_rank",
+                                      "fp8_weight_bytes_per_rank")} == acc.mok_memory_per_rank(shape, 16, k)
             assert r["residual_bytes_per_rank"] == 0
         else:
             assert "no backward" in r["error"] and r["median_ms"] is None
@@ -428,3 +431,153 @@ def test_tune_path_with_a_stand_in_gpu(tmp_path, cpu_devices, monkeypatch, capsy
     assert "tuned table written to" in captured.err
     assert captured.out.count("mok memory per rank, ci full T=") == 2  # one line per (model, tokens) "on GPU"
     tuning.load_table.cache_clear()
+
+
+# ------------------------------------------------------------------ --dtype fp8: mok-fp8 beside the bf16 mok
+
+
+def test_parse_dtype_fp8():
+    o = cli.parse_args(["--dtype", "fp8", "--peak-tflops-fp8", "1400"])
+    assert o.dtype == "fp8" and o.peak_tflops_fp8 == 1400
+    o = cli.parse_args(["--dtype", "fp8", "--impl", "mok-fp8,xla", "--baseline", "mok-fp8"])
+    assert o.impls == ("mok-fp8", "xla") and o.baseline == "mok-fp8"
+    for argv in (["--impl", "xla,mok-fp8"], ["--baseline", "mok-fp8"]):  # the FP8 layer without --dtype fp8
+        with pytest.raises(cli.UsageError, match="mok-fp8 is the FP8 layer: give --dtype fp8"):
+            cli.parse_args(argv)
+    with pytest.raises(cli.UsageError, match="--peak-tflops-fp8 must be > 0"):
+        cli.parse_args(["--dtype", "fp8", "--peak-tflops-fp8", "0"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--dtype", "fp16"])  # argparse's own choices
+
+
+def test_implementations_with_dtype_fp8():
+    """--dtype fp8 puts mok-fp8 right after mok, adding mok when --impl lacks it; what it adds is not asked for by
+    name (so an FP8 layer that cannot run is dropped with the reason, not an error)."""
+    def impls(*argv, defaults=cli.GPU_DEFAULTS):
+        return cli.implementations(cli.parse_args(list(argv)), defaults)
+
+    assert impls() == (["mok", "xla", "xla-capacity"], set())
+    assert impls("--dtype", "fp8") == (["mok", "mok-fp8", "xla", "xla-capacity"], set())
+    assert impls("--dtype", "fp8", defaults=cli.CPU_DEFAULTS) == (
+        ["reference", "xla", "xla-capacity", "mok", "mok-fp8"], set())
+    assert impls("--dtype", "fp8", "--impl", "xla") == (["xla", "mok", "mok-fp8"], {"xla"})
+    assert impls("--dtype", "fp8", "--impl", "mok-fp8,mok-keep,mok") == (
+        ["mok-keep", "mok", "mok-fp8"], {"mok-fp8", "mok-keep", "mok"})
+    assert impls("--impl", "xla,mok") == (["xla", "mok"], {"xla", "mok"})  # bf16: as given
+    assert impls("--tune") == (["mok"], {"mok"})
+
+
+def test_dtype_fp8_without_the_kernels_runs_the_others_and_says_why(tmp_path, cpu_devices, capsys):
+    """On a machine where mok cannot run, `mok-bench --dtype fp8` runs the bf16 defaults, records why mok and
+    mok-fp8 did not run and says so on stderr; mok-fp8 asked for by name is an error of one line."""
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--dtype", "fp8", "--tokens", "8", "--devices", "2", "--json", str(out), "-q", *FAST]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["impl"] for r in rep["results"]] == ["xla", "reference", "xla-capacity"]
+    assert rep["config"]["dtype"] == "fp8" and {r["dtype"] for r in rep["results"]} == {"bf16"}
+    assert set(rep["unavailable_impls"]) == {"mok", "mok-fp8"}
+    for why in rep["unavailable_impls"].values():
+        assert why.startswith("NativeLibraryUnavailable: "), why
+    err = capsys.readouterr().err
+    assert "mok-bench: not run (unavailable here): mok, mok-fp8" in err
+    assert "mok-bench: --dtype fp8: mok-fp8 (the FP8 layer) cannot run here: NativeLibraryUnavailable: " in err
+    assert cli.main(["ci", "--dtype", "fp8", "--impl", "mok-fp8", "--tokens", "8", "--devices", "2", *FAST]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("mok-bench: error: implementation 'mok-fp8' is not available here: "
+                                "NativeLibraryUnavailable: ")
+
+
+def _fake_fp8_build(calls):
+    """baselines.build with mok and mok-fp8 replaced by xla's layer; each trace records (name, fp8_weights given)."""
+    import jax
+
+    from mok_jax.bench import baselines
+
+    real = baselines.build
+
+    def build(name, mesh, *, axis="ep", capacity_factor=1.25, kernel=None):
+        if name not in ("mok", "mok-fp8"):
+            return real(name, mesh, axis=axis, capacity_factor=capacity_factor, kernel=kernel)
+        inner = real("xla", mesh)
+
+        def fn(x, idx, w, W, fp8_weights=None):
+            calls.append((name, fp8_weights is not None))
+            return inner(x, idx, w, W)
+
+        return jax.jit(fn)
+
+    return build
+
+
+def test_dtype_fp8_rows_ratio_floors_and_weights(tmp_path, cpu_devices, monkeypatch, capsys):
+    """--dtype fp8 end to end on CPU with stand-ins for both mok layers: mok-fp8 runs right after mok, its forward
+    gets weights quantised once outside the timed calls (its fwd+bwd none), its row carries the ratio to mok, its
+    compute floor the routed forward at the FP8 peak, its comm floor E4M3 dispatch rows."""
+    from mok_jax.bench import accounting as acc, baselines, report
+    from mok_jax.config import load_model
+
+    calls, quantized = [], []
+    monkeypatch.setattr(baselines, "build", _fake_fp8_build(calls))
+    monkeypatch.setattr(baselines, "quantize_weights", lambda W, mesh: quantized.append(W) or (W.gate_up,))
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--dtype", "fp8", "--impl", "xla", "--pass", "fwd,fwd+bwd", "--tokens", "16", "--devices",
+                     "2", "--peak-tflops", "805", "--peak-tflops-fp8", "1477", "--nvlink-gbps", "394", "--json",
+                     str(out), *FAST]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["roofline"] == {"peak_tflops": 805, "peak_tflops_fp8": 1477, "nvlink_gbps": 394}
+    rows = {(r["pass"], r["impl"]): r for r in rep["results"]}
+    assert list(rows) == [(p, i) for p in ("fwd", "fwd+bwd") for i in ("xla", "mok", "mok-fp8")]
+    assert len(quantized) == 1  # once for the model, outside every timed call
+    assert set(calls) == {("mok", False), ("mok-fp8", False), ("mok-fp8", True)}  # E4M3 weights: mok-fp8 fwd only
+    shape = acc.bench_shape(load_model("ci"), 2, "full")
+    for p in ("fwd", "fwd+bwd"):
+        bf16, fp8 = rows[p, "mok"], rows[p, "mok-fp8"]
+        assert (bf16["status"], fp8["status"], bf16["dtype"], fp8["dtype"]) == ("ok", "ok", "bf16", "fp8")
+        assert fp8["bf16_median_ms"] == bf16["median_ms"]
+        assert fp8["speedup_vs_bf16"] == pytest.approx(bf16["median_ms"] / fp8["median_ms"])
+        assert bf16["speedup_vs_bf16"] is None and rows[p, "xla"]["speedup_vs_bf16"] is None
+        assert fp8["compute_floor_ms"] == pytest.approx(acc.compute_floor_ms(
+            shape, 16, p, peak_tflops=805, precision="fp8", fp8_peak_tflops=1477))
+        assert bf16["compute_floor_ms"] == pytest.approx(acc.flops_per_gpu(shape, 16, p) / 805e12 * 1e3)
+        for r in (bf16, fp8):
+            assert r["compute_fraction"] == pytest.approx(r["compute_floor_ms"] / r["median_ms"])
+        # ci: H = 64, so an E4M3 row is 64 values + one f32 scale = 68 bytes against bf16's 128; k = 4
+        assert fp8["dispatch_bytes_per_gpu"] == 16 * 4 * 68 and bf16["dispatch_bytes_per_gpu"] == 16 * 4 * 128
+        assert fp8["comm_floor_ms"] / bf16["comm_floor_ms"] == pytest.approx(
+            acc.link_bytes_per_row(64, p, "fp8") / acc.link_bytes_per_row(64, p))
+    assert rows["fwd", "mok-fp8"]["fp8_weight_bytes_per_rank"] == acc.fp8_weight_bytes_per_rank(shape)
+    assert rows["fwd", "mok"]["fp8_weight_bytes_per_rank"] is None
+    captured = capsys.readouterr()
+    assert "vs bf16" in captured.out.splitlines()[1]  # the table's header, under the CPU notice
+    fp8_fwd = rows["fwd", "mok-fp8"]
+    line = next(ln for ln in captured.out.splitlines() if " mok-fp8 " in ln and " fwd " in ln)
+    assert report.fmt(fp8_fwd["speedup_vs_bf16"], ".2f") + "x" in line
+    assert f", {fp8_fwd['speedup_vs_bf16']:.2f}x mok;" in captured.err  # the per-run line
+
+
+def test_fill_fp8_ratios_pairs_the_same_kernel_and_the_tables_show_them():
+    from mok_jax.bench import report
+
+    base = dict.fromkeys(RESULT_KEYS)
+    base.update(model="kimi-k2", ep_mode="E/32", tokens_per_gpu=2048, status="ok", baseline="mok", dtype="bf16",
+                min_ms=0.5, max_ms=5.0)
+    base["pass"] = "fwd"
+    kernel = lambda g: dict(granularity=g, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push",
+                            ring_slots=2)
+    rows = [{**base, "impl": "mok", "kernel": kernel(512), "median_ms": 4.0},
+            {**base, "impl": "mok", "kernel": kernel(1024), "median_ms": 3.0},
+            {**base, "impl": "mok-fp8", "dtype": "fp8", "kernel": kernel(512), "median_ms": 2.0},
+            {**base, "impl": "mok-fp8", "dtype": "fp8", "kernel": kernel(1024), "median_ms": 2.5},
+            {**base, "impl": "mok-fp8", "dtype": "fp8", "kernel": kernel(2048), "median_ms": 1.0}]  # no bf16 twin
+    report.fill_fp8_ratios(rows, fp8_impl="mok-fp8", reference="mok")
+    assert [(r["bf16_median_ms"], r["speedup_vs_bf16"]) for r in rows] == [
+        (None, None), (None, None), (4.0, 2.0), (3.0, 1.2), (None, None)]
+    table = report.format_table(rows)
+    assert "vs bf16" in table.splitlines()[0] and "vs bf16: the bf16 mok's median" in table
+    assert "fp8 rows: the forward's routed GEMMs at the FP8 peak" not in table  # no roofline in these rows
+    md = report.format_markdown(rows, peak_tflops=805)
+    assert "| vs bf16 mok |" in md.splitlines()[0] and "| 2.00x |" in md
+    bf16_only = [r for r in rows if r["impl"] == "mok"]
+    assert "vs bf16" not in report.format_table(bf16_only) and "vs bf16" not in report.format_markdown(bf16_only)
+    old = {k: v for k, v in bf16_only[0].items() if k not in ("bf16_median_ms", "speedup_vs_bf16")}
+    assert "mok" in report.format_table([old])  # a report written before these keys still prints

@@ -14,12 +14,17 @@ routed experts and ``tokens`` tokens; every token picks ``top_k`` of the ``total
 
 Useful FLOPs per GPU, forward (SwiGLU: gate, up and down projections are 3 GEMMs of H x I):
     routed 2*T*k*3*H*I  +  shared 2*T*3*H*Is
-and backward about twice that (dgrad + wgrad per GEMM), so fwd+bwd = 3 x forward.
+and backward about twice that (dgrad + wgrad per GEMM), so fwd+bwd = 3 x forward. The compute floor runs
+them at the dense GEMM peak (``compute_floor_ms``); for the FP8 layer (MoEConfig(precision="fp8")) only the
+forward's routed GEMMs run in E4M3, so only they are counted at the FP8 peak, the shared expert and the whole
+backward (bf16, recomputing) at the bf16 peak.
 
 Bytes: dispatch sends T*k rows of H elements per GPU (one per (token, slot)), a fraction (ep-1)/ep of
 them to other GPUs under uniform routing; combine returns as many. A token whose k experts live on
 fewer than k other ranks need cross NVLink only once per destination rank ("unique remote rows").
 Backward moves the same again (the output gradient out to the experts, the input gradient back).
+A row is 2H bytes in bf16; the FP8 layer dispatches E4M3 rows with one f32 scale per 1 x 128 tile,
+H + 4*H/128 bytes (``row_bytes``), and combines, and runs its backward, in bf16.
 The communication floor is the busiest GPU's max(bytes sent, bytes received) over the link
 bandwidth, per transfer: with ep GPUs on NVLink each GPU sends and receives at that rate at once.
 """
@@ -34,14 +39,18 @@ import numpy as np
 from mok_jax.config import ModelShape
 
 __all__ = [
-    "EP_MODES", "PASSES", "BenchShape", "Traffic", "bench_shape", "capacity", "dispatch_bytes_per_gpu",
-    "executed_rows_per_gpu", "experts_per_gpu_count", "flops_per_gpu", "mok_memory_per_rank",
-    "parse_experts_per_gpu", "pass_multiplier", "routing_traffic", "transfers_per_pass", "uniform_remote_fraction",
+    "EP_MODES", "FP8_BLOCK", "PASSES", "PRECISIONS", "BenchShape", "Traffic", "bench_shape", "capacity",
+    "compute_floor_ms", "dispatch_bytes_per_gpu", "executed_rows_per_gpu", "experts_per_gpu_count",
+    "flops_per_gpu", "forward_flops_per_gpu", "fp8_weight_bytes_per_rank", "link_bytes_per_row",
+    "mok_memory_per_rank", "parse_experts_per_gpu", "pass_multiplier", "routing_traffic", "row_bytes",
+    "transfers_per_pass", "uniform_remote_fraction",
 ]
 
 EP_MODES = ("full", "ep64-slice")
 PASSES = ("fwd", "fwd+bwd")
 SLICE_EP = 64  # the expert-parallel degree ep64-slice imitates
+PRECISIONS = ("bf16", "fp8")  # of the routed experts' forward (MoEConfig.precision)
+FP8_BLOCK = 128  # E4M3 scale blocks: 1 x 128 for a row, 128 x 128 for a weight matrix (mok_jax.fp8.BLOCK)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,11 +149,35 @@ def transfers_per_pass(pass_: str) -> int:
     return 2 if pass_multiplier(pass_) == 1 else 4
 
 
+def forward_flops_per_gpu(shape: BenchShape, tokens: int) -> tuple[float, float]:
+    """(routed, shared) useful FLOPs of one forward per GPU: 2*T*k*3*H*I and 2*T*3*H*Is."""
+    H, I, Is, k = shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
+    return float(2 * tokens * k * 3 * H * I), float(2 * tokens * 3 * H * Is)
+
+
 def flops_per_gpu(shape: BenchShape, tokens: int, pass_: str = "fwd") -> float:
     """Useful FLOPs per GPU: 2*T*k*3*H*I (routed) + 2*T*3*H*Is (shared), x3 for fwd+bwd."""
-    H, I, Is, k = shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
-    fwd = 2 * tokens * k * 3 * H * I + 2 * tokens * 3 * H * Is
-    return float(fwd * pass_multiplier(pass_))
+    return sum(forward_flops_per_gpu(shape, tokens)) * pass_multiplier(pass_)
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def compute_floor_ms(shape: BenchShape, tokens: int, pass_: str, *, peak_tflops: float, precision: str = "bf16",
+                     fp8_peak_tflops: float | None = None) -> float:
+    """The pass's useful FLOPs per GPU at the dense GEMM peaks, in ms: all at ``peak_tflops`` (bf16), except with
+    precision "fp8" the forward's routed GEMMs, at ``fp8_peak_tflops``: the FP8 layer runs only those in E4M3 (its
+    shared expert, and its backward, which recomputes the experts from the bf16 weights, stay bf16). Quantising
+    the weights and rows is not counted (no GEMM FLOPs)."""
+    _check_precision(precision)
+    if precision == "fp8" and not fp8_peak_tflops:
+        raise ValueError("precision 'fp8' needs fp8_peak_tflops (the dense FP8 GEMM peak)")
+    total = flops_per_gpu(shape, tokens, pass_)
+    fp8 = forward_flops_per_gpu(shape, tokens)[0] if precision == "fp8" else 0.0
+    fp8_ms = fp8 / (fp8_peak_tflops * 1e9) if fp8 else 0.0
+    return fp8_ms + (total - fp8) / (peak_tflops * 1e9)  # FLOPs / (TFLOP/s * 1e12) s = FLOPs / (TFLOP/s * 1e9) ms
 
 
 def executed_flops_per_gpu(shape: BenchShape, tokens: int, rows: int, pass_: str = "fwd") -> float:
@@ -173,9 +206,21 @@ def executed_rows_per_gpu(impl: str, shape: BenchShape, tokens: int, capacity_fa
     return None
 
 
-def dispatch_bytes_per_gpu(shape: BenchShape, tokens: int, dtype_bytes: int = 2) -> int:
-    """Bytes of the rows one GPU dispatches, local and remote: T*k*H*dtype_bytes."""
-    return tokens * shape.top_k * shape.hidden_size * dtype_bytes
+def row_bytes(hidden: int, precision: str = "bf16") -> int:
+    """Bytes of one dispatched token row: bf16 2H; fp8 H E4M3 values and one f32 scale per 1 x 128 tile."""
+    _check_precision(precision)
+    return 2 * hidden if precision == "bf16" else hidden + 4 * -(-hidden // FP8_BLOCK)
+
+
+def dispatch_bytes_per_gpu(shape: BenchShape, tokens: int, precision: str = "bf16") -> int:
+    """Bytes of the rows one GPU dispatches, local and remote: T*k*row_bytes(H)."""
+    return tokens * shape.top_k * row_bytes(shape.hidden_size, precision)
+
+
+def link_bytes_per_row(hidden: int, pass_: str, precision: str = "bf16") -> int:
+    """Bytes a (token, slot) row costs over the pass's transfers (transfers_per_pass): the forward's dispatch in
+    ``precision`` (row_bytes), its combine and the backward's two transfers in bf16."""
+    return row_bytes(hidden, precision) + (transfers_per_pass(pass_) - 1) * row_bytes(hidden)
 
 
 def uniform_remote_fraction(num_gpus: int) -> float:
@@ -237,7 +282,16 @@ def routing_traffic(topk_idx: np.ndarray, num_gpus: int, experts_per_gpu: int) -
     return Traffic(sent_slots, recv_slots, sent_unique, recv_unique, owner_rows)
 
 
-def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "nothing") -> dict[str, int | None]:
+def fp8_weight_bytes_per_rank(shape: BenchShape) -> int:
+    """Bytes of one rank's routed experts in E4M3 (mok_jax.fp8.quantize_expert_weights): 3*H*I values and one f32
+    scale per 128 x 128 block of gate_up [2I, H] and down [H, I], per local expert."""
+    h, i = -(-shape.hidden_size // FP8_BLOCK), -(-shape.intermediate_size // FP8_BLOCK)
+    per_expert = 3 * shape.hidden_size * shape.intermediate_size + 4 * (2 * i * h + h * i)
+    return shape.experts_per_gpu * per_expert
+
+
+def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "nothing",
+                        precision: str = "bf16") -> dict[str, int | None]:
     """Device memory of one mok forward call per rank, in bytes (None where the native library that sizes it
     is missing or the kernel does not support the call):
 
@@ -250,6 +304,9 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "not
         weights, and its backward recomputes the experts from them); with keep="everything" ("mok-keep") the
         fp32 g, u in the backward's rows, f32 [ep T k + 128 L, 2I] (the dropless bound of that layout); with
         keep="ring" ("mok-ring") those of the ring's tokens only (mok_jax.moe.kept_rows).
+    fp8_weight_bytes_per_rank: with precision "fp8" ("mok-fp8") the E4M3 routed weights its forward reads
+        (fp8_weight_bytes_per_rank): a copy beside the bf16 ones, made by the caller once per optimizer step;
+        None for bf16. The scratch is then the FP8 ring's (E4M3 rows and their scales).
     """
     from mok_jax.moe import kept_rows
     from mok_jax.ops.moe_forward import scratch_bytes
@@ -257,15 +314,18 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "not
 
     rows = kept_rows(keep, kernel, tokens=tokens, top_k=shape.top_k, local_experts=shape.experts_per_gpu,
                      ep=shape.num_gpus)
+    _check_precision(precision)
+    fp8 = precision == "fp8"
     out: dict[str, int | None] = {"workspace_bytes_per_rank": None, "scratch_bytes_per_rank": None,
-                                  "residual_bytes_per_rank": rows * 2 * shape.intermediate_size * 4}
+                                  "residual_bytes_per_rank": rows * 2 * shape.intermediate_size * 4,
+                                  "fp8_weight_bytes_per_rank": fp8_weight_bytes_per_rank(shape) if fp8 else None}
     try:
         out["workspace_bytes_per_rank"] = CommConfig(
             ep=shape.num_gpus, max_tokens=tokens, hidden_size=shape.hidden_size, top_k=shape.top_k,
             num_experts=shape.total_experts).workspace_bytes()
         out["scratch_bytes_per_rank"] = scratch_bytes(
             tokens=tokens, hidden=shape.hidden_size, inter=shape.intermediate_size, shared_inter=shape.shared_size,
-            top_k=shape.top_k, local_experts=shape.experts_per_gpu, ep=shape.num_gpus, kernel=kernel)
+            top_k=shape.top_k, local_experts=shape.experts_per_gpu, ep=shape.num_gpus, kernel=kernel, fp8=fp8)
     except (ValueError, RuntimeError):  # unsupported shape, or no native library: the run itself says why
         pass
     return out

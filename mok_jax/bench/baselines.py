@@ -33,6 +33,10 @@ weighted sum over a token's k slots runs in fp32 in slot order before the final 
   which then skips its gate/up recompute (the same outputs and gradients; fwd+bwd is where it differs).
 - ``mok-ring``: ``mok`` with MoEConfig(keep="ring"): only the g, u of the tokens still in the forward's ring (the
   last ring_slots microbatches) are kept, the rest recomputed; the same as ``mok-keep`` when every token fits.
+- ``mok-fp8``: ``mok`` with MoEConfig(precision="fp8"): the forward's routed experts in E4M3 with DeepSeek-V3 block
+  scales (x, the shared expert, the combine and y stay bf16; the backward is bf16, recomputing). Its fn also
+  takes ``fp8_weights=`` (``quantize_weights``: the E4M3 weights made once, as a user does per optimizer step);
+  without it every call quantises the weights itself. H and I must be multiples of 128.
 
 Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
 ``/shared``) so profiler traces read by name.
@@ -41,7 +45,7 @@ Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``,
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +54,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.bench.accounting import capacity as _capacity
 from mok_jax.config import KernelConfig, MoEConfig
+from mok_jax.fp8 import Fp8ExpertWeights, quantize_expert_weights
 from mok_jax.reference.experts import swiglu_ffn
 from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
 
-__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "build", "mok", "ragged", "reference", "xla_capacity",
-           "xla_dropless"]
+__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "MokVariant", "build", "mok", "quantize_weights",
+           "ragged", "reference", "xla_capacity", "xla_dropless"]
 
 _F32 = jnp.float32
 MoEFn = Callable[..., tuple[jax.Array, dict]]
@@ -262,17 +267,26 @@ def ragged(mesh: Mesh, *, axis: str = "ep", emulate_collective: bool = False) ->
 # ----------------------------------------------------------------------------- the library's own paths
 
 
+class MokVariant(NamedTuple):
+    """The MoEConfig fields a mok implementation sets besides implementation="mok" and the kernel."""
+
+    keep: str = "nothing"
+    precision: str = "bf16"
+
+
 def _library(mesh: Mesh, axis: str, implementation: str, kernel: KernelConfig | None = None,
-             keep: str = "nothing") -> MoEFn:
+             variant: MokVariant = MokVariant()) -> MoEFn:
     from mok_jax import sharding
 
-    config = MoEConfig(implementation=implementation, ep_axis=axis, kernel=kernel, keep=keep)
+    config = MoEConfig(implementation=implementation, ep_axis=axis, kernel=kernel, **variant._asdict())
+    name = "reference" if implementation == "xla" else "mok" + ("-fp8" if variant.precision == "fp8" else "")
 
-    def fn(x, topk_idx, topk_weight, weights):
-        with jax.named_scope(implementation if implementation == "mok" else "reference"):
-            return sharding.expert_parallel_moe(x, topk_idx, topk_weight, weights, mesh=mesh, config=config), {}
+    def fn(x, topk_idx, topk_weight, weights, fp8_weights: Fp8ExpertWeights | None = None):
+        with jax.named_scope(name):
+            return sharding.expert_parallel_moe(x, topk_idx, topk_weight, weights, mesh=mesh, config=config,
+                                                fp8_weights=fp8_weights), {}
 
-    fn.__name__ = fn.__qualname__ = ("mok" if implementation == "mok" else "reference") + "_moe"
+    fn.__name__ = fn.__qualname__ = name.replace("-", "_") + "_moe"
     return jax.jit(fn)
 
 
@@ -281,18 +295,32 @@ def reference(mesh: Mesh, *, axis: str = "ep") -> MoEFn:
     return _library(mesh, axis, "xla")
 
 
-def mok(mesh: Mesh, *, axis: str = "ep", kernel: KernelConfig | None = None, keep: str = "nothing") -> MoEFn:
-    """mok_jax.expert_parallel_moe(implementation="mok", kernel=kernel, keep=keep): the megakernel (kernel None:
-    the tuned table or the heuristic, mok_jax.tuning)."""
+def mok(mesh: Mesh, *, axis: str = "ep", kernel: KernelConfig | None = None, keep: str = "nothing",
+        precision: str = "bf16") -> MoEFn:
+    """mok_jax.expert_parallel_moe(implementation="mok", kernel=kernel, keep=keep, precision=precision): the
+    megakernel (kernel None: the tuned table or the heuristic, mok_jax.tuning). Its fn takes fp8_weights= too
+    (precision "fp8": ``quantize_weights``; None quantises inside every call)."""
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
-    return _library(mesh, axis, "mok", kernel, keep)
+    return _library(mesh, axis, "mok", kernel, MokVariant(keep=keep, precision=precision))
+
+
+def quantize_weights(weights: MoEWeights, mesh: Mesh, *, axis: str = "ep") -> Fp8ExpertWeights:
+    """The E4M3 form of the routed weights (mok_jax.fp8.quantize_expert_weights), each rank quantising its own
+    experts, sharded over ``axis`` like gate_up: the fp8_weights of mok-fp8's forward, made once per optimizer
+    step by a user. H and I must be multiples of 128."""
+    spec = P(axis)
+    quantize = jax.shard_map(quantize_expert_weights, mesh=mesh, in_specs=(spec, spec),
+                             out_specs=Fp8ExpertWeights(*[spec] * 4))
+    laid_out = lambda gate_up, down: quantize(*(place(a, NamedSharding(mesh, spec)) for a in (gate_up, down)))
+    return jax.jit(laid_out)(weights.gate_up, weights.down)
 
 
 BASELINES: dict[str, Callable[..., MoEFn]] = {
     "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "reference": reference,
 }
-MOK_IMPLEMENTATIONS = {"mok": "nothing", "mok-ring": "ring", "mok-keep": "everything"}  # name -> MoEConfig.keep
+MOK_IMPLEMENTATIONS = {"mok": MokVariant(), "mok-ring": MokVariant(keep="ring"),
+                       "mok-keep": MokVariant(keep="everything"), "mok-fp8": MokVariant(precision="fp8")}
 IMPLEMENTATIONS = (*BASELINES, *MOK_IMPLEMENTATIONS)
 
 
@@ -301,7 +329,7 @@ def build(name: str, mesh: Mesh, *, axis: str = "ep", capacity_factor: float = 1
     """The jitted callable of implementation ``name`` (one of IMPLEMENTATIONS); ``kernel`` is mok's (the
     others have no kernel knobs and ignore it)."""
     if name in MOK_IMPLEMENTATIONS:
-        return mok(mesh, axis=axis, kernel=kernel, keep=MOK_IMPLEMENTATIONS[name])
+        return mok(mesh, axis=axis, kernel=kernel, **MOK_IMPLEMENTATIONS[name]._asdict())
     if name not in BASELINES:
         raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLEMENTATIONS)}")
     if name == "xla-capacity":

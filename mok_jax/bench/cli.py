@@ -9,6 +9,14 @@ measured in the same process (accounting: ``mok_jax.bench.accounting``; implemen
 ``mok`` rows run the KernelConfig the knob options give (else the one mok_jax.tuning resolves) and record
 it with their memory; ``--tune`` times mok over a grid of knobs and writes the device's tuned table
 (``mok_jax.bench.tune``).
+
+``--dtype fp8`` also times ``mok-fp8``, the layer with FP8 routed experts (MoEConfig(precision="fp8")), right
+after the bf16 ``mok`` (added when --impl lacks it) in the same process, with the same inputs and kernel knobs;
+its row carries the ratio to that mok ("vs bf16"). Inputs, weights and the other implementations stay bf16. Its
+forward takes the E4M3 weights quantised once outside the timed call (as a user quantises once per optimizer
+step); its fwd+bwd quantises them inside the step, so that cost is timed. Its compute floor counts the forward's
+routed GEMMs at the FP8 dense peak and the rest (shared expert, backward) at the bf16 peak
+(``accounting.compute_floor_ms``), and its communication floor its E4M3 dispatch rows.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ from mok_jax.bench import accounting as acc
 from mok_jax.bench.report import eprint
 from mok_jax.bench.routing import ROUTINGS
 
-__all__ = ["BenchOptions", "Unavailable", "UsageError", "build_parser", "kernel_settings", "main", "parse_args",
-           "parse_experts_per_gpu", "parse_tokens", "run"]
+__all__ = ["BenchOptions", "Unavailable", "UsageError", "build_parser", "implementations", "kernel_settings", "main",
+           "parse_args", "parse_experts_per_gpu", "parse_tokens", "run"]
 
 # Defaults. The rooflines are measurements on the H200 machines, used on GPU only (a CPU run has no roofline
 # unless one is given).
-PEAK_TFLOPS = {"bf16": 805.0}  # cuBLAS bf16 GEMM 8192^3 on one H200
+# dense GEMM 8192^3 on one H200: cuBLAS bf16, torch._scaled_mm e4m3 (HARDWARE.md)
+PEAK_TFLOPS = {"bf16": 805.0, "fp8": 1477.0}
 NVLINK_GBPS = 394.0  # peer copy GPU0 -> GPU1 of the 2-GPU H200 machine (NV18), one direction
 GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice", "impls": ("mok", "xla", "xla-capacity")}
 ONE_GPU_EXPERTS = "E/32"  # default --experts-per-gpu on a machine with one GPU (and no --ep-mode given)
@@ -41,10 +50,12 @@ CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("refer
 TARGET_SAMPLE_MS = {"gpu": 100.0, "cpu": 20.0}
 MAX_CALLS_PER_SAMPLE = {"gpu": 64, "cpu": 16}
 CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
-IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring", "mok-keep")
-# the megakernel: kernel knobs apply (mok-ring: MoEConfig(keep="ring"), mok-keep: MoEConfig(keep="everything"))
-MOK_IMPLS = ("mok", "mok-ring", "mok-keep")
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring", "mok-keep", "mok-fp8")
+# the megakernel: kernel knobs apply (mok-ring: MoEConfig(keep="ring"), mok-keep: MoEConfig(keep="everything"),
+# mok-fp8: MoEConfig(precision="fp8"))
+MOK_IMPLS = ("mok", "mok-ring", "mok-keep", "mok-fp8")
 DTYPES = ("bf16", "fp8")
+FP8_IMPL, FP8_REFERENCE = "mok-fp8", "mok"  # --dtype fp8: the FP8 layer, and the bf16 layer it is compared with
 CPU_NOTICE = ("CPU NUMBERS: no GPU found, so mok-bench ran the pure-JAX paths on CPU devices; the times below "
               "are CPU times, not GPU performance, and no GPU roofline applies to them.")
 
@@ -58,6 +69,7 @@ examples:
   mok-bench bench --devices 1 --experts-per-gpu E/32   # the 2-GPU ep64-slice problem on one GPU
   mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-sms 16   # a mok granularity sweep
   mok-bench bench --tune --tokens 512..8192   # time mok's knobs, write configs/tuned/<device>/kernel.toml
+  mok-bench bench --dtype fp8 --pass fwd,fwd+bwd --impl xla,mok   # mok-fp8 beside mok, ratio in 'vs bf16'
 """
 
 
@@ -142,6 +154,7 @@ class BenchOptions:
     combine: str | None = None
     tune: bool = False
     peak_tflops: float | None = None
+    peak_tflops_fp8: float | None = None
     nvlink_gbps: float | None = None
     devices: int | None = None
     reference_max_gb: float = 8.0
@@ -159,11 +172,10 @@ class BenchOptions:
             if not cond:
                 raise UsageError(msg)
 
-        if self.dtype == "fp8":
-            raise NotImplementedError(
-                "--dtype fp8 is not implemented yet: the FP8 path (docs/design.md) has not landed; "
-                "use --dtype bf16")
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.dtype == "fp8" or FP8_IMPL not in (*(self.impls or ()), self.baseline),
+             f"--impl/--baseline {FP8_IMPL} is the FP8 layer: give --dtype fp8 (which times it beside the bf16 "
+             f"{FP8_REFERENCE})")
         need(self.ep_mode in (None, *acc.EP_MODES), f"--ep-mode must be one of {', '.join(acc.EP_MODES)}")
         for p in self.passes:
             need(p in acc.PASSES, f"--pass: {p!r} is not one of {', '.join(acc.PASSES)}")
@@ -178,6 +190,7 @@ class BenchOptions:
              "--warmup, --samples and --ragged-samples must be >= 1")
         need(self.target_sample_ms is None or self.target_sample_ms > 0, "--target-sample-ms must be > 0")
         need(self.peak_tflops is None or self.peak_tflops > 0, "--peak-tflops must be > 0")
+        need(self.peak_tflops_fp8 is None or self.peak_tflops_fp8 > 0, "--peak-tflops-fp8 must be > 0")
         need(self.nvlink_gbps is None or self.nvlink_gbps > 0, "--nvlink-gbps must be > 0")
         need(self.devices is None or self.devices >= 1, "--devices must be >= 1")
         need(self.time_budget_s is None or self.time_budget_s > 0, "--time-budget must be > 0")
@@ -193,6 +206,7 @@ class BenchOptions:
             need(self.baseline in (None, "mok"), "--tune times implementation mok only; drop --baseline")
             need(self.passes == ("fwd",), "--tune times the forward only (the knobs are the forward megakernel's); "
                  "drop --pass")
+            need(self.dtype == "bf16", "--tune times the bf16 mok (its table is the bf16 kernel's); drop --dtype fp8")
 
     def _check_knobs(self) -> None:
         """Each knob option as mok_jax.KernelConfig checks it, the error naming the option."""
@@ -226,11 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--ep-mode", choices=acc.EP_MODES, help="full: the model's experts split over the GPUs; "
                    "ep64-slice: E/64 experts per GPU (default ep64-slice on GPU, full on CPU; on one GPU without "
                    "--ep-mode the default is --experts-per-gpu E/32, the whole 2-GPU problem)")
-    w.add_argument("--dtype", default="bf16", choices=DTYPES, help="bf16 (fp8: not implemented yet)")
+    w.add_argument("--dtype", default="bf16", choices=DTYPES, help=f"bf16 (default), or fp8: also time {FP8_IMPL} "
+                   f"(MoEConfig(precision='fp8'): the routed experts' forward in FP8 E4M3) right after the bf16 "
+                   f"{FP8_REFERENCE} (added if --impl lacks it), its ratio to it in 'vs bf16'; all else stays bf16. "
+                   "Its fwd takes E4M3 weights quantised once outside the timed call, its fwd+bwd quantises in the "
+                   "step. H and I must be multiples of 128")
     w.add_argument("--pass", dest="passes", default="fwd", help="fwd, fwd+bwd or both: 'fwd,fwd+bwd'")
     w.add_argument("--impl", help=f"comma list of {', '.join(IMPLEMENTATIONS)} (default: "
                    f"{','.join(GPU_DEFAULTS['impls'])} on GPU, mok only once it is available; "
-                   f"{','.join(CPU_DEFAULTS['impls'])} on CPU)")
+                   f"{','.join(CPU_DEFAULTS['impls'])} on CPU; {FP8_IMPL} only with --dtype fp8, which adds it)")
     w.add_argument("--baseline", help="implementation the others are compared with (default: xla if run, else "
                    "the first)")
     w.add_argument("--routing", default="uniform", choices=ROUTINGS, help="uniform (balanced), zipf or one-expert")
@@ -258,8 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target-sample-ms", type=float, help="calls per sample chosen to last this long (default "
                    f"{TARGET_SAMPLE_MS['gpu']:g} on GPU, {TARGET_SAMPLE_MS['cpu']:g} on CPU)")
     t.add_argument("--ragged-samples", type=int, default=3, help="samples for 'ragged' (slow: 1 call each)")
-    t.add_argument("--peak-tflops", type=float, help=f"compute roofline (default on GPU: {PEAK_TFLOPS['bf16']:g} "
-                   "bf16, one H200; on CPU: none)")
+    t.add_argument("--peak-tflops", type=float, help=f"compute roofline, bf16 (default on GPU: "
+                   f"{PEAK_TFLOPS['bf16']:g}, one H200; on CPU: none)")
+    t.add_argument("--peak-tflops-fp8", type=float, help=f"the FP8 dense peak that {FP8_IMPL}'s forward routed "
+                   f"GEMMs are floored at, the rest at --peak-tflops (default on GPU: {PEAK_TFLOPS['fp8']:g}, one "
+                   "H200; on CPU: none)")
     t.add_argument("--nvlink-gbps", type=float, help=f"GB/s per GPU per direction of the communication floor "
                    f"(default on GPU: {NVLINK_GBPS:g}, two H200s; on CPU: none)")
     t.add_argument("--reference-max-gb", type=float, default=8.0,
@@ -282,8 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
     """BenchOptions from a command line (None for --list-models, which prints and returns).
 
-    Raises UsageError (ValueError) for a bad value and NotImplementedError for --dtype fp8;
-    argparse's own errors exit with status 2."""
+    Raises UsageError (ValueError) for a bad value; argparse's own errors exit with status 2."""
     ns = build_parser().parse_args(argv)
     if ns.list_models:
         _print_models()
@@ -297,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
         samples=ns.samples, target_sample_ms=ns.target_sample_ms, ragged_samples=ns.ragged_samples,
         experts_per_gpu=ns.experts_per_gpu, granularity=_ints(ns.granularity, "--granularity"),
         comm_sms=ns.comm_sms, ring_slots=ns.ring_slots, dispatch=ns.dispatch, combine=ns.combine, tune=ns.tune,
-        peak_tflops=ns.peak_tflops, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
+        peak_tflops=ns.peak_tflops, peak_tflops_fp8=ns.peak_tflops_fp8, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
         reference_max_gb=ns.reference_max_gb, time_budget_s=ns.time_budget_s, json=ns.json, plot=ns.plot,
         profile=ns.profile, progress=ns.progress, quiet=ns.quiet, markdown=ns.markdown,
         from_json=tuple(ns.from_json) if ns.from_json else None)
@@ -352,12 +372,6 @@ def _raise_interrupted(signum, frame):
     raise _Interrupted(f"stopped by signal {signum}")
 
 
-def _jnp_dtype(name: str):
-    import jax.numpy as jnp
-
-    return {"bf16": jnp.bfloat16}[name]
-
-
 def _init_weights(shape: acc.BenchShape, mesh, dtype, seed: int):
     """Random routed (sharded over ep) and shared (replicated) weights, made on the devices."""
     import jax
@@ -399,9 +413,12 @@ def _inputs(shape: acc.BenchShape, tokens: int, routing, mesh, dtype, seed: int)
     return normal(kx), jax.device_put(routing[0], tok), jax.device_put(routing[1], tok), normal(kdy)
 
 
-def _step(fn, pass_: str):
+def _step(fn, pass_: str, *, fp8_weights: bool = False):
     """What one timed call runs: fn itself for fwd; for fwd+bwd the gradient of sum(y * dy) with respect to
-    x, topk_weight and the weights (fixed random dy)."""
+    x, topk_weight and the weights (fixed random dy). ``fp8_weights`` (mok-fp8's fwd): the step takes the E4M3
+    weights as a sixth argument, made outside it; its fwd+bwd passes none, so the layer quantises inside."""
+    if pass_ == "fwd" and fp8_weights:
+        return lambda x, idx, w, W, dy, W8: fn(x, idx, w, W, fp8_weights=W8)
     if pass_ == "fwd":
         return lambda x, idx, w, W, dy: fn(x, idx, w, W)
     import jax
@@ -414,8 +431,22 @@ def _step(fn, pass_: str):
     return jax.jit(jax.grad(loss, argnums=(0, 2, 3)))
 
 
+def _precision(impl: str) -> str:
+    """What the routed experts' forward of ``impl`` runs in (the record's dtype)."""
+    return "fp8" if impl == FP8_IMPL else "bf16"
+
+
+def _compute_floor(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, peaks: dict) -> float | None:
+    """The compute floor of ``impl`` at ``peaks`` ({"bf16", "fp8"} TFLOP/s, None where not known: CPU)."""
+    precision = _precision(impl)
+    if peaks["bf16"] is None or peaks[precision] is None:
+        return None
+    return acc.compute_floor_ms(shape, tokens, pass_, peak_tflops=peaks["bf16"], precision=precision,
+                                fp8_peak_tflops=peaks["fp8"])
+
+
 def _record(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, opts: BenchOptions, traffic: acc.Traffic,
-            peak_tflops: float | None, nvlink_gbps: float | None) -> dict:
+            peaks: dict, nvlink_gbps: float | None) -> dict:
     """A result record with everything known before timing (the accounting). A roofline of None (CPU) leaves its
     floor None."""
     from mok_jax.bench.report import RESULT_KEYS
@@ -424,25 +455,26 @@ def _record(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, opts: Ben
     d = shape.as_dict()
     r.update({k: d[k] for k in ("model", "ep_mode", "num_gpus", "experts_per_gpu", "total_experts", "top_k",
                                 "hidden_size", "intermediate_size", "shared_size")})
-    r.update(tokens_per_gpu=tokens, dtype=opts.dtype, routing=opts.routing, seed=opts.seed, impl=impl, status="pending",
-             zipf_s=opts.zipf_s if opts.routing == "zipf" else None)
+    precision = _precision(impl)
+    r.update(tokens_per_gpu=tokens, dtype=precision, routing=opts.routing, seed=opts.seed, impl=impl,
+             status="pending", zipf_s=opts.zipf_s if opts.routing == "zipf" else None)
     r["pass"] = pass_
-    row_bytes = shape.hidden_size * 2  # bf16 rows
+    row_bytes = acc.row_bytes(shape.hidden_size, precision)  # a dispatched row
     flops = acc.flops_per_gpu(shape, tokens, pass_)
     r["flops_per_gpu"] = flops
-    r["compute_floor_ms"] = flops / (peak_tflops * 1e12) * 1e3 if peak_tflops else None
+    r["compute_floor_ms"] = _compute_floor(shape, tokens, pass_, impl, peaks)
     rows = acc.executed_rows_per_gpu(impl, shape, tokens, opts.capacity_factor)
     if rows is not None:
         r["executed_flops_per_gpu"] = acc.executed_flops_per_gpu(shape, tokens, rows, pass_)
         r["padding_overhead"] = r["executed_flops_per_gpu"] / flops
     r["load_imbalance"] = traffic.load_imbalance
-    r["dispatch_bytes_per_gpu"] = acc.dispatch_bytes_per_gpu(shape, tokens)
+    r["dispatch_bytes_per_gpu"] = acc.dispatch_bytes_per_gpu(shape, tokens, precision)
     r["remote_dispatch_bytes_per_gpu_uniform"] = r["dispatch_bytes_per_gpu"] * acc.uniform_remote_fraction(
         shape.num_gpus)
     r["remote_dispatch_bytes_per_gpu"] = float(traffic.sent_slots.mean()) * row_bytes
     r["unique_remote_dispatch_bytes_per_gpu"] = float(traffic.sent_unique.mean()) * row_bytes
-    transfers = acc.transfers_per_pass(pass_)
-    to_ms = lambda rows_: transfers * rows_ * row_bytes / (nvlink_gbps * 1e9) * 1e3 if nvlink_gbps else None
+    link_bytes = acc.link_bytes_per_row(shape.hidden_size, pass_, precision)  # over the pass's transfers
+    to_ms = lambda rows_: rows_ * link_bytes / (nvlink_gbps * 1e9) * 1e3 if nvlink_gbps else None
     r["comm_floor_ms"] = to_ms(traffic.link_rows)
     r["comm_floor_unique_ms"] = to_ms(traffic.link_rows_unique)
     if impl == "xla-capacity":
@@ -450,14 +482,20 @@ def _record(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, opts: Ben
     return r
 
 
-def _fill_timing(r: dict, timing, peak_tflops: float | None) -> None:
+def _fill_timing(r: dict, timing) -> None:
+    """The timing figures; the fractions are floor / median (for a bf16 row the compute one is TFLOP/s / peak;
+    mok-fp8's floor mixes the two peaks)."""
     r.update(status="ok", median_ms=timing.median_ms, min_ms=timing.min_ms, max_ms=timing.max_ms,
              samples=timing.samples, calls_per_sample=timing.calls_per_sample)
     r["tflops"] = r["flops_per_gpu"] / (timing.median_ms * 1e-3) / 1e12
-    r["compute_fraction"] = None if peak_tflops is None else r["tflops"] / peak_tflops
     over_median = lambda floor_ms: None if floor_ms is None else floor_ms / timing.median_ms
+    r["compute_fraction"] = over_median(r["compute_floor_ms"])
     r["comm_fraction"] = over_median(r["comm_floor_ms"])
     r["comm_fraction_unique"] = over_median(r["comm_floor_unique_ms"])
+
+
+def _dtype_text(dtype: str) -> str:
+    return f"bf16, {FP8_IMPL} with FP8 routed experts" if dtype == "fp8" else dtype
 
 
 def _error_text(e: BaseException) -> str:
@@ -526,6 +564,53 @@ def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype, ke
     return None
 
 
+def implementations(opts: BenchOptions, defaults: dict) -> tuple[list[str], set[str]]:
+    """(the implementations to run, in order, before availability; those asked for by name). --tune: mok only.
+    --dtype fp8: FP8_IMPL right after FP8_REFERENCE, each added when --impl lacks it (and then not asked for by
+    name: an FP8 layer that cannot run here is dropped with the reason, like a default)."""
+    if opts.tune:
+        return ["mok"], {"mok"}
+    impls = list(opts.impls or defaults["impls"])
+    asked = set(opts.impls or ())
+    if opts.dtype == "fp8":
+        impls = [i for i in impls if i != FP8_IMPL]
+        if FP8_REFERENCE not in impls:
+            impls.append(FP8_REFERENCE)
+        impls.insert(impls.index(FP8_REFERENCE) + 1, FP8_IMPL)
+    return impls, asked
+
+
+def _runnable(opts: BenchOptions, defaults: dict, mesh, shape: acc.BenchShape, tokens: int,
+              gpu_kind: str | None) -> tuple[list[str], str, dict[str, str]]:
+    """(the implementations that can run here, the baseline first; the baseline; {dropped: why}). One asked for by
+    name that cannot run raises Unavailable."""
+    import jax.numpy as jnp
+
+    from mok_jax.bench import tune
+
+    impls, asked = implementations(opts, defaults)
+    dropped = {}
+    for impl in list(impls):
+        kernel = None
+        if impl in MOK_IMPLS:
+            knobs = kernel_settings(opts, tokens)[0]
+            kernel = tune.resolve_kernel(tune.problem_key(shape, tokens), knobs, gpu_kind)[0]
+        why = _availability(impl, mesh, shape, tokens, jnp.bfloat16, kernel)
+        if why is None:
+            continue
+        if impl in asked:  # asked for by name: say why it cannot run, in one line, and stop
+            raise Unavailable(f"implementation {impl!r} is not available here: {why.splitlines()[0]}")
+        impls.remove(impl)
+        dropped[impl] = why
+    if not impls:
+        raise Unavailable(f"no implementation can run here: {dropped}")
+    baseline = opts.baseline or ("xla" if "xla" in impls else impls[0])
+    if baseline not in impls:
+        impls.insert(0, baseline)
+    impls.sort(key=lambda i: i != baseline)  # the baseline first, so every ratio has its denominator
+    return impls, baseline, dropped
+
+
 def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     """Run every configuration of ``opts``; print the table; write JSON / plot / profile as asked.
     Returns the report (the JSON's content)."""
@@ -548,9 +633,11 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     tokens_list = opts.tokens or (defaults["tokens"],)
     ep_mode = opts.ep_mode or defaults["ep_mode"]
     # the H200's rooflines on GPU; on CPU only what the command line gives (none by default)
-    peak = opts.peak_tflops or (PEAK_TFLOPS[opts.dtype] if on_gpu else None)
+    peaks = {"bf16": opts.peak_tflops or (PEAK_TFLOPS["bf16"] if on_gpu else None),
+             "fp8": opts.peak_tflops_fp8 or (PEAK_TFLOPS["fp8"] if on_gpu else None)}
+    peak = peaks["bf16"]
     nvlink = opts.nvlink_gbps or (NVLINK_GBPS if on_gpu else None)
-    dtype = _jnp_dtype(opts.dtype)
+    dtype = jax.numpy.bfloat16  # inputs and weights, for either --dtype (fp8 is mok-fp8's math inside the layer)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n], axis_types=(AxisType.Explicit,))
     # ValueError -> usage error in main()
     experts_per_gpu = opts.experts_per_gpu
@@ -560,34 +647,16 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     shapes = [acc.bench_shape(m, n, ep_mode, experts_per_gpu=experts_per_gpu) for m in models]
     gpu_kind = _gpu_kind()
 
-    impls = ["mok"] if opts.tune else list(opts.impls or defaults["impls"])
-    dropped_impls = {}
-    for impl in list(impls):
-        kernel = None
-        if impl in MOK_IMPLS:
-            knobs = kernel_settings(opts, tokens_list[0])[0]
-            kernel = tune.resolve_kernel(tune.problem_key(shapes[0], tokens_list[0]), knobs, gpu_kind)[0]
-        why = _availability(impl, mesh, shapes[0], tokens_list[0], dtype, kernel)
-        if why is None:
-            continue
-        if opts.impls or opts.tune:  # asked for by name: say why it cannot run, in one line, and stop
-            raise Unavailable(f"implementation {impl!r} is not available here: {why.splitlines()[0]}")
-        impls.remove(impl)
-        dropped_impls[impl] = why
-    if not impls:
-        raise Unavailable(f"no implementation can run here: {dropped_impls}")
-    baseline = opts.baseline or ("xla" if "xla" in impls else impls[0])
-    if baseline not in impls:
-        impls.insert(0, baseline)
-    impls.sort(key=lambda i: i != baseline)  # the baseline first, so every ratio has its denominator
+    impls, baseline, dropped_impls = _runnable(opts, defaults, mesh, shapes[0], tokens_list[0], gpu_kind)
 
     config = dataclasses.asdict(opts)
     config.update(models=[m.name for m in models], tokens=list(tokens_list), ep_mode=ep_mode, impls=impls,
-                  baseline=baseline, peak_tflops=peak, nvlink_gbps=nvlink, devices=n, passes=list(opts.passes))
+                  baseline=baseline, peak_tflops=peak, peak_tflops_fp8=peaks["fp8"], nvlink_gbps=nvlink, devices=n,
+                  passes=list(opts.passes))
     report = {"schema": rep.SCHEMA, "created_utc": rep.now_utc(), "command": argv or ["mok-bench"], "config": config,
               "cpu_numbers": not on_gpu, "notice": None if on_gpu else CPU_NOTICE,
               **rep.environment(devices, n), "git": rep.git_info(),
-              "roofline": {"peak_tflops": peak, "nvlink_gbps": nvlink},
+              "roofline": {"peak_tflops": peak, "peak_tflops_fp8": peaks["fp8"], "nvlink_gbps": nvlink},
               "unavailable_impls": dropped_impls, "results": []}
     results = report["results"]
     # pass-major, so a sweep cut short by --time-budget still has whole curves for the first pass; mok once per
@@ -609,7 +678,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         old_handler = None
     fns: dict[tuple, Any] = {}  # per (impl, kernel)
     steps: dict[tuple, Any] = {}
-    cur = {"shape": None, "weights": None, "tokens": None, "problem": None}
+    cur = {"shape": None, "weights": None, "fp8_weights": None, "tokens": None, "problem": None}
     routings: dict[int, Any] = {}  # per tokens, for the current model (host arrays)
     base_ms: dict[tuple, float] = {}  # baseline median per (model, tokens, pass)
     dropped: dict[tuple, int] = {}  # dropped slots per (model, tokens, impl)
@@ -617,12 +686,12 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     try:
         for shape, pass_, tokens, impl, knobs in plan:
             if cur["shape"] is not shape:
-                cur.update(shape=shape, weights=None, tokens=None, problem=None)
+                cur.update(shape=shape, weights=None, fp8_weights=None, tokens=None, problem=None)
                 routings.clear()
             if tokens not in routings:
                 routings[tokens] = _routing(shape, tokens, opts)
             routing, traffic = routings[tokens]
-            r = _record(shape, tokens, pass_, impl, opts, traffic, peak, nvlink)
+            r = _record(shape, tokens, pass_, impl, opts, traffic, peaks, nvlink)
             r["baseline"] = baseline
             results.append(r)
             label = f"[{len(results)}/{len(plan)}] {shape.model} T={tokens} {pass_} {impl}"
@@ -634,7 +703,8 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                     r["kernel"] = dataclasses.asdict(ran)
                     label += f" [{rep.kernel_label(r, ('comm_sms_fwd', 'ring_slots'))}]"
                     if pass_ == "fwd":  # the forward's memory; the backward's is not sized yet
-                        r.update(acc.mok_memory_per_rank(shape, tokens, ran, baselines.MOK_IMPLEMENTATIONS[impl]))
+                        r.update(acc.mok_memory_per_rank(shape, tokens, ran,
+                                                         **baselines.MOK_IMPLEMENTATIONS[impl]._asdict()))
                 if stop_reason:
                     raise _Skip(stop_reason)
                 if opts.time_budget_s and time.perf_counter() - t_start > opts.time_budget_s:
@@ -651,12 +721,17 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                 if (impl, kernel) not in fns:
                     fns[impl, kernel] = baselines.build(impl, mesh, capacity_factor=opts.capacity_factor,
                                                         kernel=kernel)
+                fp8_weights = impl == FP8_IMPL and pass_ == "fwd"  # made outside the timed call (module doc)
                 if (impl, kernel, pass_) not in steps:
-                    steps[impl, kernel, pass_] = _step(fns[impl, kernel], pass_)
+                    steps[impl, kernel, pass_] = _step(fns[impl, kernel], pass_, fp8_weights=fp8_weights)
                 step = steps[impl, kernel, pass_]
                 x, idx, w, dy = cur["problem"]
                 args = (x, idx, w, cur["weights"], dy)
-                _measure(r, step, args, slow=impl == "ragged", opts=opts, peak=peak)
+                if fp8_weights:
+                    if cur["fp8_weights"] is None:
+                        cur["fp8_weights"] = baselines.quantize_weights(cur["weights"], mesh)
+                    args += (cur["fp8_weights"],)
+                _measure(r, step, args, slow=impl == "ragged", opts=opts)
                 if impl == "xla-capacity":
                     key = (shape.model, tokens, impl)
                     if key not in dropped:
@@ -668,8 +743,11 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                 if (shape.model, tokens, pass_) in base_ms:
                     r["baseline_median_ms"] = base_ms[shape.model, tokens, pass_]
                     r["speedup_vs_baseline"] = r["baseline_median_ms"] / r["median_ms"]
-                of_peak = "" if peak is None else f", {r['compute_fraction'] * 100:.1f}% of peak"
-                say(f"{label}: {r['median_ms']:.3f} ms ({rep.fmt(r['tflops'], '.1f')} TFLOP/s{of_peak}; "
+                if impl in (FP8_IMPL, FP8_REFERENCE):
+                    rep.fill_fp8_ratios(results, fp8_impl=FP8_IMPL, reference=FP8_REFERENCE)
+                of_peak = "" if r["compute_fraction"] is None else f", {r['compute_fraction'] * 100:.1f}% of peak"
+                vs_bf16 = "" if r["speedup_vs_bf16"] is None else f", {r['speedup_vs_bf16']:.2f}x {FP8_REFERENCE}"
+                say(f"{label}: {r['median_ms']:.3f} ms ({rep.fmt(r['tflops'], '.1f')} TFLOP/s{of_peak}{vs_bf16}; "
                     f"first call {r['first_call_s']:.1f} s)")
                 if opts.profile:
                     try:  # a trace that cannot be taken (no CUPTI, say) costs the trace, not the timing
@@ -723,11 +801,16 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         eprint(f"mok-bench: tuned table {'written to ' + t['path'] if t['entries'] else 'unchanged: nothing to write'}")
     if dropped_impls:
         eprint(f"mok-bench: not run (unavailable here): {', '.join(dropped_impls)}")
+    if FP8_IMPL in dropped_impls:  # --dtype fp8 asked for it: say why, the bf16 rows above ran without it
+        eprint(f"mok-bench: --dtype fp8: {FP8_IMPL} (the FP8 layer) cannot run here: "
+               f"{dropped_impls[FP8_IMPL].splitlines()[0][:300]}")
     if opts.plot:
         models_txt = ",".join(dict.fromkeys(r["model"] for r in results))
         modes = ",".join(dict.fromkeys(s.ep_mode for s in shapes))
         path = rep.plot_sweep(opts.plot, results, peak_tflops=peak if on_gpu else None,
-                              title=f"{models_txt} ({modes}, {opts.dtype}, {opts.routing} routing) on {title}")
+                              fp8_peak_tflops=peaks["fp8"] if on_gpu and opts.dtype == "fp8" else None,
+                              title=f"{models_txt} ({modes}, {_dtype_text(opts.dtype)}, {opts.routing} routing) on "
+                                    f"{title}")
         eprint(f"mok-bench: plot written to {path}")
     if opts.json:
         eprint(f"mok-bench: JSON written to {opts.json}")
@@ -755,7 +838,7 @@ def _write_tuned(results: list[dict], device_kind: str, git: dict) -> dict:
     return {"path": str(path), "entries": entries, "incomplete": incomplete}
 
 
-def _measure(r: dict, step, args, *, slow: bool, opts: BenchOptions, peak: float | None) -> None:
+def _measure(r: dict, step, args, *, slow: bool, opts: BenchOptions) -> None:
     """First call (compilation included), then time_fn; fills r's timing figures. ``slow``: 'ragged', timed with
     one warm-up and one call per sample."""
     import jax
@@ -770,7 +853,7 @@ def _measure(r: dict, step, args, *, slow: bool, opts: BenchOptions, peak: float
     target = opts.target_sample_ms or TARGET_SAMPLE_MS[platform]
     timing = time_fn(step, *args, warmup=r["warmup"], samples=opts.ragged_samples if slow else opts.samples,
                      target_sample_ms=target, max_calls_per_sample=1 if slow else MAX_CALLS_PER_SAMPLE[platform])
-    _fill_timing(r, timing, peak)
+    _fill_timing(r, timing)
 
 
 def _profile(directory: str, r: dict, step, args) -> None:
@@ -809,7 +892,10 @@ def _from_json(opts: BenchOptions) -> int:
         r0 = results[0] if results else {}
         title = (f"{models} ({r0.get('ep_mode')}, {r0.get('dtype')}, {r0.get('routing')} routing) on "
                  f"{dev.get('kind')} x{dev.get('used')}")
-        path = rep.plot_sweep(opts.plot, results, peak_tflops=None if cpu else peak, title=title)
+        fp8_peak = None if cpu or not any(r.get("dtype") == "fp8" for r in results) else (
+            reports[0]["roofline"].get("peak_tflops_fp8"))
+        path = rep.plot_sweep(opts.plot, results, peak_tflops=None if cpu else peak, fp8_peak_tflops=fp8_peak,
+                              title=title)
         eprint(f"mok-bench: plot written to {path}")
     return 0 if results else 1
 

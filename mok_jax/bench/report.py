@@ -5,13 +5,16 @@ JSON (``SCHEMA``): {
   "cpu_numbers": true when measured on CPU, "notice": a sentence saying so (or null),
   "device": {"platform", "kind", "count", "used", "platform_version"},
   "versions": {"python", "jax", "jaxlib", "flax", "numpy", "mok_jax"},
-  "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "nvlink_gbps"} (null on CPU unless given: the H200's
-  figures do not apply there; the floors and fractions of the results are null with them),
+  "git": {"commit", "dirty"}, "roofline": {"peak_tflops", "peak_tflops_fp8", "nvlink_gbps"} (null on CPU unless
+  given: the H200's figures do not apply there; the floors and fractions of the results are null with them;
+  peak_tflops_fp8 floors mok-fp8's forward routed GEMMs only, accounting.compute_floor_ms),
   "results": [one record per (model, tokens, pass, implementation, and for mok kernel setting), with exactly
               the keys RESULT_KEYS; status "ok" | "error" | "skipped" | "unsupported" (the implementation cannot
               run this pass, e.g. mok's backward), and error: why (or, with status "ok", a profile that failed);
               mok rows also carry "kernel" (the KernelConfig's fields), "kernel_source" (explicit | tuned |
-              heuristic) and the memory per rank in bytes (fwd rows; accounting.mok_memory_per_rank)],
+              heuristic) and the memory per rank in bytes (fwd rows; accounting.mok_memory_per_rank); dtype is
+              the routed experts' forward ("fp8" for mok-fp8, whose rows also carry bf16_median_ms and
+              speedup_vs_bf16: the bf16 mok of the same model, tokens, pass and kernel, same process)],
   "unavailable_impls": {implementation: why} for defaults that cannot run here, "elapsed_s",
   "stopped": why the runs stopped early (a signal), or null,
   "tuned": with --tune: {"path", "entries" written or replaced, "incomplete" problems not written}, else absent
@@ -31,8 +34,8 @@ import sys
 from typing import Any, Iterable
 
 __all__ = [
-    "RESULT_KEYS", "SCHEMA", "environment", "fmt", "format_markdown", "format_memory", "format_table", "git_info",
-    "kernel_label", "load_results", "plot_sweep", "write_json",
+    "RESULT_KEYS", "SCHEMA", "environment", "fill_fp8_ratios", "fmt", "format_markdown", "format_memory",
+    "format_table", "git_info", "kernel_label", "load_results", "plot_sweep", "write_json",
 ]
 
 SCHEMA = "mok-bench/1"
@@ -58,6 +61,9 @@ RESULT_KEYS = (
     "capacity", "dropped_slots", "dropped_fraction",
     # the megakernel (mok rows): its KernelConfig, where that came from, and its memory per rank in bytes
     "kernel", "kernel_source", "workspace_bytes_per_rank", "scratch_bytes_per_rank", "residual_bytes_per_rank",
+    "fp8_weight_bytes_per_rank",
+    # the FP8 layer (mok-fp8 rows, --dtype fp8) against the bf16 mok measured in the same process
+    "bf16_median_ms", "speedup_vs_bf16",
 )
 
 
@@ -143,6 +149,29 @@ def fmt(v, spec: str, none: str = "-") -> str:
     return format(v, spec)
 
 
+def _pair_key(r: dict) -> tuple:
+    kernel = tuple(sorted((r.get("kernel") or {}).items()))
+    return r["model"], r["ep_mode"], r["tokens_per_gpu"], r["pass"], kernel
+
+
+def fill_fp8_ratios(results: list[dict], *, fp8_impl: str, reference: str) -> None:
+    """Give each ok ``fp8_impl`` row bf16_median_ms and speedup_vs_bf16 from the ok ``reference`` row of the same
+    model, mode, tokens, pass and kernel (in place; rows without such a twin are left as they are)."""
+    bf16 = {_pair_key(r): r["median_ms"] for r in results if r["impl"] == reference and r["status"] == "ok"}
+    for r in results:
+        if r["impl"] == fp8_impl and r["status"] == "ok" and _pair_key(r) in bf16:
+            r["bf16_median_ms"] = bf16[_pair_key(r)]
+            r["speedup_vs_bf16"] = r["bf16_median_ms"] / r["median_ms"]
+
+
+def _has_fp8(results: list[dict]) -> bool:
+    return any(r.get("dtype") == "fp8" for r in results)
+
+
+def _ratio(v) -> str:
+    return fmt(v, ".2f") + "x" if v else "-"
+
+
 def _note(r: dict) -> str:
     if r["status"] != "ok":
         msg = (r.get("error") or "").splitlines()[0] if r.get("error") else ""
@@ -199,8 +228,10 @@ def format_table(results: Iterable[dict]) -> str:
     if with_comm:
         columns += [("comm ms", lambda r: fmt(r["comm_floor_ms"], ".3f"), True),
                     ("%comm", lambda r: percent(r["comm_fraction"]), True)]
-    columns += [("vs base", lambda r: fmt(r["speedup_vs_baseline"], ".2f") + "x" if r["speedup_vs_baseline"] else "-",
-                 True), ("note", _note, False)]
+    columns.append(("vs base", lambda r: _ratio(r["speedup_vs_baseline"]), True))
+    if _has_fp8(results):
+        columns.append(("vs bf16", lambda r: _ratio(r.get("speedup_vs_bf16")), True))
+    columns.append(("note", _note, False))
     always = {"model", "mode", "T/GPU", "pass", "impl", "kernel", "comm ms", "note"}  # known before a run
     rows = [[cell(r) if r["status"] == "ok" or head in always else "-" for head, cell, _ in columns]
             for r in results]
@@ -211,11 +242,14 @@ def format_table(results: Iterable[dict]) -> str:
     out = [line([head for head, _, _ in columns]), line(["-" * w for w in widths])] + [line(row) for row in rows]
     foot = []
     if with_peak:
-        foot.append("%peak: TFLOP/s over the compute roofline")
+        foot.append("%peak: the compute floor over the median (TFLOP/s over the bf16 roofline" +
+                    ("; fp8 rows: the forward's routed GEMMs at the FP8 peak, the rest at bf16's)" if _has_fp8(results)
+                     else ")"))
     if with_comm:
         foot.append("comm ms: dispatch+combine floor at the NVLink bandwidth (busiest GPU); %comm: that floor over "
                     "the median")
-    foot.append("vs base: baseline median / this median.")
+    foot.append("vs base: baseline median / this median" +
+                ("; vs bf16: the bf16 mok's median (same kernel) / this median." if _has_fp8(results) else "."))
     out.append("; ".join(foot))
     return "\n".join(out)
 
@@ -227,9 +261,10 @@ def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None
     varying = _varying_knobs(results)
     with_peak, with_comm = _rooflines(results)
     head = ["model", "mode", "T/GPU", "pass", "impl", "median ms", "TFLOP/s"]
-    head += [f"% of {peak_tflops:g}" if peak_tflops else "% of peak"] if with_peak else []
+    fp8 = _has_fp8(results)
+    head += [f"% of {peak_tflops:g}" if peak_tflops and not fp8 else "% of roofline"] if with_peak else []
     head += ["comm floor ms"] if with_comm else []
-    head += ["vs baseline", "note"]
+    head += ["vs baseline"] + (["vs bf16 mok"] if fp8 else []) + ["note"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["--:"] * (len(head) - 6) + ["---"]) + "|"]
     for r in results:
         ok = r["status"] == "ok"
@@ -240,8 +275,11 @@ def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None
             cells.append(fmt(r["compute_fraction"] and r["compute_fraction"] * 100, ".1f") if ok else "-")
         if with_comm:
             cells.append(fmt(r["comm_floor_ms"], ".3f"))
-        cells += [(fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}") if ok and r["speedup_vs_baseline"]
-                  else "-", _note(r).replace("|", "/")]
+        cells.append((fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}")
+                     if ok and r["speedup_vs_baseline"] else "-")
+        if fp8:
+            cells.append(_ratio(r.get("speedup_vs_bf16")) if ok else "-")
+        cells.append(_note(r).replace("|", "/"))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -259,6 +297,7 @@ _KEPT = {  # what each mok implementation's residuals are
     "mok": "the forward keeps only its inputs",
     "mok-ring": "the forward's fp32 g, u of the ring's tokens, per layer",
     "mok-keep": "the forward's fp32 g, u, per layer",
+    "mok-fp8": "the forward keeps only its inputs",
 }
 
 
@@ -278,9 +317,11 @@ def format_memory(results: Iterable[dict]) -> str:
             scratch_txt = f"{_bytes(known[0])}..{_bytes(known[-1])} over {len(rs)} kernel settings" if known else "?"
         workspace = _bytes(rs[0]["workspace_bytes_per_rank"])
         kept = _KEPT[impl]
+        fp8 = rs[0].get("fp8_weight_bytes_per_rank")
+        fp8_txt = "" if fp8 is None else f", E4M3 weights {_bytes(fp8)} (beside the bf16 ones, per layer)"
         lines.append(f"{impl} memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per "
                      f"layer), scratch {scratch_txt} (per call), residuals "
-                     f"{_bytes(rs[0]['residual_bytes_per_rank'])} ({kept})")
+                     f"{_bytes(rs[0]['residual_bytes_per_rank'])} ({kept}){fp8_txt}")
     return "\n".join(lines)
 
 
@@ -296,8 +337,9 @@ def load_results(paths: Iterable[str | os.PathLike]) -> tuple[list[dict], list[d
 
 
 def plot_sweep(path: str | os.PathLike, results: Iterable[dict], *, peak_tflops: float | None = None,
-               title: str | None = None) -> pathlib.Path:
-    """Time and TFLOP/s against tokens per GPU, one line per implementation (and model / pass when several)."""
+               fp8_peak_tflops: float | None = None, title: str | None = None) -> pathlib.Path:
+    """Time and TFLOP/s against tokens per GPU, one line per implementation (and model / pass when several);
+    ``fp8_peak_tflops``: a second roofline line, the FP8 dense peak (of mok-fp8's forward routed GEMMs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,6 +385,8 @@ def plot_sweep(path: str | os.PathLike, results: Iterable[dict], *, peak_tflops:
     ax_f.set_ylabel("TFLOP/s per GPU (useful FLOPs)")
     if peak_tflops:
         ax_f.axhline(peak_tflops, color="gray", linestyle=":", label=f"roofline {peak_tflops:g}")
+    if fp8_peak_tflops:
+        ax_f.axhline(fp8_peak_tflops, color="gray", linestyle="-.", label=f"fp8 dense peak {fp8_peak_tflops:g}")
     ax_f.set_ylim(bottom=0)
     ax_f.legend(fontsize=8)
     if ok:
