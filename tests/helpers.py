@@ -74,6 +74,36 @@ def seeded_key(seed: int, tag: str):
     return jax.random.fold_in(jax.random.key(seed), zlib.crc32(tag.encode()) % (2**31))
 
 
+def layer_shape(E: int, H: int, I: int, k: int, Is: int | None = None, name: str = "t") -> ModelShape:
+    """A small model shape for the layer's GPU tests: one shared expert of intermediate size Is (default I; 0: none)."""
+    Is = I if Is is None else Is
+    return ModelShape(name=name, num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
+                      num_shared_experts=1 if Is else 0, shared_intermediate_size=Is)
+
+
+def layer_problem(seed: int, tag: str, shape: ModelShape, tokens: int, routing: str = "uniform", ranks: int = 1):
+    """Fresh random bf16 inputs of case ``tag`` (scaled so every stage is O(1)) and routing of ``ranks`` x ``tokens``
+    (mok_jax.bench.routing), the router weights scaled by a factor in [0.5, 1.5]: (x, topk_idx, topk_weight,
+    MoEWeights)."""
+    import zlib
+
+    from mok_jax.bench.routing import make_routing
+
+    kx, kg, kd, ksg, ksd = jax.random.split(seeded_key(seed, tag), 5)
+    E, H, I, Is, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
+    x = jax.random.normal(kx, (ranks * tokens, H), jnp.float32).astype(jnp.bfloat16)
+    W = MoEWeights(
+        (jax.random.normal(kg, (E, H, 2 * I)) * H**-0.5).astype(jnp.bfloat16),
+        (jax.random.normal(kd, (E, I, H)) * I**-0.5).astype(jnp.bfloat16),
+        (jax.random.normal(ksg, (H, 2 * Is)) * H**-0.5).astype(jnp.bfloat16) if Is else None,
+        (jax.random.normal(ksd, (Is, H)) * Is**-0.5).astype(jnp.bfloat16) if Is else None,
+    )
+    idx, w = make_routing(routing, num_ranks=ranks, tokens_per_rank=tokens, num_experts=E, top_k=k,
+                          seed=zlib.crc32(f"{seed}{tag}".encode()))
+    w = np.asarray(w, np.float32) * np.random.default_rng(zlib.crc32(tag.encode())).uniform(0.5, 1.5, w.shape)
+    return x, jnp.asarray(idx, jnp.int32), jnp.asarray(w, jnp.float32), W
+
+
 def record_metrics(case: str, seed: int, **metrics) -> None:
     """Print one JSON line of a case's errors; append it to $MOK_TEST_METRICS when set."""
     import json

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import functools
 import os
-import zlib
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import record_metrics, seeded_key
+from helpers import layer_problem, layer_shape, record_metrics, seeded_key
 
 import mok_jax as mj
 from mok_jax import reference
-from mok_jax.bench.routing import make_routing
-from mok_jax.config import KernelConfig, ModelShape
+from mok_jax.config import KernelConfig
 from mok_jax.emulation import emulated_moe
 from mok_jax.reference.comm import dispatch_combine_identity_numpy
-from mok_jax.weights import MoEWeights
 from mok_jax.workspace import CommTimeoutError, InvalidRoutingError, Workspace, local_workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
@@ -56,28 +53,8 @@ def _key(tag: str):
     return seeded_key(_SEED, tag)
 
 
-def _shape(E, H, I, k, Is=None, name="t") -> ModelShape:
-    Is = I if Is is None else Is
-    return ModelShape(name=name, num_experts=E, top_k=k, hidden_size=H, intermediate_size=I,
-                      num_shared_experts=1 if Is else 0, shared_intermediate_size=Is)
-
-
-def _problem(tag: str, shape: ModelShape, tokens: int, routing: str = "uniform", ranks: int = 1):
-    """Fresh random bf16 inputs (scaled so every stage is O(1)) and routing of ``ranks`` x ``tokens``."""
-    kx, kg, kd, ksg, ksd = jax.random.split(_key(tag), 5)
-    E, H, I, Is, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
-    n = ranks * tokens
-    x = jax.random.normal(kx, (n, H), jnp.float32).astype(jnp.bfloat16)
-    W = MoEWeights(
-        (jax.random.normal(kg, (E, H, 2 * I)) * H**-0.5).astype(jnp.bfloat16),
-        (jax.random.normal(kd, (E, I, H)) * I**-0.5).astype(jnp.bfloat16),
-        (jax.random.normal(ksg, (H, 2 * Is)) * H**-0.5).astype(jnp.bfloat16) if Is else None,
-        (jax.random.normal(ksd, (Is, H)) * Is**-0.5).astype(jnp.bfloat16) if Is else None,
-    )
-    idx, w = make_routing(routing, num_ranks=ranks, tokens_per_rank=tokens, num_experts=E, top_k=k,
-                          seed=zlib.crc32(f"{_SEED}{tag}".encode()))
-    w = np.asarray(w, np.float32) * np.random.default_rng(zlib.crc32(tag.encode())).uniform(0.5, 1.5, w.shape)
-    return x, jnp.asarray(idx, jnp.int32), jnp.asarray(w, jnp.float32), W
+_shape = layer_shape
+_problem = functools.partial(layer_problem, _SEED)  # (tag, shape, tokens, routing="uniform", ranks=1)
 
 
 @jax.jit
