@@ -80,8 +80,6 @@ constexpr int kCopyUnroll = 8;       // 16-byte vectors per lane in flight when 
 // 8, the promotions' totals were spilled, 103 local loads and stores per 128-long K block and thread (SASS of the
 // K loop); with 2, 23. The FP8 form copies only remote rows (EP > 1), of half the bf16 bytes.
 constexpr int kCopyUnrollFp8 = 2;
-template <bool kFp8>
-constexpr int copy_unroll() { return kFp8 ? kCopyUnrollFp8 : kCopyUnroll; }
 constexpr int kQuantUnroll = 4;      // ... when quantising a row to FP8
 constexpr int kSumUnroll = 2;        // ... when summing rows
 constexpr int kSumGroup = 2;         // rows whose loads are in flight together in a weighted sum
@@ -435,7 +433,7 @@ __device__ inline void run_post(const Params& P, const RankParams& R, const Item
       comm::warp_quantize_row<kQuantUnroll>(R.x + t * nvec, nvec, q, q ? reinterpret_cast<float*>(q + p.H) : nullptr,
                                             1, lanes, lane);
     } else {
-      comm::warp_copy_row<copy_unroll<kFp8>()>(R.x + t * nvec, nvec, my_dst, lanes, lane);
+      comm::warp_copy_row<kCopyUnroll>(R.x + t * nvec, nvec, my_dst, lanes, lane);
     }
   }
 }
