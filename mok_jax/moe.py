@@ -163,8 +163,7 @@ def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfi
 
 def _forward(x, topk_idx, topk_weight, weights, fp8_weights, config: MoEConfig):
     if config.implementation == "mok":
-        given = {} if fp8_weights is None else dict(fp8_weights=fp8_weights)  # None: quantised there (precision fp8)
-        return _forward_mok(x, topk_idx, topk_weight, weights, config, **given)
+        return _forward_mok(x, topk_idx, topk_weight, weights, config, fp8_weights=fp8_weights)
     return _forward_xla(x, topk_idx, topk_weight, weights, config)
 
 

@@ -51,7 +51,7 @@ def _recomputed_gu(x, gate_up, layout, k):
     return gu
 
 
-def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None):
+def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_weights=None):
     """The megakernel's outputs on CPU: the xla forward, and with ``keep`` = (keep_pos, rows) the kept g, u: each
     slot's row of the rank's layout (at EP > 1 over every rank's tokens, as the kernel sees them) written to its
     keep_pos row of f32[rows, 2I] (slots outside it are not kept)."""

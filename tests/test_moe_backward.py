@@ -504,7 +504,7 @@ def test_through_custom_vjp_bf16(monkeypatch):
     import mok_jax.ops
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
-    monkeypatch.setattr(moe_mod, "_forward_mok", moe_mod._forward_xla)
+    monkeypatch.setattr(moe_mod, "_forward_mok", lambda *a, fp8_weights=None: moe_mod._forward_xla(*a))
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
     shape = _shape(8, 64, 48, 3)
     x, idx, w, W = random_problem(shape, 96, seed=5)
@@ -571,7 +571,7 @@ def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True, fused=False):
     import mok_jax.ops
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
-    monkeypatch.setattr(moe_mod, "_forward_mok", moe_mod._forward_xla)
+    monkeypatch.setattr(moe_mod, "_forward_mok", lambda *a, fp8_weights=None: moe_mod._forward_xla(*a))
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
     use_fused_ep_backward(monkeypatch, mesh.shape["ep"], fused)
     spec = jax.sharding.PartitionSpec
@@ -746,7 +746,7 @@ def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
     monkeypatch.setattr(mb, "require_native", lambda what: None)
     T, H, I, E, k = 40, 64, 32, 4, 2
     M = T * k + 128 * E
-    monkeypatch.setattr(moe_mod, "_forward_mok", lambda x, *a: x * 2)  # the megakernel needs a workspace
+    monkeypatch.setattr(moe_mod, "_forward_mok", lambda x, *a, **kw: x * 2)  # the megakernel needs a workspace
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
     w = jnp.ones((T, k), jnp.float32)
