@@ -216,7 +216,7 @@ struct Sm90Fp8TileT {
     Accumulator partial;
     CUTE_UNROLL
     for (int i = 0; i < size(total0); ++i) total0(i) = 0.0f, total1(i) = 0.0f;
-    for (int kb = 0; kb < n_k; ++kb) {
+    for (int left = n_k; left > 0; --left) {  // counted down: no bound held in a register
       if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
       const float a0 = sc.a[pos.stage][r_local], a1 = sc.a[pos.stage][r_local + 8];
       const float b0 = sc.b[pos.stage][0], b1 = sc.b[pos.stage][1];
@@ -225,8 +225,7 @@ struct Sm90Fp8TileT {
       mma_half(mma, thr, tCrA, stage_b(s, pos.stage), partial);
       promote(partial, total0, a0 * b0, a1 * b0);
       mma_half(mma, thr, tCrA, stage_b(s, pos.stage) + 2 * kBoxElems, partial);
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[pos.stage]);  // both chains are done
+      if (cute::elect_one_sync()) cutlass::arch::ClusterBarrier::arrive(&s.empty[pos.stage]);  // both chains are done
       promote(partial, total1, a0 * b1, a1 * b1);
       pos.advance();
     }

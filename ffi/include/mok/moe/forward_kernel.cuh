@@ -78,7 +78,8 @@ constexpr int kCopyUnroll = 8;       // 16-byte vectors per lane in flight when 
 // ... in the FP8 form. Its tiles hold 192 accumulator registers per consumer thread (the bf16 tile's 128), and the
 // copy's vectors, though in another item, cost them registers in ptxas's allocation of the one consumer loop: with
 // 8, the promotions' totals were spilled, 103 local loads and stores per 128-long K block and thread (SASS of the
-// K loop); with 2, 23. The FP8 form copies only remote rows (EP > 1), of half the bf16 bytes.
+// K loop); with 2, 23; with the consumer's item also read in its slot (consumer()), 2, both loads of loop invariants.
+// The FP8 form copies only remote rows (EP > 1), of half the bf16 bytes.
 constexpr int kCopyUnrollFp8 = 2;
 constexpr int kQuantUnroll = 4;      // ... when quantising a row to FP8
 constexpr int kSumUnroll = 2;        // ... when summing rows
@@ -996,10 +997,9 @@ __device__ inline void consumer(const Params& P, const RankParams& R, SharedStor
       comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
       return;
     }
-    const Item it = s.work[w];
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.work_empty[w]);
-    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    // The item is read from its slot where it is used, and the slot is given back only when the item is done: a
+    // copy in registers would stay live across a tile's K loop, where the FP8 tiles' 192 accumulators leave none.
+    const Item& it = s.work[w];
     if (it.kind == kEnd) return;
     if (is_tile(it.kind)) {
       if (!it.skip && !tile_item<kFp8>(p, R, s, pos, it, ct)) {
@@ -1023,6 +1023,9 @@ __device__ inline void consumer(const Params& P, const RankParams& R, SharedStor
     }
     gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
     if (ct == 0) complete(p, R, it, ctas, epoch);
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.work_empty[w]);
+    if (++w == kWorkSlots) w = 0, phase ^= 1;
   }
 }
 
