@@ -5,6 +5,10 @@ import os
 # Must precede the first import of jax anywhere in the test session.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Under `pytest -n 2` (the README's command) two worker processes may share one GPU: neither may take 75% of
+# its memory up front, as XLA's client does by default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
