@@ -65,6 +65,7 @@ struct Operands {
   TileW::TmaB wd_b;   // dy rows [rows, H]
   TileW::TmaA wg_a;   // x rows read as H x rows
   TileW::TmaB wg_b;   // dgu [rows, 2I]
+  gemm::TmaGu dh_gu;  // g | u [rows, 2I] f32: the DH tiles' epilogue operands, through the ring
 };
 
 __device__ void prefetch(const Operands& o) {
@@ -78,11 +79,13 @@ __device__ void prefetch(const Operands& o) {
   cute::prefetch_tma_descriptor(o.wd_b.get_tma_descriptor());
   cute::prefetch_tma_descriptor(o.wg_a.get_tma_descriptor());
   cute::prefetch_tma_descriptor(o.wg_b.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(o.dh_gu.get_tma_descriptor());
 }
 
-// Host: the descriptors over rows x of x_rows / dy_rows (and dgu, hw of as many rows), weights of `groups` experts.
+// Host: the descriptors over rows x of x_rows / dy_rows (and dgu, hw, gu of as many rows), weights of `groups`
+// experts.
 Operands make_operands(const Bf16* x_rows, const Bf16* dy_rows, const Bf16* gate_up, const Bf16* down, const Bf16* dgu,
-                       const Bf16* hw, int rows, int H, int I, int groups) {
+                       const Bf16* hw, const float* gu, int rows, int H, int I, int groups) {
   Operands o;
   o.gu_a = TileGu::make_tma_a(x_rows, rows, H);
   o.gu_b = TileGu::make_tma_b(gate_up, 2 * I, H, groups);
@@ -94,6 +97,7 @@ Operands make_operands(const Bf16* x_rows, const Bf16* dy_rows, const Bf16* gate
   o.wd_b = TileW::make_tma_b(dy_rows, H, rows, 1);
   o.wg_a = TileW::make_tma_a(x_rows, H, rows);
   o.wg_b = TileW::make_tma_b(dgu, 2 * I, rows, 1);
+  o.dh_gu = gemm::make_tma_gu(gu, rows, I);
   return o;
 }
 
@@ -361,8 +365,9 @@ __device__ __forceinline__ bool load_item(const Operands& o, SharedStorage& s, g
   switch (it.kind) {
     case kGu:
       return load<TileGu>(o.gu_a, o.gu_b, s, pos, {rows, H, it.row0, 2 * inter, groups, group, col0, col1}, status);
-    case kDh:
-      return load<TileKK>(o.dh_a, o.dh_b, s, pos, {rows, H, it.row0, inter, groups, group, col0, col1}, status);
+    case kDh:  // the k-tiles, then the epilogue's g, u chunks
+      return load<TileKK>(o.dh_a, o.dh_b, s, pos, {rows, H, it.row0, inter, groups, group, col0, col1}, status) &&
+             gemm::load_gu_chunks(o.dh_gu, s.stages, pos, rows, inter, it.row0, col0, status);
     case kDx:
       return load<TileKK>(o.dx_a, o.dx_b, s, pos, {rows, 2 * inter, it.row0, H, groups, group, col0, col1}, status);
     case kWDown:
@@ -690,23 +695,24 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         if (!TileGu::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
         const int n = 2 * (it.shared ? p.Is : p.I);
         TileGu::store_f32(acc, {it.shared ? p.gus : p.gu, n, it.row0, it.row_end, col0, n}, wg, t);
+        gemm::fence_proxy_async_global();  // the DH tiles read g, u through TMA
         break;
       }
       case kDh: {
         TileKK::Accumulator acc;
         if (!TileKK::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
-        // the epilogue reads w_e and g, u with ordinary loads: acquire what the producer waited for (one thread,
-        // so that every consumer leaves together if it fails)
+        // the epilogue reads w_e with ordinary loads: acquire what the producer waited for (one thread, so that
+        // every consumer leaves together if it fails); g, u come through the ring
         if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb},
                                {it.shared ? 0 : 1, it.shared ? h.s_nb_gu : p.kept ? 0 : h.nb_gu}, p,
                                f.wait_ns + kDh, ct))
           return;
-        const int row0 = it.row0 + TileKK::kRowsPerConsumer * wg;
-        if (it.shared)  // weight 1, no router-weight partials
-          gemm::swiglu_backward_store<TileKK::Accumulator, 1, false>(acc, p.sbwd, row0, it.row_end, col0, it.n_block,
-                                                                     t);
-        else
-          gemm::swiglu_backward_store(acc, p.bwd, row0, it.row_end, col0, it.n_block, t);
+        const bool ok = it.shared  // weight 1, no router-weight partials
+                            ? gemm::swiglu_backward_store<TileKK::Accumulator, false>(
+                                  acc, p.sbwd, s.stages, pos, it.row0, it.row_end, col0, it.n_block, wg, t, p.status)
+                            : gemm::swiglu_backward_store(acc, p.bwd, s.stages, pos, it.row0, it.row_end, col0,
+                                                          it.n_block, wg, t, p.status);
+        if (!ok) return;
         gemm::fence_proxy_async_global();  // DX and the weight gradients read dgu and hw through TMA
         break;
       }
@@ -912,7 +918,8 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
   const auto* dgu = static_cast<const Bf16*>(p.dgu);
   const auto* hw = static_cast<const Bf16*>(p.hw);
   const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no GU items
-  k.routed = make_operands(x_e, dy_e, gate_up, down, dgu, hw, M, H, I, E);
+  k.routed = make_operands(x_e, dy_e, gate_up, down, dgu, hw, kept ? p.gu_kept : static_cast<const float*>(p.gu), M,
+                           H, I, E);
   k.x = static_cast<const uint4*>(p.x);
   k.dy = static_cast<const uint4*>(p.dy);
   k.topk_weight = p.topk_weight;
@@ -945,7 +952,7 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
     if (T > 0)  // no descriptor of an empty matrix: without rows no shared tile loads anything
       *shared = make_operands(static_cast<const Bf16*>(p.x), static_cast<const Bf16*>(p.dy),
                               static_cast<const Bf16*>(p.shared_gate_up), static_cast<const Bf16*>(p.shared_down),
-                              static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws), T, H, Is, 1);
+                              static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws), p.gus, T, H, Is, 1);
     k.gus = p.gus;
     k.sbwd = gemm::SwigluBackwardOut{p.gus, nullptr, static_cast<__nv_bfloat16*>(p.dgus),
                                      static_cast<__nv_bfloat16*>(p.hws), nullptr, Is, (Is + kBlockN - 1) / kBlockN};

@@ -5,8 +5,6 @@
 //             columns [n0 + I, n0 + I + 128) of gate_up[g] (H x 2I); out = silu(gate) * up  (h, M x I)
 //   kBf16:    the 256 MMA columns are [n0, n0 + 256) of B[g]; out = acc  (y = h @ down, M x H; and in the
 //             backward gu = x @ gate_up, M x 2I, and, with K-major B, dx = dgu @ gate_up^T, M x H)
-//   kSwiGLUBackward (K-major B = down[g]^T, so acc = dh' = dy @ down^T over 256 columns of I): the SwiGLU
-//             backward of mok/gemm/swiglu_backward.cuh (dgu, w * h, and the router-weight partials)
 //   kF32:     as kBf16 with fp32 out (`out` points at floats): the backward's g, u at the forward's precision
 // fp32 accumulation in registers, bf16 out with round-to-nearest-even.
 //
@@ -33,18 +31,16 @@
 #include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
-#include "mok/gemm/swiglu_backward.cuh"
 
 namespace mok::gemm {
 
-enum class Epilogue { kSwiGLU, kBf16, kSwiGLUBackward, kF32 };
+enum class Epilogue { kSwiGLU, kBf16, kF32 };
 
 template <Epilogue kEpi, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
 struct Sm90GroupedGemm {
   using Tile = Sm90TileT<cute::GMMA::Major::K, kMajorB>;
   using Element = typename Tile::Element;
   static constexpr bool kSwiGLU = kEpi == Epilogue::kSwiGLU;
-  static constexpr bool kBackward = kEpi == Epilogue::kSwiGLUBackward;
   static constexpr bool kF32Out = kEpi == Epilogue::kF32;  // out is float (the backward's g, u)
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kHalfN = Tile::kHalfN;
@@ -81,7 +77,6 @@ struct Sm90GroupedGemm {
     int64_t out_ld;
     int32_t* status;             // status word (bounded-wait failures are or-ed in)
     int32_t write_status;        // CTA 0 stores the group-size status (the first GEMM of the pair)
-    SwigluBackwardOut bwd;       // kSwiGLUBackward only: its inputs and outputs besides acc
   };
 
   struct SharedStorage {
@@ -128,10 +123,7 @@ struct Sm90GroupedGemm {
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileCoord tc = decode_tile<kMaxGroups, kBlockM, kGroupM>(s.table, p.num_groups, tile, n_blocks);
       if (!Tile::mma_tile(s.stages, pos, acc, p.k, ct, p.status)) return;
-      if constexpr (kBackward) {
-        swiglu_backward_store(acc, p.bwd, tc.row_begin + Tile::kRowsPerConsumer * wg, tc.row_end,
-                              tc.n_block * kOutCols, tc.n_block, t);
-      } else if constexpr (kF32Out) {
+      if constexpr (kF32Out) {
         const typename Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
         Tile::store_f32(acc, st, wg, t);
       } else {
@@ -160,7 +152,7 @@ struct Sm90GroupedGemm {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == 0) {
         if (cute::elect_one_sync()) producer(p, s, n_blocks);
-      } else if constexpr (!kBackward && !kF32Out) {  // the backward's outputs past the groups are scratch
+      } else if constexpr (!kF32Out) {  // the backward's outputs past the groups are scratch
         zero_padding_rows(p, s, threadIdx.x - 32, 96);
       }
     } else {

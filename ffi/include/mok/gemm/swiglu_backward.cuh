@@ -11,19 +11,35 @@
 //   hw       = bf16(w * h)                            (the down projection's weight-gradient operand)
 // The router-weight gradient needs no division by w, so a zero weight still gets its gradient.
 //
-// dw_part is summed over a thread's columns in ascending order, then over the 4 lanes that share a row by
-// an xor butterfly (a + b == b + a in floating point, so every lane holds the same bits); the caller sums
-// the n-blocks' partials in ascending order: a fixed order, no atomics.
+// g, u reach the epilogue through the tile's stage ring, not by loads from its registers: the producer follows
+// the tile's k-tiles with up to 8 chunk stages (load_gu_chunks), each the tile's 128 rows of 32 g columns (in the
+// stage's A bytes) and of the 32 matching u columns (the first 16 KB of its B bytes), f32 rows of 128 bytes,
+// 128B-swizzled, by TMA. Loaded by each thread itself (64 loads of 8 bytes, a few in flight: more spill with the
+// 128-value accumulator), the epilogue waited on memory latency ~32 times per tile: kimi-k2's DH items took
+// 1.10 ms per SM where a plain GEMM of their FLOPs takes 0.73. The chunks' loads now run while the tile's last
+// k-tiles and the previous chunks are computed.
+//
+// dw_part is summed over a thread's columns in ascending order (chunk by chunk), then over the 4 lanes that share
+// a row by an xor butterfly (a + b == b + a in floating point, so every lane holds the same bits); the caller
+// sums the n-blocks' partials in ascending order: a fixed order, no atomics.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "mok/gemm/sm90_sync.cuh"
+#include "mok/gemm/sm90_tile.cuh"
+
 namespace mok::gemm {
 
 struct SwigluBackwardOut {
-  const float* gu;          // [M, 2I]: g in columns [0, I), u in [I, 2I)
+  const float* gu;          // [M, 2I]: g in columns [0, I), u in [I, 2I) (read through the ring, by TMA)
   const float* w;           // [M]: the router weight of each row's slot (0 for padding rows); unread without
                             // a router weight (kWeighted = false: the shared expert's rows, weight 1)
   __nv_bfloat16* dgu;       // [M, 2I]: dg | du
@@ -33,70 +49,150 @@ struct SwigluBackwardOut {
   int32_t n_blocks;         // ceil(I / 256)
 };
 
+// ---- g, u chunks through the stage ring --------------------------------------------------------------
+constexpr int kGuChunkRows = 128;  // the tile's rows
+constexpr int kGuChunkCols = 32;   // f32 columns per chunk: one 128-byte swizzle row
+constexpr int kGuChunkElems = kGuChunkRows * kGuChunkCols;
+constexpr uint32_t kGuChunkStageBytes = 2 * kGuChunkElems * sizeof(float);  // g and u
+using GuChunkLayout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{},
+                                                   cute::Shape<cute::Int<kGuChunkRows>, cute::Int<kGuChunkCols>>{}));
+static_assert(kGuChunkElems * sizeof(float) <= sizeof(StageRing::a) / StageRing::kStages &&
+                  kGuChunkElems * sizeof(float) <= sizeof(StageRing::b) / StageRing::kStages,
+              "a chunk's g fits a stage's A bytes and its u a stage's B bytes");
+
+// gu as TMA sees it: [rows, 2 inter] f32, row-major, in boxes of 128 rows x 32 columns.
+inline auto make_tma_gu(const float* gu, int rows, int inter) {
+  using namespace cute;
+  Tensor g = make_tensor(make_gmem_ptr(gu), make_shape(rows, 2 * inter), make_stride(int64_t(2) * inter, Int<1>{}));
+  return make_tma_copy(SM90_TMA_LOAD{}, g, GuChunkLayout{}, Shape<Int<kGuChunkRows>, Int<kGuChunkCols>>{}, Int<1>{});
+}
+using TmaGu = decltype(make_tma_gu(nullptr, 0, 0));
+
+// Chunks of the tile at column col0 of I: those that hold a column below I (a tile's last ones may not).
+__device__ __forceinline__ int gu_chunks(int inter, int col0) {
+  const int left = (inter - col0 + kGuChunkCols - 1) / kGuChunkCols;
+  return left < 256 / kGuChunkCols ? left : 256 / kGuChunkCols;
+}
+
+// Where value (r, c) of a chunk sits, in floats from the chunk's start: TMA's 128-byte swizzle over the chunk's
+// 1024-byte-aligned 8-row atoms moves row r's 16-byte unit c / 4 to unit (c / 4) ^ (r % 8). (GuChunkLayout{}(r, c)
+// is not this: its swizzle functor is in bytes, meant for a swizzled smem pointer, not for float offsets.)
+__device__ __forceinline__ int gu_chunk_at(int r, int c) {
+  return kGuChunkCols * r + ((((c >> 2) ^ r) & 7) << 2) + (c & 3);
+}
+
+__device__ __forceinline__ float* gu_chunk_g(StageRing& s, int stage) {
+  return reinterpret_cast<float*>(s.a) + stage * (sizeof(StageRing::a) / StageRing::kStages / sizeof(float));
+}
+__device__ __forceinline__ float* gu_chunk_u(StageRing& s, int stage) {
+  return reinterpret_cast<float*>(s.b) + stage * (sizeof(StageRing::b) / StageRing::kStages / sizeof(float));
+}
+
+// Producer (one thread), after the tile's k-tiles: its g, u chunks, rows [row0, row0 + 128) of the rows x 2I
+// matrix gu (tma must be a kernel parameter; rows past `rows` come as zeros and are never stored).
+__device__ inline bool load_gu_chunks(const TmaGu& tma, StageRing& s, RingPos& pos, int rows, int inter, int row0,
+                                      int col0, int32_t* status) {
+  using namespace cute;
+  Tensor m = tma.get_tma_tensor(make_shape(rows, 2 * inter));
+  const int n = gu_chunks(inter, col0);
+  for (int j = 0; j < n; ++j) {
+    if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, status)) return false;
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], kGuChunkStageBytes);
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {  // g columns col0 + 32 j.., then their u columns I + col0 + 32 j..
+      Tensor gm = local_tile(domain_offset(make_coord(row0, half * inter + col0 + j * kGuChunkCols), m),
+                             Shape<Int<kGuChunkRows>, Int<kGuChunkCols>>{}, make_coord(0, 0));
+      Tensor sm = make_tensor(make_smem_ptr(half ? gu_chunk_u(s, pos.stage) : gu_chunk_g(s, pos.stage)),
+                              GuChunkLayout{});
+      auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sm), group_modes<0, 2>(gm));
+      copy(tma.with(s.full[pos.stage]), tg, ts);
+    }
+    pos.advance();
+  }
+  return true;
+}
+
+// ---- the epilogue ------------------------------------------------------------------------------------
+// One value of the SwiGLU backward (see the top of the file); h is returned for the router-weight partial.
+struct SwigluGrad {
+  float dg, du, hw, h;
+};
+__device__ __forceinline__ SwigluGrad swiglu_grad(float dhp, float g, float u, float w) {
+  const float s = 1.0f / (1.0f + __expf(-g));
+  const float silu = g * s;
+  const float h = silu * u;
+  const float dh = w * dhp;
+  return SwigluGrad{dh * u * s * (1.0f + g * (1.0f - s)), dh * silu, w * h, h};
+}
+
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
-// 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). row0: the warpgroup's first row.
-// kWeighted = false: rows without a router weight (w = 1, no dw partials: the shared expert), a separate
-// instance so that the routed epilogue keeps its code.
-template <class Accumulator, int kBatch = 2, bool kWeighted = true>
-__device__ __forceinline__ void swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o, int row0,
-                                                      int row_end, int col0, int n_block, int t) {
+// 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). tile_row0: the tile's first row; wg: the
+// warpgroup (rows 64 wg..). Consumes the tile's gu_chunks(inter, col0) chunk stages at pos, each freed by every
+// consumer warp when it is done with it. kWeighted = false: rows without a router weight (w = 1, no dw partials:
+// the shared expert), a separate instance so that the routed epilogue keeps its code.
+template <class Accumulator, bool kWeighted = true>
+__device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o,
+                                                      StageRing& s, RingPos& pos, int tile_row0, int row_end,
+                                                      int col0, int n_block, int wg, int t, int32_t* status) {
   const int lane = t % 32, warp = t / 32;
-  const int r_base = row0 + 16 * warp + lane / 4;
-  const int c_base = col0 + 2 * (lane % 4);
+  const int r_local = 64 * wg + 16 * warp + lane / 4;  // and r_local + 8
+  const int c_lane = 2 * (lane % 4);
   const int64_t ld2 = 2 * int64_t(o.inter);
+  bool in[2];
+  float w[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    const int row = r_base + 8 * hh;
-    const bool in = row < row_end;
-    const float w = !in ? 0.0f : kWeighted ? o.w[row] : 1.0f;
-    float sum = 0.0f;
-    // Two column pairs at a time (four spill with fp32 g, u): their 4 loads are issued before any is used,
-    // so the epilogue waits on memory once per batch rather than once per pair.
+    const int row = tile_row0 + r_local + 8 * hh;
+    in[hh] = row < row_end;
+    w[hh] = !in[hh] ? 0.0f : kWeighted ? o.w[row] : 1.0f;
+  }
+  const int n = gu_chunks(o.inter, col0);
+#pragma unroll  // in full: the chunk picks accumulator values, which must stay registers
+  for (int j = 0; j < 256 / kGuChunkCols; ++j) {
+    if (j == n) break;
+    if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
+    const float* sg = gu_chunk_g(s, pos.stage);
+    const float* su = gu_chunk_u(s, pos.stage);
 #pragma unroll
-    for (int qb = 0; qb < 32; qb += kBatch) {
-      float2 g2[kBatch], u2[kBatch];
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r_local + 8 * hh;
+      const int64_t row = tile_row0 + r;
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int col = c_base + 8 * (qb + b);
-        const bool ok = in && col < o.inter;
-        g2[b] = ok ? *reinterpret_cast<const float2*>(o.gu + row * ld2 + col) : make_float2(0.f, 0.f);
-        u2[b] = ok ? *reinterpret_cast<const float2*>(o.gu + row * ld2 + o.inter + col) : make_float2(0.f, 0.f);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int q = qb + b;
+      for (int qq = 0; qq < kGuChunkCols / 8; ++qq) {
+        const int q = (kGuChunkCols / 8) * j + qq;  // the thread's column pair 8 q + c_lane of the tile
         const int i = 4 * q + 2 * hh;
-        const int col = c_base + 8 * q;
-        const float g[2] = {g2[b].x, g2[b].y};
-        const float u[2] = {u2[b].x, u2[b].y};
-        float dg[2], du[2], hw[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float s = 1.0f / (1.0f + __expf(-g[e]));
-          const float silu = g[e] * s;
-          const float h = silu * u[e];
-          const float dhp = acc(i + e);
-          // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly
-          // past n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
-          if (kWeighted && col < o.inter) sum += dhp * h;
-          const float dh = w * dhp;
-          dg[e] = dh * u[e] * s * (1.0f + g[e] * (1.0f - s));
-          du[e] = dh * silu;
-          hw[e] = w * h;
-        }
-        if (in && col < o.inter) {
-          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + col) = __floats2bfloat162_rn(dg[0], dg[1]);
-          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + o.inter + col) = __floats2bfloat162_rn(du[0], du[1]);
-          *reinterpret_cast<__nv_bfloat162*>(o.hw + row * int64_t(o.inter) + col) = __floats2bfloat162_rn(hw[0], hw[1]);
+        const int col = col0 + 8 * q + c_lane;
+        // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too
+        const int at = gu_chunk_at(r, 8 * qq + c_lane);
+        const float2 g2 = *reinterpret_cast<const float2*>(sg + at);
+        const float2 u2 = *reinterpret_cast<const float2*>(su + at);
+        const SwigluGrad a = swiglu_grad(acc(i), g2.x, u2.x, w[hh]);
+        const SwigluGrad b = swiglu_grad(acc(i + 1), g2.y, u2.y, w[hh]);
+        // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly past
+        // n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
+        if (kWeighted && col < o.inter) sum[hh] += acc(i) * a.h, sum[hh] += acc(i + 1) * b.h;
+        if (in[hh] && col < o.inter) {
+          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + col) = __floats2bfloat162_rn(a.dg, b.dg);
+          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + o.inter + col) = __floats2bfloat162_rn(a.du, b.du);
+          *reinterpret_cast<__nv_bfloat162*>(o.hw + row * int64_t(o.inter) + col) = __floats2bfloat162_rn(a.hw, b.hw);
         }
       }
     }
-    if constexpr (kWeighted) {
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (in && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = sum;
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[pos.stage]);
+    pos.advance();
+  }
+  if constexpr (kWeighted) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float v = sum[hh];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      const int row = tile_row0 + r_local + 8 * hh;
+      if (in[hh] && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = v;
     }
   }
+  return true;
 }
 
 }  // namespace mok::gemm
