@@ -151,10 +151,36 @@ def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
 # ----------------------------------------------------------------------------- part of g, u kept (keep="ring")
 
 
+# Two different XLA programs of the same f32 math (the reference with and without gu_part) need not give the same
+# bits on CPU: XLA may lower a dot of one (here dgu @ gate_up^T, over 2I) to another summation order, which it did
+# on an AVX2 machine and not on an AVX-512 one. Such outputs agree to the f32 sum order (~2^-20 of a row) and, for
+# the bf16 ones (dx_rows, the weight gradients), to a rounding turned the other way (2^-8 of an element, at most
+# of the row's largest); 2^-7 of the row's largest element is above both and far below a wrong g, u block (O(1)).
+_ACROSS_PROGRAMS = 2.0**-7
+
+
+def _assert_rows_close(case: str, got, want, rel: float = _ACROSS_PROGRAMS) -> None:
+    """Every field of two outputs of the experts' backward row by row: the status the same, a float row within
+    ``rel`` of its largest |element| in ``want`` (the last axis is the row)."""
+    for name, a, b in zip(want._fields, got, want):
+        assert (a is None) == (b is None), f"{case}: {name}"
+        if a is None:
+            continue
+        a, b = np.asarray(a), np.asarray(b)
+        if b.dtype.kind in "biu":  # the status
+            np.testing.assert_array_equal(a, b, f"{case}: {name}")
+            continue
+        a = a.astype(np.float64).reshape(-1, b.shape[-1] if b.ndim else 1)
+        b = b.astype(np.float64).reshape(a.shape)
+        err, bound = np.abs(a - b).max(axis=1), rel * np.abs(b).max(axis=1)
+        bad = np.flatnonzero(~(err <= bound))  # NaN counts as over
+        assert bad.size == 0, f"{case}: {name}: rows {bad[:6]} err {err[bad[:6]]} > bound {bound[bad[:6]]}"
+
+
 def test_reference_with_part_kept_gu_copies_whole_blocks_and_recomputes_the_rest():
     """Blocks of 128 rows whose slot rows all have a kept row use those (a changed value shows, in its token's dx
-    only); a block with one row short is recomputed (NaN in its kept rows changes nothing); fed its own recompute
-    the reference gives its bits."""
+    only); a block with one row short is recomputed (NaN in its kept rows changes no bit); fed its own recompute
+    the reference gives the outputs of gu_part=None (row by row: another XLA program)."""
     T, E, k, H, I = 600, 2, 2, 16, 8
     args, _ = _layout_problem(3, T, E, k, H, I)
     x, _, _, pos, src_slot, gs, gate_up, _ = args
@@ -165,15 +191,17 @@ def test_reference_with_part_kept_gu_copies_whole_blocks_and_recomputes_the_rest
     blocks = used_kept_blocks(src_slot, row, part.shape[0], T * k, gs)
     copied = np.pad(np.repeat(blocks, 128) == 1, (0, src_slot.shape[0] - 128 * blocks.size))  # rows of copied blocks
     assert 0 < blocks.sum() < blocks.size, blocks
-    assert_same_bits("own recompute", ref(*args, part, row), want)
+    own = ref(*args, part, row)
+    _assert_rows_close("own recompute", own, want)
+    # the same program from here on: bits
     assert_same_bits("NaN in recomputed blocks", ref(*args, part.at[np.asarray(row)[mine & ~copied]].set(jnp.nan),
-                                                      row), want)
+                                                      row), own)
     r = int(np.flatnonzero(mine & copied)[0])  # a copied row: its token's dx changes, no other
     got = ref(*args, part.at[int(row[r])].add(1.0), row)
     t = int(src_slot[r]) // k
-    np.testing.assert_array_equal(np.flatnonzero(np.any(np.asarray(got.dx) != np.asarray(want.dx), axis=1)), [t])
+    np.testing.assert_array_equal(np.flatnonzero(np.any(np.asarray(got.dx) != np.asarray(own.dx), axis=1)), [t])
     # no kept row at all: every block recomputes
-    assert_same_bits("nothing kept", ref(*args, jnp.zeros((0, 2 * I), _F32), jnp.full(src_slot.shape, -1)), want)
+    _assert_rows_close("nothing kept", ref(*args, jnp.zeros((0, 2 * I), _F32), jnp.full(src_slot.shape, -1)), want)
 
 
 def test_kept_blocks_flags_blocks_whose_slot_rows_all_have_a_kept_row():
