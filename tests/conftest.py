@@ -12,11 +12,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # On a machine without a GPU (CI's), a persistent compilation cache for each of the run's processes: the tests
 # build the same reference programs again and again in new closures, and XLA's CPU compile is most of their time
-# (605 s to 522 s for the whole run on a 2-core machine). It is fresh per run (made here, in the controller, before the workers start, and
-# removed at its end), so nothing compiled by an earlier tree is ever loaded. Each process has a directory of its
-# own: JAX does not write an entry atomically, and a worker that read another's half-written entry warned and
-# compiled again. A cache directory the user set is used as it is. Off on a GPU machine, so that its runs stay as
-# they were measured.
+# (605 s to 522 s for the whole run on a 2-core machine). It is fresh per run (made here, in the controller,
+# before the workers start, and removed at its end), so nothing compiled by an earlier tree is ever loaded. Each
+# process has a directory of its own: JAX does not write an entry atomically, and a worker that read another's
+# half-written entry warned and compiled again. A cache directory the user set is used as it is. Off on a GPU
+# machine, so that its runs stay as they were measured.
 _JIT_CACHE_MADE = None
 _JIT_CACHE_ROOT = "MOK_TEST_JIT_CACHE_ROOT"
 if not os.path.exists("/dev/nvidiactl") and not os.environ.get("PYTEST_XDIST_WORKER"):
