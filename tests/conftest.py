@@ -10,30 +10,32 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-# On a machine without a GPU (CI's), a persistent compilation cache for each of the run's processes: the tests
-# build the same reference programs again and again in new closures, and XLA's CPU compile is most of their time
-# (605 s to 522 s for the whole run on a 2-core machine). It is fresh per run (made here, in the controller,
-# before the workers start, and removed at its end), so nothing compiled by an earlier tree is ever loaded. Each
+# On a machine without a GPU (CI's), a persistent compilation cache for each of the run's pytest processes: the
+# tests build the same reference programs again and again in new closures, and XLA's CPU compile is most of their
+# time (the whole run on a 2-core machine: 605-637 s without it, 554-579 s with it). It is fresh per run (made
+# here, in the controller, before the workers start, and removed at its end), so nothing compiled by an earlier tree is ever loaded. Each
 # process has a directory of its own: JAX does not write an entry atomically, and a worker that read another's
-# half-written entry warned and compiled again. A cache directory the user set is used as it is. Off on a GPU
-# machine, so that its runs stay as they were measured.
+# half-written entry warned and compiled again. The directory is set in JAX's config, not its environment, so the
+# processes a test starts (some run at once) do not share it. A cache directory the user set is used as it is.
+# Off on a GPU machine, so that its runs stay as they were measured.
 _JIT_CACHE_MADE = None
 _JIT_CACHE_ROOT = "MOK_TEST_JIT_CACHE_ROOT"
-if not os.path.exists("/dev/nvidiactl") and not os.environ.get("PYTEST_XDIST_WORKER"):
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("MOK_TEST_JIT_CACHE", "1") != "0":
-        import tempfile
+if (not os.environ.get("PYTEST_XDIST_WORKER") and not os.path.exists("/dev/nvidiactl")
+        and "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("MOK_TEST_JIT_CACHE", "1") != "0"):
+    import tempfile
 
-        _JIT_CACHE_MADE = tempfile.mkdtemp(prefix="mok_jax_test_jit_cache_")
-        os.environ[_JIT_CACHE_ROOT] = _JIT_CACHE_MADE
-        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-if os.environ.get(_JIT_CACHE_ROOT):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
-        os.environ[_JIT_CACHE_ROOT], os.environ.get("PYTEST_XDIST_WORKER", "controller")
-    )
+    _JIT_CACHE_MADE = tempfile.mkdtemp(prefix="mok_jax_test_jit_cache_")
+    os.environ[_JIT_CACHE_ROOT] = _JIT_CACHE_MADE
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if os.environ.get(_JIT_CACHE_ROOT):
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(os.environ[_JIT_CACHE_ROOT], os.environ.get("PYTEST_XDIST_WORKER", "controller")))
+    for _name in ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes"):
+        if _name.upper() not in os.environ:  # every program, however small or quick to compile, unless set
+            jax.config.update(_name, 0)
 
 
 def pytest_unconfigure(config):
