@@ -14,10 +14,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # tests build the same reference programs again and again in new closures, and XLA's CPU compile is most of their
 # time (the whole run on a 2-core machine: 605-637 s without it, 554-579 s with it). It is fresh per run (made
 # here, in the controller, before the workers start, and removed at its end), so nothing compiled by an earlier
-# tree is ever loaded. Each process has a directory of its own: JAX does not write an entry atomically, and a worker that read another's
-# half-written entry warned and compiled again. The directory is set in JAX's config, not its environment, so the
-# processes a test starts (some run at once) do not share it. A cache directory the user set is used as it is.
-# Off on a GPU machine, so that its runs stay as they were measured.
+# tree is ever loaded. Each process has a directory of its own: JAX does not write an entry atomically, and a
+# worker that read another's half-written entry warned and compiled again. The directory is set in JAX's config,
+# not its environment, so the processes a test starts (some run at once) do not share it. A cache directory the
+# user set is used as it is. Off on a GPU machine, so that its runs stay as they were measured.
 _JIT_CACHE_MADE = None
 _JIT_CACHE_ROOT = "MOK_TEST_JIT_CACHE_ROOT"
 if (not os.environ.get("PYTEST_XDIST_WORKER") and not os.path.exists("/dev/nvidiactl")
