@@ -11,9 +11,15 @@ gate_up [E, H, 2I] and down [E, I, H] sharded over ep on dim 0 (rank r owns expe
 stats: a dict of int32 scalars (``dropped_slots`` for the capacity baseline). Differentiable
 w.r.t. x, topk_weight and weights.
 
-Precision, as in the reference: matmuls accumulate in fp32, the SwiGLU activation h is rounded to
-x.dtype, each expert output row is rounded to x.dtype before it crosses the network, and the
-weighted sum over a token's k slots runs in fp32 in slot order before the final rounding.
+Precision: the strongest form a user writes, as a bf16 training stack runs it. Each GEMM takes the input dtype
+and yields it (the einsum's and ragged_dot's default: f32 accumulation inside the GEMM, as cuBLAS does, one
+rounding of the output), so with bf16 inputs the forward's g | u and expert outputs are bf16 and so are the
+backward's cotangents; the SwiGLU runs in f32 from the bf16 g, u and its h is rounded to bf16; the shared
+expert is ``mok_jax.bench.dense.dense_ffn`` (the same math). The weighted sum over a token's k slots runs in
+f32 in slot order, the shared expert's output added to it, before the final rounding to x.dtype.
+(Until issue 33 these baselines asked their einsums for f32 outputs, which made every cotangent of the backward
+f32: 21.9 ms fwd+bwd on kimi-k2 where the bf16 form of the same layer takes about 10.75 ms. That form is not kept:
+its numbers are in git history and in the README's older tables.)
 
 - ``xla`` (dropless): dispatch to per-(destination rank, local expert) slots of capacity T (tokens per
   rank): a token picks an expert at most once, so slot [e, t] can be token t's own and nothing is
@@ -22,10 +28,14 @@ weighted sum over a token's k slots runs in fp32 in slot order before the final 
   GPU where T*k are useful (1.5x for kimi-k2 in ep64-slice on 2 GPUs; E/k in general).
 - ``xla-capacity``: slots per (source rank, expert) = ceil(cf * T*k / E_total); a token's slot keeps
   its place in token order and slots past capacity are dropped (counted in ``dropped_slots``).
-- ``ragged``: ``ragged_all_to_all`` straight into expert-major order on the receiver, then
-  ``jax.lax.ragged_dot``: dropless with no padding in the math, the API JAX offers for this.
-  XLA:CPU cannot run ragged-all-to-all; ``emulate_collective=True`` swaps in an all_gather-based
-  equivalent (for CPU tests of the offset logic only).
+- ``ragged``: slots sorted by expert; at EP > 1 ``ragged_all_to_all`` straight into expert-major order on the
+  receiver, at EP 1 a gather (no collective); then ``jax.lax.ragged_dot``: dropless with no padding in the math,
+  the API JAX offers for this. XLA:CPU cannot run ragged-all-to-all; ``emulate_collective=True`` swaps in an
+  all_gather-based equivalent (for CPU tests of the offset logic only).
+- ``tokamax``: the same layout with ``tokamax.ragged_dot`` (the registry's ``tokamax``, the extra
+  ``mok_jax[tokamax]``) for both grouped GEMMs and their backward, on its Pallas Mosaic GPU kernel
+  (``implementation="mosaic"``, no fallback: a row times that kernel or says why it failed), each expert's rows
+  padded to a multiple of ``TOKAMAX_ROW_ALIGN`` with zero rows. The grouped GEMM a JAX user would pick today.
 - ``reference``: ``mok_jax.expert_parallel_moe`` with implementation="xla" (dense; small shapes only).
 - ``mok``: the same with implementation="mok" and ``kernel`` (a KernelConfig, or None: mok_jax.tuning picks);
   differentiable at every EP size (at EP > 1 the backward's communication runs over XLA collectives).
@@ -45,6 +55,7 @@ Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``,
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -53,20 +64,35 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.bench.accounting import capacity as _capacity
+from mok_jax.bench.dense import dense_ffn
 from mok_jax.config import KernelConfig, MoEConfig
 from mok_jax.fp8 import Fp8ExpertWeights, quantize_expert_weights
-from mok_jax.reference.experts import swiglu_ffn
 from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
 
-__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "MokVariant", "build", "mok", "quantize_weights",
-           "ragged", "reference", "xla_capacity", "xla_dropless"]
+__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "TOKAMAX_IMPLEMENTATION", "TOKAMAX_ROW_ALIGN",
+           "MokVariant", "build", "mok", "quantize_weights", "ragged", "reference", "tokamax", "xla_capacity",
+           "xla_dropless"]
 
 _F32 = jnp.float32
+# tokamax's kernel: its Pallas Mosaic GPU ragged_dot (the sm90 kernel on an H200), asked for by name so that it
+# never falls back to XLA's ragged_dot (which densifies: HARDWARE.md)
+TOKAMAX_IMPLEMENTATION = "mosaic"
+# Each expert's rows padded to a multiple of 8 for tokamax: its Mosaic GPU kernel aligns group starts to 8 rows,
+# and HARDWARE.md records it failing ("rows not a multiple of 8") on kimi-k2's groups of about 2731 rows. The zero
+# rows add at most 7 rows per local expert.
+TOKAMAX_ROW_ALIGN = 8
 MoEFn = Callable[..., tuple[jax.Array, dict]]
 
 
 # ----------------------------------------------------------------------------- shared pieces
+
+
+def _swiglu(gu: jax.Array, dtype) -> jax.Array:
+    """h = silu(g) u in f32 from a GEMM's g | u (in the GEMM's output dtype: bf16 for bf16 inputs), rounded to
+    ``dtype``: gu [..., 2I] -> [..., I]."""
+    gate, up = jnp.split(gu, 2, axis=-1)
+    return (jax.nn.silu(gate.astype(_F32)) * up.astype(_F32)).astype(dtype)
 
 
 def _experts(recv: jax.Array, weights: MoEWeights) -> jax.Array:
@@ -74,10 +100,8 @@ def _experts(recv: jax.Array, weights: MoEWeights) -> jax.Array:
     S, E_local, C, H = recv.shape
     with jax.named_scope("experts"):
         rows = recv.transpose(1, 0, 2, 3).reshape(E_local, S * C, H)  # expert-major: one GEMM batch per expert
-        gu = jnp.einsum("erh,ehn->ern", rows, weights.gate_up, preferred_element_type=_F32)
-        gate, up = jnp.split(gu, 2, axis=-1)
-        h = (jax.nn.silu(gate) * up).astype(recv.dtype)
-        out = jnp.einsum("eri,eih->erh", h, weights.down, preferred_element_type=_F32).astype(recv.dtype)
+        h = _swiglu(jnp.einsum("erh,ehn->ern", rows, weights.gate_up), recv.dtype)
+        out = jnp.einsum("eri,eih->erh", h, weights.down)
         return out.reshape(E_local, S, C, H).transpose(1, 0, 2, 3)
 
 
@@ -90,9 +114,10 @@ def _combine_rows(rows: jax.Array, topk_weight: jax.Array) -> jax.Array:
 
 
 def _finish(y_routed: jax.Array, x: jax.Array, weights: MoEWeights) -> jax.Array:
+    """The routed f32 sum plus the shared expert (the dense FFN's math, in x.dtype), rounded to x.dtype."""
     if weights.shared_gate_up is not None:
         with jax.named_scope("shared"):
-            y_routed = y_routed + swiglu_ffn(x, weights.shared_gate_up, weights.shared_down)
+            y_routed = y_routed + dense_ffn(x, weights.shared_gate_up, weights.shared_down).astype(_F32)
     return y_routed.astype(x.dtype)
 
 
@@ -222,46 +247,107 @@ def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outp
     return jnp.where(jnp.any(inside, axis=1)[:, None], got, output)
 
 
-def _ragged_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str, emulate_collective: bool):
+def _round_up(n: jax.Array, multiple: int) -> jax.Array:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _local_rows(flat_e: jax.Array, order: jax.Array, counts: jax.Array, row_align: int) -> tuple[jax.Array, jax.Array]:
+    """EP 1 (no collective): the expert-major row of each (token, slot) in slot order, with each expert's rows
+    padded to a multiple of ``row_align``, and the padded group sizes: (int32[T*k], int32[E])."""
+    padded = _round_up(counts, row_align)
+    start = jnp.cumsum(padded) - padded
+    first = jnp.cumsum(counts) - counts  # an expert's first slot in sorted order
+    expert_of_sorted = flat_e[order]
+    row_of_sorted = start[expert_of_sorted] + jnp.arange(flat_e.shape[0], dtype=jnp.int32) - first[expert_of_sorted]
+    row_of_slot = jnp.zeros_like(row_of_sorted).at[order].set(row_of_sorted, unique_indices=True)
+    return row_of_slot, padded
+
+
+def _ragged_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str, dot: Callable, row_align: int,
+                 emulate_collective: bool):
+    """Slots sorted by (rank, local expert), each expert's rows padded to a multiple of ``row_align`` (zero rows),
+    ``dot(rows, w, group_sizes)`` (a ragged_dot) for gate_up and down. At EP 1 a gather lays out the rows and
+    another brings them back (no collective); at EP > 1 ragged_all_to_all does."""
     ep, me, num_local = lax.axis_size(axis), lax.axis_index(axis), weights.num_local_experts
     num_experts = ep * num_local
     T, H = x.shape
     k = topk_idx.shape[1]
-    a2a = functools.partial(_ragged_all_to_all_emulated if emulate_collective else lax.ragged_all_to_all,
-                            axis_name=axis)
-    worst_rows = ep * T * min(k, num_local)  # every source sends each token at most min(k, E_local) times
+    pad_rows = num_local * (row_align - 1)  # the most zero rows that padding the local experts' groups adds
     with jax.named_scope("dispatch"):
         flat_e = topk_idx.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)  # slots grouped by (dest rank, local expert)
-        xs = x[order // k]  # [T*k, H]
         counts = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)  # slice i = (dest, local expert)
-        in_off = jnp.cumsum(counts) - counts
-        all_counts = lax.all_gather(counts, axis).reshape(ep, ep, num_local)  # [src, dest, local expert]
-        per_expert = all_counts.sum(axis=0)  # rows each (dest, local expert) receives: [dest, E_local]
-        expert_start = jnp.cumsum(per_expert, axis=1) - per_expert
-        before = jnp.cumsum(all_counts, axis=0) - all_counts  # rows of earlier sources
-        out_off_all = (expert_start[None] + before).astype(jnp.int32)  # receiver offset: expert-major, then source
-        recv_sizes = all_counts[:, me, :].reshape(-1)  # slice i = (src, local expert)
-        recv = a2a(xs, jnp.zeros((worst_rows, H), x.dtype), in_off, counts, out_off_all[me].reshape(-1), recv_sizes)
+        if ep == 1:
+            row_of_slot, group_sizes = _local_rows(flat_e, order, counts, row_align)
+            token_of_row = jnp.full(T * k + pad_rows, T, jnp.int32).at[row_of_slot].set(
+                jnp.arange(T * k, dtype=jnp.int32) // k, unique_indices=True)
+            recv = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])[token_of_row]  # row T: a padding row
+        else:
+            a2a = functools.partial(_ragged_all_to_all_emulated if emulate_collective else lax.ragged_all_to_all,
+                                    axis_name=axis)
+            worst_rows = ep * T * min(k, num_local) + pad_rows  # a source sends a token at most min(k, E_local) times
+            xs = x[order // k]  # [T*k, H]
+            in_off = jnp.cumsum(counts) - counts
+            all_counts = lax.all_gather(counts, axis).reshape(ep, ep, num_local)  # [src, dest, local expert]
+            per_expert = all_counts.sum(axis=0)  # rows each (dest, local expert) receives: [dest, E_local]
+            padded = _round_up(per_expert, row_align)
+            expert_start = jnp.cumsum(padded, axis=1) - padded
+            before = jnp.cumsum(all_counts, axis=0) - all_counts  # rows of earlier sources
+            out_off_all = (expert_start[None] + before).astype(jnp.int32)  # receiver offset: expert-major, then source
+            recv_sizes = all_counts[:, me, :].reshape(-1)  # slice i = (src, local expert)
+            recv = a2a(xs, jnp.zeros((worst_rows, H), x.dtype), in_off, counts, out_off_all[me].reshape(-1),
+                       recv_sizes)
+            group_sizes = padded[me]
     with jax.named_scope("experts"):
-        group_sizes = per_expert[me]
-        gu = lax.ragged_dot(recv, weights.gate_up, group_sizes, preferred_element_type=_F32)
-        gate, up = jnp.split(gu, 2, axis=-1)
-        h = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = lax.ragged_dot(h, weights.down, group_sizes, preferred_element_type=_F32).astype(x.dtype)
+        h = _swiglu(dot(recv, weights.gate_up, group_sizes), x.dtype)
+        out = dot(h, weights.down, group_sizes)
     with jax.named_scope("combine"):
-        src_in_off = lax.all_gather(in_off, axis).reshape(ep, ep, num_local)[:, me, :].reshape(-1)
-        back = a2a(out, jnp.zeros((T * k, H), x.dtype), out_off_all[:, me, :].reshape(-1), recv_sizes,
-                   src_in_off, counts)  # [T*k, H] in sorted slot order
-        rows = jnp.zeros_like(back).at[order].set(back, unique_indices=True).reshape(T, k, H)
+        if ep == 1:
+            rows = out[row_of_slot].reshape(T, k, H)
+        else:
+            src_in_off = lax.all_gather(in_off, axis).reshape(ep, ep, num_local)[:, me, :].reshape(-1)
+            back = a2a(out, jnp.zeros((T * k, H), x.dtype), out_off_all[:, me, :].reshape(-1), recv_sizes,
+                       src_in_off, counts)  # [T*k, H] in sorted slot order
+            rows = jnp.zeros_like(back).at[order].set(back, unique_indices=True).reshape(T, k, H)
         y = _combine_rows(rows, topk_weight)
     return _finish(y, x, weights), {}
 
 
-def ragged(mesh: Mesh, *, axis: str = "ep", emulate_collective: bool = False) -> MoEFn:
-    """ragged_all_to_all + ragged_dot, dropless. ``emulate_collective``: for CPU tests only."""
-    body = functools.partial(_ragged_body, emulate_collective=emulate_collective)
+def ragged(mesh: Mesh, *, axis: str = "ep", row_align: int = 1, emulate_collective: bool = False) -> MoEFn:
+    """ragged_all_to_all (a gather at EP 1) + lax.ragged_dot, dropless. ``row_align``: each expert's rows padded to
+    a multiple of it with zero rows (tokamax's layout, TOKAMAX_ROW_ALIGN; 1: none). ``emulate_collective``: for
+    CPU tests only."""
+    if isinstance(row_align, bool) or not isinstance(row_align, int) or row_align < 1:
+        raise ValueError(f"row_align must be a positive int, got {row_align!r}")
+    body = functools.partial(_ragged_body, dot=lax.ragged_dot, row_align=row_align,
+                             emulate_collective=emulate_collective)
     return _ep_callable(body, mesh, axis, "ragged")
+
+
+# ----------------------------------------------------------------------------- tokamax
+
+
+def _import_tokamax():
+    """The tokamax module, imported by name: it is an optional extra (``pip install mok_jax[tokamax]``, Python >=
+    3.12), so mok_jax imports, and its dependency check (tests/test_readme.py) passes, without it. ImportError
+    with the way to install it otherwise."""
+    try:
+        return importlib.import_module("tokamax")
+    except ImportError as e:
+        raise ImportError(f"tokamax is not installed ({e}); pip install 'mok_jax[tokamax]' (Python >= 3.12)") from None
+
+
+def tokamax(mesh: Mesh, *, axis: str = "ep", implementation: str | Callable = TOKAMAX_IMPLEMENTATION,
+            emulate_collective: bool = False) -> MoEFn:
+    """The ``ragged`` layout with tokamax.ragged_dot(implementation=...) for the grouped GEMMs (their backward
+    tokamax's own, on the same kernel), each expert's rows padded to a multiple of TOKAMAX_ROW_ALIGN. On CPU
+    tests pass ``implementation="xla"`` (tokamax's XLA path: the Mosaic GPU kernel needs an NVIDIA GPU) or a
+    callable. Raises ImportError (saying how to install it) when tokamax is not installed."""
+    tk = _import_tokamax()
+    dot = functools.partial(tk.ragged_dot, implementation=implementation)
+    body = functools.partial(_ragged_body, dot=dot, row_align=TOKAMAX_ROW_ALIGN,
+                             emulate_collective=emulate_collective)
+    return _ep_callable(body, mesh, axis, "tokamax")
 
 
 # ----------------------------------------------------------------------------- the library's own paths
@@ -317,7 +403,7 @@ def quantize_weights(weights: MoEWeights, mesh: Mesh, *, axis: str = "ep") -> Fp
 
 
 BASELINES: dict[str, Callable[..., MoEFn]] = {
-    "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "reference": reference,
+    "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "tokamax": tokamax, "reference": reference,
 }
 MOK_IMPLEMENTATIONS = {"mok": MokVariant(), "mok-ring": MokVariant(keep="ring"),
                        "mok-keep": MokVariant(keep="everything"), "mok-fp8": MokVariant(precision="fp8")}

@@ -50,7 +50,7 @@ CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("refer
 TARGET_SAMPLE_MS = {"gpu": 100.0, "cpu": 20.0}
 MAX_CALLS_PER_SAMPLE = {"gpu": 64, "cpu": 16}
 CPU_DEVICES = 8  # host devices the CLI asks for on a CPU-only machine (unless XLA_FLAGS sets a count)
-IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "reference", "mok", "mok-ring", "mok-keep", "mok-fp8")
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "tokamax", "reference", "mok", "mok-ring", "mok-keep", "mok-fp8")
 # the megakernel: kernel knobs apply (mok-ring: MoEConfig(keep="ring"), mok-keep: MoEConfig(keep="everything"),
 # mok-fp8: MoEConfig(precision="fp8"))
 MOK_IMPLS = ("mok", "mok-ring", "mok-keep", "mok-fp8")
