@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mok_jax.bench import cli
+from mok_jax.bench import cli, runner
 from mok_jax.bench.report import RESULT_KEYS, SCHEMA
 
 # Timing knobs that keep a run to its compilation plus a few calls.
@@ -409,7 +409,7 @@ def test_tune_path_with_a_stand_in_gpu(tmp_path, cpu_devices, monkeypatch, capsy
     from mok_jax.bench import baselines, tune
 
     monkeypatch.setattr(baselines, "build", _fake_mok_build([]))
-    monkeypatch.setattr(cli, "_on_gpu", lambda devices: True)
+    monkeypatch.setattr(runner, "_on_gpu", lambda devices: True)
     monkeypatch.setattr(tune, "tuned_root", lambda: tmp_path)
     out = tmp_path / "r.json"
     assert cli.main(["ci", "--tune", "--tokens", "16,32", "--devices", "2", "--ep-mode", "full", "--json", str(out),
