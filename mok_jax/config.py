@@ -15,7 +15,7 @@ from typing import Literal
 __all__ = ["KernelConfig", "ModelShape", "MoEConfig", "list_models", "load_model"]
 
 Implementation = Literal["xla", "mok"]
-KEEP = ("nothing", "ring", "everything")  # MoEConfig.keep: least to most memory
+KEEP = ("nothing", "ring", "balanced", "everything")  # MoEConfig.keep (its docstring: the memory of each)
 PRECISIONS = ("bf16", "fp8")  # MoEConfig.precision: the routed experts' forward
 ScoreFunc = Literal["softmax", "sigmoid"]
 
@@ -161,16 +161,23 @@ class MoEConfig:
         ``jax.export``: set False to export the layer (invalid ids still give NaN rows, and the megakernel
         still records them for ``Workspace.check()``).
     keep: what ``implementation="mok"``'s forward keeps for its backward beyond the inputs, trading memory for
-        recompute: "nothing" (the backward recomputes the routed experts' gate/up GEMM), "everything" (the
-        forward also writes its fp32 gate/up accumulators g | u of every slot into its backward's rows, and
-        the backward skips that GEMM: two thirds of the routed experts' forward FLOPs, a quarter of their
-        backward's), or "ring" (only those of the microbatches still in the forward's receive ring at its end:
-        the last ``ring_slots`` microbatches of ``granularity`` tokens, as the call's KernelConfig resolves
-        them; the backward recomputes the rest). Kept per rank and layer: "everything" f32 [M, 2I] with M = ep
-        T k + 128 L rows (the static bound of a dropless layout, ep times the rows a uniform routing uses at
-        EP > 1); "ring" f32 [ep T' k, 2I] with T' <= ring_slots * granularity the ring's tokens per rank, so
-        bounded by the ring, not by T (when every token fits in the ring it keeps what "everything" keeps). The
-        gradients are the same bits for each. Ignored by ``implementation="xla"``.
+        recompute of the routed experts' gate/up GEMM (two thirds of their forward FLOPs, a quarter of their
+        backward's). The forward writes its fp32 gate/up accumulators g | u of the kept slots into its backward's
+        rows, and the backward recomputes only the others. Kept per rank and layer, f32 [rows, 2I]:
+        "nothing": none; the backward recomputes every slot.
+        "balanced" (the default with precision "bf16"): the first T k + 128 L rows of the rank's padded
+            expert-major layout (L its experts): every row a balanced routing fills, so the memory does not grow
+            with the EP size. At EP 1 that is every slot ("everything"'s rows); at EP > 1 only a skewed routing
+            fills the rows past it, which are recomputed.
+        "everything": every slot, M = ep T k + 128 L rows (the static bound of a dropless layout: ep times what a
+            balanced routing fills at EP > 1).
+        "ring": only the slots of the microbatches still in the forward's receive ring at its end (the last
+            ``ring_slots`` microbatches of ``granularity`` tokens, as the call's KernelConfig resolves them):
+            ep T' k rows with T' <= ring_slots * granularity the ring's tokens per rank, bounded by the ring, not
+            by T (when every token fits in the ring it keeps what "everything" keeps).
+        The gradients are the same bits for each. The default (None) is "balanced" with precision "bf16" and
+        "nothing" with "fp8". Measured on one H200 (benchmarks/results/moe_backward_h200.md), keeping g | u takes
+        11.7-13.8% off the fwd+bwd of the five benchmark problems. Ignored by ``implementation="xla"``.
     precision: the routed experts' forward on ``implementation="mok"``: "bf16", or "fp8": E4M3 with DeepSeek-V3
         block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source stages it
         (so FP8 rows and their scales cross NVLink: about half the bytes), the gate/up and down GEMMs run in FP8
@@ -178,7 +185,7 @@ class MoEConfig:
         the combine and y stay bf16. H and I must be multiples of 128. The weights' E4M3 form comes from
         ``mok_jax.fp8.quantize_expert_weights`` (``moe(..., fp8_weights=)``, else each call quantises them). The
         backward stays bf16: it recomputes the experts from the bf16 weights (the gradient of the bf16 layer at
-        the FP8 forward's point, as straight-through training takes it), so keep must be "nothing".
+        the FP8 forward's point, as straight-through training takes it), so keep must be "nothing" (its default).
     """
 
     implementation: Implementation = "xla"
@@ -186,10 +193,12 @@ class MoEConfig:
     kernel: KernelConfig | None = None
     workspace: object | None = None
     checkify_ids: bool = True
-    keep: str = "nothing"
+    keep: str | None = None
     precision: str = "bf16"
 
     def __post_init__(self):
+        if self.keep is None:  # the default: keep what a balanced routing fills, where the backward can use it
+            object.__setattr__(self, "keep", "balanced" if self.precision == "bf16" else "nothing")
         _require(self.implementation in ("xla", "mok"),
                  f"MoEConfig.implementation must be 'xla' or 'mok', got {self.implementation!r}")
         _require(self.ep_axis is None or (isinstance(self.ep_axis, str) and self.ep_axis),

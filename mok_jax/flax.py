@@ -63,7 +63,8 @@ class MoELayer(nnx.Module):
         axis unless ``token_axes`` says otherwise); without a mesh every expert is local.
     implementation: "xla" (pure JAX) or "mok" (the CUDA megakernel).
     kernel: the megakernel's KernelConfig (None: tuned table or heuristic); ignored by "xla".
-    keep: "mok" only: what the forward keeps for the backward (MoEConfig.keep: "nothing", "ring" or "everything").
+    keep: "mok" only: what the forward keeps for the backward (MoEConfig.keep: "nothing", "ring", "balanced" or
+        "everything"; None, the default: "balanced" in bf16, "nothing" in fp8).
     precision: "mok" only: "bf16" or "fp8" routed experts in the forward (MoEConfig.precision; the E4M3 weights are
         quantised from the parameters in every call, which is once per optimizer step without accumulation).
     max_tokens: "mok" only: the most tokens one call takes (x's leading dimensions flattened, over the
@@ -81,7 +82,7 @@ class MoELayer(nnx.Module):
         token_axes: tuple[str, ...] | None = None,
         implementation: str = "xla",
         kernel: KernelConfig | None = None,
-        keep: str = "nothing",
+        keep: str | None = None,
         precision: str = "bf16",
         max_tokens: int | None = None,
         dtype: Any = jnp.bfloat16,
@@ -227,7 +228,7 @@ class LinenMoELayer(linen.Module):
     token_axes: tuple[str, ...] | None = None
     implementation: str = "xla"
     kernel: KernelConfig | None = None
-    keep: str = "nothing"
+    keep: str | None = None
     precision: str = "bf16"
     max_tokens: int | None = None
     dtype: Any = jnp.bfloat16

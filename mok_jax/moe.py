@@ -56,12 +56,13 @@ __all__ = ["kept_rows", "moe"]
 
 
 class KeptGateUp(NamedTuple):
-    """What implementation='mok' keeps with MoEConfig(keep="everything"): gu f32[M, 2I], the forward's fp32
-    gate/up accumulators (g | u) of every slot of this rank's experts, in the rows of ``layout`` (the padded
-    expert-major layout its backward runs on; rows no slot takes are not written: the backward op zeroes the
-    padding rows it reads). With keep="ring" and tokens past the ring, gu is f32[ep T' k, 2I], those of the
-    slots of the ring's T' tokens per rank, and ``row`` int32[M] gives each layout row's row of gu (-1: none,
-    the backward recomputes it); else row is None."""
+    """What implementation='mok' keeps with MoEConfig(keep="everything"), and "balanced" at EP 1: gu f32[M, 2I],
+    the forward's fp32 gate/up accumulators (g | u) of every slot of this rank's experts, in the rows of ``layout``
+    (the padded expert-major layout its backward runs on; rows no slot takes are not written: the backward op
+    zeroes the padding rows it reads). With keep="ring" and tokens past the ring, gu is f32[ep T' k, 2I], those of
+    the slots of the ring's T' tokens per rank; with "balanced" at EP > 1, f32[T k + 128 L, 2I], the layout's first
+    rows; then ``row`` int32[M] gives each layout row's row of gu (-1: none, the backward recomputes it); else row
+    is None."""
 
     gu: jax.Array
     layout: PaddedLayout
@@ -73,8 +74,8 @@ class KeptGateUp(NamedTuple):
 
 
 class MoEResiduals(NamedTuple):
-    """What the backward pass keeps from the forward pass: its inputs, and with MoEConfig(keep="everything") on
-    the mok path the forward's g, u (``kept``); the backwards recompute the rest."""
+    """What the backward pass keeps from the forward pass: its inputs, and with a MoEConfig.keep other than
+    "nothing" on the mok path the forward's g, u (``kept``); the backwards recompute the rest."""
 
     x: jax.Array
     topk_idx: jax.Array
@@ -184,27 +185,37 @@ def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
 def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int, ep: int = 1) -> int:
     """Rows of the f32 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
     MoEConfig(keep=keep) and the resolved knobs ``kernel`` (a KernelConfig; "ring" reads granularity and ring_slots)
-    for ``tokens`` per rank: 0 for "nothing"; ep T k + 128 L for "everything" (the dropless layout's bound), and for
-    "ring" when every token fits in the ring; else ep (T - t0) k for the ring's tokens [t0, T)."""
+    for ``tokens`` per rank: 0 for "nothing"; M = ep T k + 128 L for "everything" (the dropless layout's bound), and
+    for "ring" when every token fits in the ring; else ep (T - t0) k for the ring's tokens [t0, T); T k + 128 L
+    for "balanced" (M at EP 1)."""
     if keep == "nothing":
         return 0
+    bound = ep * tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts
+    if keep == "balanced":
+        return min(bound, tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts)
     t0 = first_ring_token(kernel, tokens) if keep == "ring" else 0
     if t0:
         return ep * (tokens - t0) * top_k
-    return ep * tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts
+    return bound
 
 
 def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout):
-    """What the forward keeps for ``config.keep`` ("ring" or "everything") in this rank's backward ``layout``:
+    """What the forward keeps for ``config.keep`` (anything but "nothing") in this rank's backward ``layout``:
     (keep_pos int32[ep T k], the kept buffer's rows, row), where keep_pos gives each slot of the EP group (flat (s T +
     t) k + j) its row in the kept buffer (outside it: not kept) and row is KeptGateUp.row.
 
-    "everything", and "ring" when every token fits in the ring: the layout's own rows (keep_pos = pos, M rows, row
-    None). "ring" otherwise: the slots of tokens t >= the first ring token (of each source rank), numbered in
-    layout order, ep (T - t0) k rows."""
+    "everything", and "ring" when every token fits in the ring, and "balanced" at EP 1: the layout's own rows
+    (keep_pos = pos, M rows, row None). "balanced" at EP > 1: the layout's first T k + 128 L rows, in place (keep_pos
+    = pos, row the identity below them, -1 past them). "ring" otherwise: the slots of tokens t >= the first ring
+    token (of each source rank), numbered in layout order, ep (T - t0) k rows."""
     tokens, k = topk_idx.shape
     ep = _ep_size(config)
     m = layout.num_rows
+    if config.keep == "balanced":
+        rows = kept_rows("balanced", None, tokens=tokens, top_k=k, local_experts=weights.num_local_experts, ep=ep)
+        if rows < m:
+            r = jnp.arange(m, dtype=jnp.int32)
+            return layout.pos.reshape(-1), rows, jnp.where(r < rows, r, -1)
     if config.keep == "ring":
         kernel = config.kernel  # else the knobs the forward call resolves (its workspace's tuned table)
         if kernel is None:

@@ -383,7 +383,7 @@ def test_op_without_gpu_raises_not_falls_back():
 # ----------------------------------------------------------------------------- the layer's backward glue
 
 
-MOK = mj.MoEConfig(implementation="mok")
+MOK = mj.MoEConfig(implementation="mok", keep="nothing")  # the recompute's glue (tests/test_keep.py: the kept paths)
 
 
 def _glue_grads(x, idx, w, W, dy, config=MOK):
@@ -575,7 +575,7 @@ def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True, fused=False):
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
     use_fused_ep_backward(monkeypatch, mesh.shape["ep"], fused)
     spec = jax.sharding.PartitionSpec
-    cfg = mj.MoEConfig(implementation="mok", ep_axis="ep")
+    cfg = mj.MoEConfig(implementation="mok", ep_axis="ep", keep="nothing")
     wspec = MoEWeights(spec("ep"), spec("ep"), spec(), spec())
     specs = (spec("ep"), spec("ep"), spec("ep"), wspec, spec("ep"))
 
