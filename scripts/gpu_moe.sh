@@ -31,6 +31,14 @@ for s in ${BENCH_STEPS-headline granularity}; do
     backward) step backward ${BACKWARD_LIMIT:-300} $PY -m mok_jax.bench.backward --model "$MODELS" \
                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} --trace "$LOGS/backward_trace" --json "$LOGS/backward.json"
               rm -rf "$LOGS/backward_trace" ;;
+    # qwen3-30b-a3b's one-GPU problem: 8192 tokens, 16 of its 128 experts (fine-grained, no shared expert)
+    backward-q30) step backward-q30 ${BACKWARD_LIMIT:-200} $PY -m mok_jax.bench.backward --model qwen3-30b-a3b \
+                    --tokens 8192 --experts 16 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} \
+                    --trace "$LOGS/backward_trace" --json "$LOGS/backward_q30.json"
+                  rm -rf "$LOGS/backward_trace" ;;
+    tune-q30) step tune-q30 200 "${BENCH[@]/E\/32/16}" --model qwen3-30b-a3b --tokens 8192 --tune \
+                --time-budget ${TUNE_BUDGET:-170} --json "$LOGS/tune_q30.json"
+              cp configs/tuned/*/kernel.toml "$LOGS/" 2>/dev/null ;;
     ring) step ring ${RING_LIMIT:-300} $PY -m mok_jax.bench.backward --model "${RING_MODELS:-kimi-k2,qwen3.5-397b-a17b}" \
             --tokens ${RING_TOKENS:-8192} --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} \
             --json "$LOGS/backward_ring.json" ;;

@@ -32,19 +32,21 @@ def test_without_a_gpu_says_so_in_one_line(capsys):
     assert len(out) == 1 and out[0].startswith("mok_jax.bench.backward: ")
 
 
-def test_table_reports_the_three_keep_settings_against_the_floor():
+def test_table_reports_the_keep_settings_against_dense():
     ms = lambda v: {"ms": v}  # noqa: E731
-    case = {"model": "kimi-k2", "fwd_flops": 1e12, "fwd": ms(2.0), "fwd+bwd": ms(9.0), "fwd+bwd keep": ms(7.5),
+    case = {"model": "kimi-k2", "tokens": 2048, "E": 12, "fwd_flops": 1e12, "dense fwd": ms(1.6), "fwd": ms(2.0),
+            "dense fwd+bwd": ms(6.0), "fwd+bwd": ms(7.5), "fwd+bwd recompute": ms(9.0), "fwd+bwd keep": ms(7.5),
             "fwd+bwd ring": ms(8.1), "experts op": ms(5.0), "op_flops": 4e12, "kept_bytes": 294_000_000,
             "ring_kept_bytes": 201_000_000}
     lines = backward.table({"dense": {"tflops": 500.0}, "cases": [case]}).splitlines()
     assert lines[0] == "dense bf16 8192^3 GEMM: 500 TFLOP/s"
-    assert "kept MB" in lines[1] and lines[1].endswith("ring  ring MB")
-    row = lines[2].split()
-    # floor = 3 x 1 TFLOP at 500 TFLOP/s = 6 ms: 9 ms is 1.50x of it, 7.5 ms with keep 1.25x; 294 MB kept; ring
-    # 8.1 ms with 201 MB
-    assert row[:5] == ["kimi-k2", "2.000", "9.000", "6.000", "1.50x"]
-    assert row[-5:] == ["7.500", "1.25x", "294", "8.100", "201"]
+    assert "kept MB" in lines[2] and lines[2].endswith("ring  ring MB")
+    row = lines[3].split()
+    # fwd 2.0 against 1.6 dense: 1.25x; fwd+bwd 7.5 against 6.0: 1.25x, recompute 9.0: 1.5x; backward 5.5 ms; the op
+    # 4 TFLOP in 5 ms; keep 7.5 with 294 MB; ring 8.1 with 201 MB
+    assert row[:12] == ["kimi-k2", "2048", "12", "1.600", "2.000", "1.250x", "6.000", "7.500", "1.250x", "9.000",
+                        "1.500x", "5.500"]
+    assert row[12:] == ["5.000", "800", "7.500", "294", "8.100", "201"]
 
 
 def test_timeline_finds_the_idle_gaps_between_device_events():

@@ -1,13 +1,18 @@
 """Where the layer's backward time goes, on one GPU (EP 1).
 
-    python -m mok_jax.bench.backward [--model kimi-k2,...] [--tokens 2048] [--json out.json] [--trace DIR]
+    python -m mok_jax.bench.backward [--model kimi-k2,...] [--tokens 2048] [--experts N] [--json out.json]
+        [--trace DIR]
 
-For each model (the one-GPU ep64-slice problem: E/32 experts, uniform routing, bf16), in one process, median
-ms of back-to-back calls (mok_jax.bench.timing):
+For each model (the one-GPU ep64-slice problem: E/32 experts unless --experts, uniform routing, bf16), in one
+process, median ms of back-to-back calls (mok_jax.bench.timing):
+- ``dense fwd`` and ``dense fwd+bwd``: the layer's FLOPs as dense SwiGLU FFNs (mok_jax.bench.dense: T k (+ T) rows,
+  one weight pair, cuBLAS through XLA), the practical limit; every layer time is also given as "x dense";
 - ``fwd``: the layer forward with ``implementation="mok"`` (the megakernel);
-- ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it;
-- ``fwd+bwd keep``: the same with MoEConfig(keep="everything") (the forward keeps its fp32 g, u, the backward
-  skips the gate/up recompute), and the kept bytes (``kept_bytes``, f32 [T k + 128 E, 2I]);
+- ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it,
+  with the default MoEConfig (keep="balanced": at EP 1 the forward keeps every slot's fp32 g, u and the backward
+  skips the gate/up recompute), and its kept bytes (``kept_bytes``, f32 [T k + 128 E, 2I]);
+- ``fwd+bwd recompute``: the same with MoEConfig(keep="nothing") (the backward recomputes g, u);
+- ``fwd+bwd keep``: with MoEConfig(keep="everything") (at EP 1 the default's rows, the same program);
 - ``fwd+bwd ring``: with MoEConfig(keep="ring") (only the g, u of the slots of the tokens still in the forward's
   ring: the last ring_slots microbatches; the backward recomputes the others), and its kept bytes
   (``ring_kept_bytes``: f32 [T' k, 2I] for the ring's T' tokens; "everything"'s when every token fits);
@@ -21,8 +26,7 @@ ms of back-to-back calls (mok_jax.bench.timing):
   recompute, down dgrad with the SwiGLU backward, gate/up dgrad, the two weight-gradient GEMMs, the router-weight
   and per-token sums) from a jax.profiler trace of a few calls, the kernels with the most device time in the op
   and in the layer's fwd+bwd, and its TFLOP/s; and the traced fwd+bwd's span, busy and idle time per call.
-The compute floor beside them: 3x the forward's FLOPs at the dense 8192^3 GEMM rate measured in the same
-process (the floor mok-bench and the issue use: ``fwd+bwd floor``).
+Beside them, the rate of a dense bf16 8192^3 GEMM timed in the same process (the card's sustained clock).
 """
 
 from __future__ import annotations
@@ -36,26 +40,29 @@ import sys
 
 __all__ = ["main", "run"]
 
-MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
+MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")  # at 2048 tokens, E/32 experts
+# (qwen3-30b-a3b's one-GPU problem, 8192 tokens and 16 of its 128 experts: --model qwen3-30b-a3b --tokens 8192
+# --experts 16)
 # The op's launches, and how to find each in a trace: (label, a substring of the kernel's name, launches per
 # call). The op is one persistent kernel (ffi/src/experts_backward.cu) after two small memsets.
 LAUNCHES = (("experts backward kernel", "experts_backward_kernel", 1),)
 _TRACED_CALLS = 5
 
 
-def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None) -> dict:
+def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, experts: int | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
     from mok_jax import ops, tuning
     from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
+    from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
     from mok_jax.config import MoEConfig
     from mok_jax.expert_layout import padded_layout
     from mok_jax.moe import kept_rows, moe
     from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
     from mok_jax.ops.moe_forward import first_ring_token
 
-    m, x, idx, w, W, flops = _problem(model_name, tokens, seed)
+    m, x, idx, w, W, flops = _problem(model_name, tokens, seed, experts)
     E, H, I, k = W.gate_up.shape[0], m.hidden_size, m.intermediate_size, m.top_k
     key = tuning.ProblemKey(hidden=H, intermediate=I, top_k=k, experts_per_rank=E, ep=1, tokens=tokens)
     cfg = MoEConfig(implementation="mok", kernel=tuning.resolve(None, key, jax.devices()[0].device_kind))
@@ -66,6 +73,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
                                                                * dy), argnums=(0, 2, 3)))
 
     grad = grad_of(cfg)
+    grad_recompute = grad_of(dataclasses.replace(cfg, keep="nothing"))
     grad_keep = grad_of(dataclasses.replace(cfg, keep="everything"))
     grad_ring = grad_of(dataclasses.replace(cfg, keep="ring"))
     moe_mod = importlib.import_module("mok_jax.moe")  # the module (mok_jax.moe the attribute is the function)
@@ -84,15 +92,20 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None)
     status = int(op(*op_args).status)
     t0 = first_ring_token(cfg.kernel, tokens)  # keep="ring" keeps the slots of tokens t0..: all when 0
     rows_of = dict(tokens=tokens, top_k=k, local_experts=E)
-    res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "E": E, "H": H, "I": I, "k": k, "fwd_flops": flops,
+    dense = dense_problem(dense_groups(tokens, k, I, m.shared_size), H, seed=seed)
+    res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "keep": cfg.keep, "E": E, "H": H,
+           "I": I, "k": k, "fwd_flops": flops,
            "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
+           "dense fwd": _timed(dense_step("fwd"), (dense.xs, dense.weights), timing_kw),
+           "dense fwd+bwd": _timed(dense_step("fwd+bwd"), tuple(dense), timing_kw),
            "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
            "fwd+bwd": _timed(grad, (x, idx, w, W, dy), timing_kw),
+           "fwd+bwd recompute": _timed(grad_recompute, (x, idx, w, W, dy), timing_kw),
            "fwd+bwd keep": _timed(grad_keep, (x, idx, w, W, dy), timing_kw),
            "fwd+bwd ring": _timed(grad_ring, (x, idx, w, W, dy), timing_kw),
            "shared_in_op": bool(default),
            "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
-           "kept_bytes": kept_rows("everything", cfg.kernel, **rows_of) * 2 * I * 4,
+           "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * 4,
            "ring_tokens": tokens - t0,
            "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * 4,
            "experts op": _timed(op, op_args, timing_kw)}
@@ -175,29 +188,31 @@ def _top_kernels(events: list[dict], calls: int, top: int = 14) -> list[tuple[st
 
 
 def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 100.0, seed: int = 0,
-        trace: str | None = None) -> dict:
+        trace: str | None = None, experts: int | None = None) -> dict:
     from mok_jax.bench.breakdown import _dense
 
     timing_kw = {"samples": samples, "target_sample_ms": sample_ms}
     out = {"dense": _dense(timing_kw), "cases": []}
     for name in models:
-        out["cases"].append(_case(name, tokens, timing_kw, seed, trace and f"{trace}/{name}"))
+        out["cases"].append(_case(name, tokens, timing_kw, seed, trace and f"{trace}/{name}", experts))
     return out
 
 
 def table(res: dict) -> str:
     rate = res["dense"]["tflops"] if "tflops" in res["dense"] else None
-    lines = [f"dense bf16 8192^3 GEMM: {rate:.0f} TFLOP/s" if rate else "dense GEMM: not measured"]
-    lines.append(f"{'model':<18} {'fwd ms':>8} {'fwd+bwd':>8} {'floor':>7} {'x floor':>8} {'bwd':>7} {'op ms':>7} "
-                 f"{'op TF/s':>8} {'keep':>8} {'x floor':>8} {'kept MB':>8} {'ring':>8} {'ring MB':>8}")
+    lines = [f"dense bf16 8192^3 GEMM: {rate:.0f} TFLOP/s" if rate else "dense GEMM: not measured",
+             "x dense: the time over the dense FFN of the same FLOPs (mok_jax.bench.dense) timed in this process"]
+    lines.append(f"{'model':<18} {'T':>5} {'E':>3} {'dense fwd':>9} {'fwd ms':>8} {'x dense':>8} {'dense f+b':>9} "
+                 f"{'fwd+bwd':>8} {'x dense':>8} {'recompute':>9} {'x dense':>8} {'bwd':>7} {'op ms':>7} "
+                 f"{'op TF/s':>8} {'keep':>8} {'kept MB':>8} {'ring':>8} {'ring MB':>8}")
     for c in res["cases"]:
-        floor = 3 * c["fwd_flops"] / (rate * 1e12) * 1e3 if rate else float("nan")
-        fb = c["fwd+bwd"]["ms"]
-        lines.append(f"{c['model']:<18} {c['fwd']['ms']:>8.3f} {fb:>8.3f} {floor:>7.3f} {fb / floor:>7.2f}x "
-                     f"{fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
+        fb, df, dfb = c["fwd+bwd"]["ms"], c["dense fwd"]["ms"], c["dense fwd+bwd"]["ms"]
+        rc = c["fwd+bwd recompute"]["ms"]
+        lines.append(f"{c['model']:<18} {c['tokens']:>5} {c['E']:>3} {df:>9.3f} {c['fwd']['ms']:>8.3f} "
+                     f"{c['fwd']['ms'] / df:>7.3f}x {dfb:>9.3f} {fb:>8.3f} {fb / dfb:>7.3f}x {rc:>9.3f} "
+                     f"{rc / dfb:>7.3f}x {fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
                      f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f} {c['fwd+bwd keep']['ms']:>8.3f} "
-                     f"{c['fwd+bwd keep']['ms'] / floor:>7.2f}x {c['kept_bytes'] / 1e6:>8.0f} "
-                     f"{c['fwd+bwd ring']['ms']:>8.3f} {c['ring_kept_bytes'] / 1e6:>8.0f}")
+                     f"{c['kept_bytes'] / 1e6:>8.0f} {c['fwd+bwd ring']['ms']:>8.3f} {c['ring_kept_bytes'] / 1e6:>8.0f}")
         for label in ("items", "items kept"):
             if c.get(label):
                 parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}" for n, v in c[label].items()
@@ -232,6 +247,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mok_jax.bench.backward", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=",".join(MODELS))
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--experts", type=int, help="routed experts on the GPU (default: the model's E/32)")
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--sample-ms", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -244,8 +260,10 @@ def main(argv=None) -> int:
     if why:
         print(f"mok_jax.bench.backward: {why}")
         return 2
+    if a.experts is not None and a.experts <= 0:
+        ap.error(f"--experts must be a positive count, got {a.experts}")
     res = run(tuple(s for s in a.model.split(",") if s), a.tokens, samples=a.samples, sample_ms=a.sample_ms,
-              seed=a.seed, trace=a.trace)
+              seed=a.seed, trace=a.trace, experts=a.experts)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -145,7 +145,9 @@ def _kernel_times_from_trace(trace_dir: str, name: str) -> list[float]:
     return _kernel_times(_trace_events(trace_dir), name)
 
 
-def _problem(model_name: str, tokens: int, seed: int):
+def _problem(model_name: str, tokens: int, seed: int, experts: int | None = None):
+    """The one-GPU problem of ``model_name``: ``experts`` routed experts (default E/32: the whole 2-GPU ep64-slice
+    problem), ``tokens`` tokens, uniform routing, random bf16 weights scaled by fan-in."""
     import jax
     import jax.numpy as jnp
 
@@ -154,7 +156,8 @@ def _problem(model_name: str, tokens: int, seed: int):
     from mok_jax.weights import MoEWeights
 
     m = load_model(model_name)
-    E, H, I, k, Is = m.num_experts // 32, m.hidden_size, m.intermediate_size, m.top_k, m.shared_size
+    E = m.num_experts // 32 if experts is None else experts
+    H, I, k, Is = m.hidden_size, m.intermediate_size, m.top_k, m.shared_size
     idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=tokens, num_experts=E, top_k=k, seed=seed)
     keys = jax.random.split(jax.random.key(seed), 5)
     normal = lambda key, s, fan_in: (jax.random.normal(key, s, jnp.float32) * fan_in**-0.5).astype(jnp.bfloat16)
