@@ -281,3 +281,14 @@ def test_fp8_weight_bytes_are_the_quantised_arrays():
     assert acc.mok_memory_per_rank(kimi, 2048, KernelConfig(), precision="fp8")["residual_bytes_per_rank"] == 0
     with pytest.raises(ValueError, match="precision"):
         acc.mok_memory_per_rank(kimi, 2048, KernelConfig(), precision="e5m2")
+
+
+def test_min_bytes_per_gpu_counts_what_every_implementation_holds():
+    # ci (H 64, I 32, Is 48, k 4) on 2 GPUs, full: 8 experts per GPU; T = 16
+    shape = acc.bench_shape(load_model("ci"), 2, "full")
+    weights = (8 * 3 * 64 * 32 + 3 * 64 * 48) * 2
+    assert acc.min_bytes_per_gpu(shape, 16, "fwd") == 16 * 64 * 2 * 2 + 16 * 4 * 8 + weights  # x, y; ids, weights
+    # fwd+bwd: x, dy, dx; the routing and its weights' gradient; the weights and theirs
+    assert acc.min_bytes_per_gpu(shape, 16, "fwd+bwd") == 16 * 64 * 2 * 3 + 16 * 4 * 12 + 2 * weights
+    with pytest.raises(ValueError, match="pass"):
+        acc.min_bytes_per_gpu(shape, 16, "bwd")

@@ -185,16 +185,110 @@ def test_default_run_plot_profile_and_table(default_run, capsys):
     assert "% of" not in out and "comm floor" not in out
 
 
-def test_a_failed_implementation_exits_nonzero(tmp_path, cpu_devices, capsys):
-    # XLA:CPU has no ragged-all-to-all: the run is recorded as an error, the baseline still runs, the exit is 1
+def test_a_failed_implementation_exits_nonzero(tmp_path, cpu_devices, monkeypatch, capsys):
+    # an implementation that fails when it is traced: the run is recorded as an error, the baseline still runs,
+    # the exit is 1 and the last line says which run failed
+    from mok_jax.bench import baselines
+
+    real = baselines.build
+
+    def build(name, mesh, **kw):
+        if name != "xla-capacity":
+            return real(name, mesh, **kw)
+
+        def broken(x, idx, w, W):
+            raise RuntimeError("a failure injected by the test")
+
+        return broken
+
+    monkeypatch.setattr(baselines, "build", build)
     out = tmp_path / "r.json"
-    assert cli.main(["ci", "--impl", "ragged", "--baseline", "xla", "--tokens", "8", "--devices", "2", "--json",
-                     str(out), "-q", *FAST]) == 1
+    assert cli.main(["ci", "--impl", "xla-capacity", "--baseline", "xla", "--tokens", "8", "--devices", "2",
+                     "--json", str(out), "-q", *FAST]) == 1
     results = json.loads(out.read_text())["results"]
-    assert [(r["impl"], r["status"]) for r in results] == [("xla", "ok"), ("ragged", "error")]
-    assert "ragged" in results[1]["error"].lower() and results[1]["median_ms"] is None
+    assert [(r["impl"], r["status"]) for r in results] == [("xla", "ok"), ("xla-capacity", "error")]
+    assert "injected by the test" in results[1]["error"] and results[1]["median_ms"] is None
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("mok-bench: failed: 1 of 2 runs (ragged); first: ci T=8 fwd ragged: ")
+    assert last.startswith("mok-bench: failed: 1 of 2 runs (xla-capacity); first: ci T=8 fwd xla-capacity: "
+                           "RuntimeError: a failure injected by the test")
+
+
+# ------------------------------------------------------------------ exit codes: refused before anything runs (rc 2)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mok-bench: error: "), lines
+    return lines[0]
+
+
+def test_a_model_toml_that_cannot_be_read_is_a_usage_error(tmp_path, cpu_devices, capsys):
+    """A missing TOML file, a malformed one and one with missing fields: one line naming the model, rc 2."""
+    missing = tmp_path / "nope.toml"
+    assert cli.main([str(missing), *FAST]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"model {str(missing)!r}: " in line and "No such file" in line
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \"bad\"\nnum_experts = = 8\n")
+    assert cli.main([str(bad), *FAST]) == 2
+    assert f"model {str(bad)!r}: " in _one_error_line(capsys.readouterr().err)
+    half = tmp_path / "half.toml"
+    half.write_text("name = \"half\"\nnum_experts = 8\n")
+    assert cli.main([str(half), *FAST]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"model {str(half)!r}: " in line and "missing" in line and "top_k" in line
+
+
+def test_ragged_on_several_cpu_devices_is_refused_before_running(tmp_path, cpu_devices, capsys):
+    """XLA:CPU has no ragged-all-to-all: --impl ragged at EP > 1 on CPU is rc 2 before any run (no JSON written);
+    at --devices 1 it needs no collective and runs."""
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--impl", "ragged", "--devices", "2", "--tokens", "8", "--json", str(out), *FAST]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("mok-bench: error: implementation 'ragged' is not available here: XLA:CPU has no "
+                           "ragged-all-to-all") and "--devices 1" in line
+    assert not out.exists()
+    assert cli.main(["ci", "--impl", "ragged", "--devices", "1", "--tokens", "8", "--json", str(out), "-q",
+                     *FAST]) == 0
+    assert [(r["impl"], r["status"]) for r in json.loads(out.read_text())["results"]] == [("ragged", "ok")]
+
+
+def test_a_bad_plot_extension_is_refused_before_running(tmp_path, cpu_devices, capsys):
+    with pytest.raises(cli.UsageError, match=r"--plot: 'p\.txt' must end in \.png, \.pdf, \.svg"):
+        cli.parse_args(["--plot", "p.txt"])
+    assert cli.parse_args(["--plot", "sweep.PDF"]).plot == "sweep.PDF"
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--plot", str(tmp_path / "p.txt"), "--json", str(out), *FAST]) == 2
+    assert "--plot: " in _one_error_line(capsys.readouterr().err)
+    assert not out.exists()  # nothing ran
+
+
+def test_a_problem_larger_than_the_device_memory_is_refused_up_front(cpu_devices, monkeypatch, capsys):
+    """The lower bound of what any implementation holds (accounting.min_bytes_per_gpu) against one device's
+    memory, before anything is allocated: here a device of 1 MB against ci's 2 MB fwd+bwd at 4096 tokens."""
+    monkeypatch.setattr(runner, "_device_memory", lambda devices: (1_000_000, "a 1 MB device of the test"))
+    assert cli.main(["ci", "--tokens", "4096", "--devices", "2", "--pass", "fwd,fwd+bwd", *FAST]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("mok-bench: error: --tokens 4096: ci fwd+bwd needs at least 2.0 MB per device (its "
+                           "inputs, outputs and weights and their gradients), more than the 1.0 MB of a device here "
+                           "(a 1 MB device of the test)"), line
+
+
+# `python -m mok_jax.bench` with an 8 GiB address space: a guard, so that were the check gone the run would fail to
+# allocate instead of filling the machine's memory
+_LIMITED_BENCH = ("import resource, runpy; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
+                  "runpy.run_module('mok_jax.bench', run_name='__main__')")
+
+
+def test_tokens_100_million_is_refused_with_the_bytes_against_the_memory():
+    done = subprocess.run([sys.executable, "-c", _LIMITED_BENCH, "ci", "--tokens", "100000000"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    line = _one_error_line(done.stderr)
+    # 8 host devices, 10^8 tokens each: x and y 2 * 10^8 * 64 * 2 bytes, ids and weights 10^8 * 4 * 8 bytes
+    assert re.match(r"mok-bench: error: --tokens 100000000: ci fwd needs at least 28\.8 GB per device \(its "
+                    r"inputs, outputs and weights\), more than the \d+\.\d GB of a device here \(the host's "
+                    r"\d+\.\d GB shared by 8 host devices\)$", line), line
 
 
 def test_time_budget_skips(tmp_path, cpu_devices):

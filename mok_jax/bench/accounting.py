@@ -42,8 +42,8 @@ __all__ = [
     "EP_MODES", "FP8_BLOCK", "PASSES", "PRECISIONS", "BenchShape", "Traffic", "bench_shape", "capacity",
     "compute_floor_ms", "dispatch_bytes_per_gpu", "executed_rows_per_gpu", "experts_per_gpu_count",
     "flops_per_gpu", "forward_flops_per_gpu", "fp8_weight_bytes_per_rank", "link_bytes_per_row",
-    "mok_memory_per_rank", "parse_experts_per_gpu", "pass_multiplier", "routing_traffic", "row_bytes",
-    "transfers_per_pass", "uniform_remote_fraction",
+    "min_bytes_per_gpu", "mok_memory_per_rank", "parse_experts_per_gpu", "pass_multiplier", "routing_traffic",
+    "row_bytes", "transfers_per_pass", "uniform_remote_fraction",
 ]
 
 EP_MODES = ("full", "ep64-slice")
@@ -282,6 +282,19 @@ def routing_traffic(topk_idx: np.ndarray, num_gpus: int, experts_per_gpu: int) -
     return Traffic(sent_slots, recv_slots, sent_unique, recv_unique, owner_rows)
 
 
+def min_bytes_per_gpu(shape: BenchShape, tokens: int, pass_: str) -> int:
+    """A lower bound of the device memory any implementation needs per GPU for the pass, in bytes: the arrays
+    every one holds whatever its working set: x and y (or, for fwd+bwd, x, dy and dx) in bf16, the routing
+    (int32 ids and f32 weights, and for fwd+bwd the weights' gradient) and the rank's weights in bf16 (and their
+    gradients for fwd+bwd). mok-bench refuses a problem above the device's memory with it, before running."""
+    H, I, Is, k = shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
+    backward = pass_multiplier(pass_) > 1
+    rows = tokens * H * 2 * (3 if backward else 2)  # x, y | x, dy, dx
+    routing = tokens * k * (4 + 4 + (4 if backward else 0))
+    weights = (shape.experts_per_gpu * 3 * H * I + 3 * H * Is) * 2 * (2 if backward else 1)
+    return rows + routing + weights
+
+
 def fp8_weight_bytes_per_rank(shape: BenchShape) -> int:
     """Bytes of one rank's routed experts in E4M3 (mok_jax.fp8.quantize_expert_weights): 3*H*I values and one f32
     scale per 128 x 128 block of gate_up [2I, H] and down [H, I], per local expert."""
@@ -303,12 +316,12 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "not
         MoEConfig(keep="nothing") (implementation "mok": its custom_vjp saves only x, the routing and the
         weights, and its backward recomputes the experts from them); with keep="everything" ("mok-keep") the
         fp32 g, u in the backward's rows, f32 [ep T k + 128 L, 2I] (the dropless bound of that layout); with
-        keep="ring" ("mok-ring") those of the ring's tokens only (mok_jax.moe.kept_rows).
+        keep="ring" ("mok-ring") those of the ring's tokens only (mok_jax.layer.kept_rows).
     fp8_weight_bytes_per_rank: with precision "fp8" ("mok-fp8") the E4M3 routed weights its forward reads
         (fp8_weight_bytes_per_rank): a copy beside the bf16 ones, made by the caller once per optimizer step;
         None for bf16. The scratch is then the FP8 ring's (E4M3 rows and their scales).
     """
-    from mok_jax.moe import kept_rows
+    from mok_jax.layer import kept_rows
     from mok_jax.ops.moe_forward import scratch_bytes
     from mok_jax.workspace import CommConfig
 

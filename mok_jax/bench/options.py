@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from typing import Any
 
 from mok_jax.bench import accounting as acc
 from mok_jax.bench.routing import ROUTINGS
 
 __all__ = ["CPU_DEFAULTS", "CPU_NOTICE", "DTYPES", "FP8_IMPL", "FP8_REFERENCE", "GPU_DEFAULTS", "IMPLEMENTATIONS",
-           "MAX_CALLS_PER_SAMPLE", "MOK_IMPLS", "NVLINK_GBPS", "ONE_GPU_EXPERTS", "PEAK_TFLOPS", "TARGET_SAMPLE_MS",
+           "MAX_CALLS_PER_SAMPLE", "MOK_IMPLS", "NVLINK_GBPS", "ONE_GPU_EXPERTS", "PEAK_TFLOPS", "PLOT_FORMATS",
+           "TARGET_SAMPLE_MS",
            "BenchOptions", "UsageError", "build_parser", "implementations", "kernel_settings", "parse_args",
            "parse_experts_per_gpu", "parse_tokens", "print_models"]
 
@@ -36,6 +38,7 @@ IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "tokamax", "reference", "mok
 # mok-fp8: MoEConfig(precision="fp8"))
 MOK_IMPLS = ("mok", "mok-ring", "mok-keep", "mok-fp8")
 DTYPES = ("bf16", "fp8")
+PLOT_FORMATS = ("png", "pdf", "svg")  # --plot: matplotlib writes each of these with any backend
 FP8_IMPL, FP8_REFERENCE = "mok-fp8", "mok"  # --dtype fp8: the FP8 layer, and the bf16 layer it is compared with
 CPU_NOTICE = ("CPU NUMBERS: no GPU found, so mok-bench ran the pure-JAX paths on CPU devices; the times below "
               "are CPU times, not GPU performance, and no GPU roofline applies to them.")
@@ -175,6 +178,12 @@ class BenchOptions:
         need(self.nvlink_gbps is None or self.nvlink_gbps > 0, "--nvlink-gbps must be > 0")
         need(self.devices is None or self.devices >= 1, "--devices must be >= 1")
         need(self.time_budget_s is None or self.time_budget_s > 0, "--time-budget must be > 0")
+        if self.plot is not None:
+            suffix = self.plot.rsplit(".", 1)[-1].lower() if "." in self.plot else ""
+            need(suffix in PLOT_FORMATS, f"--plot: {self.plot!r} must end in "
+                 f"{', '.join('.' + f for f in PLOT_FORMATS)} (the formats the plot is written in)")
+            need(importlib.util.find_spec("matplotlib") is not None,
+                 "--plot needs matplotlib, which is not installed: pip install 'mok_jax[bench]'")
         if self.experts_per_gpu is not None:
             object.__setattr__(self, "experts_per_gpu", parse_experts_per_gpu(self.experts_per_gpu))
         self._check_knobs()
@@ -270,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds; runs not started by then are recorded as skipped")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write every figure, device, versions, git commit, config")
-    o.add_argument("--plot", metavar="FILE.png", help="time and TFLOP/s against tokens per GPU")
+    o.add_argument("--plot", metavar="FILE.png", help="time and TFLOP/s against tokens per GPU (.png, .pdf or .svg)")
     o.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of each run under DIR/<run>/")
     o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     o.add_argument("-q", "--quiet", action="store_true", help="no per-run lines")

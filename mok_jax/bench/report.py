@@ -34,7 +34,8 @@ import sys
 from typing import Any, Iterable
 
 __all__ = [
-    "RESULT_KEYS", "SCHEMA", "environment", "fill_fp8_ratios", "fmt", "format_markdown", "format_memory",
+    "RESULT_KEYS", "SCHEMA", "environment", "fill_fp8_ratios", "fmt", "format_bytes", "format_markdown",
+    "format_memory",
     "format_table", "git_info", "kernel_label", "load_results", "plot_sweep", "write_json",
 ]
 
@@ -284,7 +285,8 @@ def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None
     return "\n".join(out)
 
 
-def _bytes(n: int | None) -> str:
+def format_bytes(n: int | None) -> str:
+    """A byte count in B, kB, MB or GB (decimal), '?' for None."""
     if n is None:
         return "?"
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -311,17 +313,18 @@ def format_memory(results: Iterable[dict]) -> str:
     for (model, mode, tokens, impl), rs in groups.items():
         scratch = {r["scratch_bytes_per_rank"] for r in rs}
         if len(scratch) == 1:
-            scratch_txt = _bytes(next(iter(scratch)))
+            scratch_txt = format_bytes(next(iter(scratch)))
         else:  # several kernel settings: the ring (ring_slots x one microbatch) sets the scratch
             known = sorted(v for v in scratch if v is not None)
-            scratch_txt = f"{_bytes(known[0])}..{_bytes(known[-1])} over {len(rs)} kernel settings" if known else "?"
-        workspace = _bytes(rs[0]["workspace_bytes_per_rank"])
+            scratch_txt = (f"{format_bytes(known[0])}..{format_bytes(known[-1])} over {len(rs)} kernel settings"
+                           if known else "?")
+        workspace = format_bytes(rs[0]["workspace_bytes_per_rank"])
         kept = _KEPT[impl]
         fp8 = rs[0].get("fp8_weight_bytes_per_rank")
-        fp8_txt = "" if fp8 is None else f", E4M3 weights {_bytes(fp8)} (beside the bf16 ones, per layer)"
+        fp8_txt = "" if fp8 is None else f", E4M3 weights {format_bytes(fp8)} (beside the bf16 ones, per layer)"
         lines.append(f"{impl} memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per "
                      f"layer), scratch {scratch_txt} (per call), residuals "
-                     f"{_bytes(rs[0]['residual_bytes_per_rank'])} ({kept}){fp8_txt}")
+                     f"{format_bytes(rs[0]['residual_bytes_per_rank'])} ({kept}){fp8_txt}")
     return "\n".join(lines)
 
 

@@ -14,20 +14,28 @@ from mok_jax.bench.options import (CPU_DEFAULTS, CPU_NOTICE, FP8_IMPL, FP8_REFER
                                    NVLINK_GBPS, ONE_GPU_EXPERTS, PEAK_TFLOPS, BenchOptions, UsageError,
                                    implementations, kernel_settings, parse_experts_per_gpu)
 from mok_jax.bench.records import error_text, new_record, reference_gb
-from mok_jax.bench.report import eprint
+from mok_jax.bench.report import eprint, format_bytes
 from mok_jax.bench.steps import (init_weights, layer_inputs, layer_step, measure, routing_and_traffic,
                                  write_profile)
 
 __all__ = ["Unavailable", "run"]
 
+RAGGED_COLLECTIVE_IMPLS = ("ragged", "tokamax")  # at EP > 1 they dispatch with lax.ragged_all_to_all
+
 
 def _resolve_models(names: tuple[str, ...]):
+    """The ModelShapes of the model argument's names ('bench': the benchmark models); a name or TOML path that
+    cannot be read is a UsageError naming it, in one line."""
     from mok_jax.config import list_models, load_model
 
     out = []
     for name in names:
         for n in (list_models(tag="bench") if name == "bench" else [name]):
-            out.append(load_model(n))
+            try:
+                out.append(load_model(n))
+            except (OSError, ValueError, TypeError, KeyError) as e:  # no such file, bad TOML, missing/extra fields
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise UsageError(f"model {n!r}: {reason}") from None
     return out
 
 
@@ -67,7 +75,11 @@ def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype, ke
     from mok_jax.bench import baselines
     from mok_jax.weights import MoEWeights
 
-    if impl not in (*MOK_IMPLS, "reference"):
+    platform = mesh.devices.flat[0].platform
+    if impl in RAGGED_COLLECTIVE_IMPLS and platform == "cpu" and mesh.size > 1:
+        return (f"XLA:CPU has no ragged-all-to-all, which {impl} dispatches with at EP > 1; on CPU it runs at "
+                f"--devices 1, where it needs no collective")
+    if impl not in (*MOK_IMPLS, "reference", "tokamax"):
         return None
     try:
         fn = baselines.build(impl, mesh, kernel=kernel)
@@ -81,6 +93,32 @@ def _availability(impl: str, mesh, shape: acc.BenchShape, tokens: int, dtype, ke
     except Exception as e:  # noqa: BLE001 - the reason is the message
         return error_text(e)
     return None
+
+
+def _device_memory(devices) -> tuple[int, str]:
+    """(bytes of memory one of ``devices`` has, where that figure comes from): XLA's allocator limit on a GPU; the
+    host's memory shared among the devices on CPU (its host devices all live in the one host's memory)."""
+    import os
+
+    stats = devices[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"XLA's limit on {devices[0].device_kind}"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // len(devices), f"the host's {format_bytes(host)} shared by {len(devices)} host devices"
+
+
+def _check_memory(shapes, tokens_list, passes, devices) -> None:
+    """A problem that cannot fit is refused before anything runs: UsageError when the lower bound of what any
+    implementation holds (accounting.min_bytes_per_gpu) exceeds one device's memory."""
+    memory, source = _device_memory(devices)
+    for shape in shapes:
+        for tokens in tokens_list:
+            need, pass_ = max((acc.min_bytes_per_gpu(shape, tokens, p), p) for p in passes)
+            if need > memory:
+                held = "inputs, outputs and weights" + ("" if pass_ == "fwd" else " and their gradients")
+                raise UsageError(f"--tokens {tokens}: {shape.model} {pass_} needs at least {format_bytes(need)} "
+                                 f"per device (its {held}), more than the {format_bytes(memory)} of a device here "
+                                 f"({source})")
 
 
 def _runnable(opts: BenchOptions, defaults: dict, mesh, shape: acc.BenchShape, tokens: int,
@@ -148,6 +186,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         # one GPU: the whole 2-GPU ep64-slice problem (E/32 experts)
         experts_per_gpu = parse_experts_per_gpu(ONE_GPU_EXPERTS)
     shapes = [acc.bench_shape(m, n, ep_mode, experts_per_gpu=experts_per_gpu) for m in models]
+    _check_memory(shapes, tokens_list, opts.passes, devices[:n])
     gpu_kind = _gpu_kind()
 
     impls, baseline, dropped_impls = _runnable(opts, defaults, mesh, shapes[0], tokens_list[0], gpu_kind)
