@@ -7,7 +7,7 @@ Public API: ``moe`` (functional op), ``MoEConfig``/``KernelConfig``/``ModelShape
 """
 
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig, list_models, load_model
-from mok_jax.moe import moe
+from mok_jax.layer import moe
 from mok_jax.reference import ep_moe
 from mok_jax.sharding import expert_parallel_moe
 from mok_jax.weights import MoEWeights

@@ -79,7 +79,7 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
     status: int32[ep, 4]) where rank r's tokens are rows [r*T, (r+1)*T). ``workspace``: an emulated one
     (default: cached per device, ep and shape); identity_experts, skip_rank: the kernel's test modes;
     timing_mode: its bench-only timing mode (ops.moe_forward). keep: also return each rank's kept g, u
-    (MoEConfig(keep="everything")): (y, status, [mok_jax.moe.KeptGateUp of rank r for r in range(ep)]), for
+    (MoEConfig(keep="everything")): (y, status, [mok_jax.layer.KeptGateUp of rank r for r in range(ep)]), for
     ``emulated_moe_backward(..., kept=...)``. precision "fp8" (MoEConfig.precision): the routed experts in E4M3 from
     ``fp8_weights`` (all E experts, mok_jax.fp8.quantize_expert_weights), else from the weights quantised here.
     Jit-compatible when ``workspace`` is given or the shapes are static (the workspace is set up at trace time).
@@ -104,7 +104,7 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         fp8 = dict(fp8_weights=Fp8ExpertWeights(*map(per_rank, fp8_weights)))
     layouts, kept = None, {}
     if keep:
-        from mok_jax.moe import _rank_layout
+        from mok_jax.layer import _rank_layout
 
         layouts = [_rank_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
         kept = dict(keep_pos=jnp.stack([lay.pos.reshape(-1) for lay in layouts]), keep_rows=layouts[0].num_rows)
@@ -117,7 +117,7 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         timing_mode=timing_mode, **kept, **fp8)
     if not keep:
         return y.reshape(ep * tokens, H), status
-    from mok_jax.moe import KeptGateUp
+    from mok_jax.layer import KeptGateUp
 
     return y.reshape(ep * tokens, H), status, [KeptGateUp(gu[0][r], layouts[r]) for r in range(ep)]
 
@@ -130,13 +130,13 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     """The gradients of implementation='mok' at EP size ``ep``, every rank on one device: (dx, d topk_weight,
     d weights) of the global arrays (shapes as ``emulated_moe``'s, dy: [ep * T, H]).
 
-    ``fused`` (default: the layer's setting, mok_jax.moe._FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
+    ``fused`` (default: the layer's setting, mok_jax.layer._FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
     backward of every rank runs in one launch of the fused expert-parallel op (mok_jax.ops.experts_backward_ep) on
     an emulated workspace (``workspace``, default cached per device, ep and shape), its communication included, as
-    each rank runs it under shard_map (mok_jax.moe._routed_backward_fused); ``kernel``'s comm_sms_bwd, num_sms and
+    each rank runs it under shard_map (mok_jax.layer._routed_backward_fused); ``kernel``'s comm_sms_bwd, num_sms and
     the test mode skip_rank go to it.
 
-    Otherwise rank r's routed backward is mok_jax.moe._routed_backward_rank with ``experts_fn``
+    Otherwise rank r's routed backward is mok_jax.layer._routed_backward_rank with ``experts_fn``
     (mok_jax.ops.experts_backward when None; the tests pass its reference) over every rank's tokens (the
     all-gather's result: the global arrays) and its own experts, and the reduce-scatter becomes the sum of the
     ranks' parts (each slot has one owner: the sum adds zeros), as the layer's collectives path does.
@@ -146,8 +146,8 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     the shared weights' psum is the sum over the ranks in rank order. ``kept``: the ranks' kept g, u from
     ``emulated_moe(..., keep=True)`` (MoEConfig(keep="everything")), or None.
     """
-    from mok_jax import moe as moe_mod
-    from mok_jax.moe import _drop_invalid_tokens, _finish_backward, _rank_layout, _routed_backward_rank, _slot_sum
+    from mok_jax import layer
+    from mok_jax.layer import _drop_invalid_tokens, _finish_backward, _rank_layout, _routed_backward_rank, _slot_sum
 
     x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
     dy = jnp.asarray(dy)
@@ -157,7 +157,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     if fused and experts_fn is not None:
         raise ValueError("fused=True runs the fused op; experts_fn replaces the op of the collectives path")
     if fused is None:
-        fused = experts_fn is None and moe_mod._FUSED_EP_BACKWARD
+        fused = experts_fn is None and layer._FUSED_EP_BACKWARD
     if not fused and (skip_rank != -1 or workspace is not None or kernel is not None or num_sms is not None):
         raise ValueError("workspace, kernel, num_sms and skip_rank are arguments of the fused op: pass fused=True")
     if experts_fn is None:

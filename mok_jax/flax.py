@@ -29,7 +29,7 @@ from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
-from mok_jax.moe import moe
+from mok_jax.layer import moe
 from mok_jax.reference.router import route
 from mok_jax.sharding import expert_parallel_moe, is_explicit, resolve_token_axes
 from mok_jax.weights import MoEWeights

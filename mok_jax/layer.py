@@ -1,4 +1,4 @@
-"""The functional MoE op under one ``jax.custom_vjp``.
+"""The layer module: the functional MoE op ``mok_jax.moe`` under one ``jax.custom_vjp``.
 
     y_t = shared(x_t) + sum_j topk_weight[t, j] * expert_{topk_idx[t, j]}(x_t)
 

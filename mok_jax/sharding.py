@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import MoEConfig
 from mok_jax.fp8 import Fp8ExpertWeights
-from mok_jax.moe import moe
+from mok_jax.layer import moe
 from mok_jax.weights import MoEWeights
 
 __all__ = ["expert_parallel_moe", "is_explicit", "place", "resolve_token_axes"]

@@ -186,7 +186,7 @@ def assert_same_bits(case: str, got, want) -> None:
 
 
 def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
-    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.moe._FUSED_EP_BACKWARD,
+    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.layer._FUSED_EP_BACKWARD,
     the layer's default), its reference standing in for the kernel (collectives over the mesh axis 'ep' where the
     kernel moves rows over NVLink) and a stand-in for the workspace this machine cannot create; without, over the
     collectives path around the EP-1 op."""
@@ -197,7 +197,7 @@ def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
     import mok_jax.ops
     from mok_jax.reference import experts_backward_ep_reference
 
-    moe_mod = importlib.import_module("mok_jax.moe")
+    moe_mod = importlib.import_module("mok_jax.layer")
     monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", functools.partial(experts_backward_ep_reference,
                                                                                 axis_name="ep"))
     fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=ep), device_kind=None)

@@ -27,7 +27,7 @@ from mok_jax.expert_layout import gather_rows
 from mok_jax.reference import experts_backward_reference
 from mok_jax.weights import MoEWeights
 
-moe_mod = importlib.import_module("mok_jax.moe")
+moe_mod = importlib.import_module("mok_jax.layer")
 HI = lambda: jax.default_matmul_precision("highest")  # noqa: E731
 
 

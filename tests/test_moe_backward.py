@@ -1,5 +1,5 @@
 """The backward of implementation="mok" on CPU: the padded expert layout, the experts' backward reference, and
-the layer's backward glue (mok_jax.moe._backward_mok) with the reference standing in for the native op, in f32
+the layer's backward glue (mok_jax.layer._backward_mok) with the reference standing in for the native op, in f32
 against autodiff of mok_jax.reference; at EP 2/4/8 under shard_map on host devices (and its one-device
 emulation) against EP 1, bit for bit for the routed gradients. Also: the op's trace-time argument errors.
 """
@@ -30,7 +30,7 @@ from mok_jax.ops.moe_backward import (
 from mok_jax.reference import experts_backward_reference
 from mok_jax.weights import MoEWeights
 
-moe_mod = importlib.import_module("mok_jax.moe")  # the module (mok_jax.moe is also the function)
+moe_mod = importlib.import_module("mok_jax.layer")
 
 # Both sides are fp32 math on the same inputs at matmul precision "highest"; they differ only in the order of
 # the sums (per-slot rows summed after the matmul, other GEMM blockings), which a gate or up value near 0 (a
@@ -797,7 +797,7 @@ def test_cotangents_take_their_primals_manual_axes():
 
 def _ep_op_args(R=2, T=24, H=32, I=24, L=2, k=3, seed=0):
     """Arguments of mok_jax.ops.experts_backward_ep for R = EP ranks (the emulated form), each rank's layout of
-    its experts' slots over every rank's tokens (mok_jax.moe._rank_layout)."""
+    its experts' slots over every rank's tokens (mok_jax.layer._rank_layout)."""
     rng = np.random.default_rng(seed)
     E, N = R * L, R * T
     ids = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)

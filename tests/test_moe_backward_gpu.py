@@ -368,7 +368,7 @@ def test_layer_gradients_routings(case):
 def test_layer_gradients_with_the_shared_expert_in_the_op(T, Is, monkeypatch):
     """moe._SHARED_IN_OP: the shared expert's backward in the experts' op (its tiles in the same kernel) rather
     than XLA; the layer's gradients against the f32 reference as with it in XLA, the routed ones the same bits."""
-    moe_mod = importlib.import_module("mok_jax.moe")
+    moe_mod = importlib.import_module("mok_jax.layer")
     E, H, I, k = 8, 256, 512, 4
     x, idx, w, W, dy = _problem(f"grad:shared in op:{T}:{Is}", _shape(E, H, I, k, Is), T, "masked")
     monkeypatch.setattr(moe_mod, "_SHARED_IN_OP", True)
@@ -529,7 +529,7 @@ def test_keep_ring_gives_the_bits_of_recompute(case, T, granularity, ring_slots)
     cfg = mj.MoEConfig(implementation="mok", keep="ring",
                        kernel=mj.KernelConfig(granularity=granularity, ring_slots=ring_slots))
     x, idx, w, W, dy = _problem(f"ring:{case}:{T}:{ring_slots}", _shape(E, H, I, k, Is), T, case)
-    moe_mod = importlib.import_module("mok_jax.moe")
+    moe_mod = importlib.import_module("mok_jax.layer")
     lay = moe_mod._rank_layout(idx, E, 0)
     _, rows, row = moe_mod._keep_plan(cfg, x, idx, W, lay)
     blocks = used_kept_blocks(lay.src_slot, row, rows, T * k, lay.group_sizes)
@@ -572,7 +572,7 @@ def test_fused_ep_backward_with_part_kept_gu_gives_the_bits_of_ep_one(ep):
     them, the others recompute (each rank has blocks of both kinds), and every gradient is the bits of EP 1. The
     kept buffer's rows that no row of the rank's layout names hold NaN, so reading one would show."""
     from mok_jax.emulation import emulated_moe, emulated_moe_backward
-    from mok_jax.moe import KeptGateUp
+    from mok_jax.layer import KeptGateUp
 
     E, H, I, k, per_rank = 8, 256, 256, 4, 1024
     first = per_rank // 2  # kept: the tokens [first, per_rank) of each rank

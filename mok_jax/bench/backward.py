@@ -58,7 +58,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
     from mok_jax.config import MoEConfig
     from mok_jax.expert_layout import padded_layout
-    from mok_jax.moe import kept_rows, moe
+    from mok_jax.layer import kept_rows, moe
     from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
     from mok_jax.ops.moe_forward import first_ring_token
 
@@ -76,7 +76,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     grad_recompute = grad_of(dataclasses.replace(cfg, keep="nothing"))
     grad_keep = grad_of(dataclasses.replace(cfg, keep="everything"))
     grad_ring = grad_of(dataclasses.replace(cfg, keep="ring"))
-    moe_mod = importlib.import_module("mok_jax.moe")  # the module (mok_jax.moe the attribute is the function)
+    moe_mod = importlib.import_module("mok_jax.layer")
 
     default = moe_mod._SHARED_IN_OP
     moe_mod._SHARED_IN_OP = not default  # traced now: the other place for the shared expert's backward

@@ -7,7 +7,7 @@ import jax, jax.numpy as jnp, numpy as np
 from mok_jax import ops, tuning
 from mok_jax.bench.breakdown import _problem
 from mok_jax.config import MoEConfig
-from mok_jax.moe import moe
+from mok_jax import moe
 
 def crc(a):
     a = np.asarray(a)

@@ -14,7 +14,7 @@ from mok_jax.bench.backward import _gpu_events
 from mok_jax.bench.breakdown import _Clocks, _problem, _trace_events
 from mok_jax.bench.timing import time_fn
 from mok_jax.config import MoEConfig
-from mok_jax.moe import moe
+from mok_jax import moe
 
 OUT = os.environ.get("OUT", "/tmp/out")
 N = int(os.environ.get("GAP_CALLS", "40"))
