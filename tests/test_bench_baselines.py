@@ -214,10 +214,12 @@ def test_build_and_errors(cpu_devices):
     mesh = _mesh(2)
     assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "tokamax", "reference", "mok",
                                               "mok-ring", "mok-keep", "mok-fp8"}
-    # the CLI names them without importing this module (jax) at its own import: the same names, in one order
-    from mok_jax.bench import cli
+    # the CLI names them without importing this module (jax) at its own import: the same names, in one order, and
+    # dense (mok_jax.bench.dense: its own inputs, built by the runner, not here)
+    from mok_jax.bench import options
 
-    assert cli.IMPLEMENTATIONS == baselines.IMPLEMENTATIONS and cli.MOK_IMPLS == tuple(baselines.MOK_IMPLEMENTATIONS)
+    assert options.IMPLEMENTATIONS == (*baselines.BASELINES, options.DENSE, *baselines.MOK_IMPLEMENTATIONS)
+    assert options.MOK_IMPLS == tuple(baselines.MOK_IMPLEMENTATIONS)
     with pytest.raises(ValueError, match="unknown implementation"):
         baselines.build("dense", mesh)
     with pytest.raises(ValueError, match="capacity factor"):

@@ -1,5 +1,6 @@
 """mok-bench's command line, JSON report, table, plot and profile, on CPU (tiny runs: 1 call per sample)."""
 
+import importlib.util
 import json
 import os
 import re
@@ -86,8 +87,9 @@ def test_default_run_without_a_gpu_exits_zero_says_cpu_once_and_shows_no_gpu_roo
         assert gpu_figure not in both, gpu_figure
     for peak in cli.PEAK_TFLOPS.values():  # as a figure of its own, not inside a time such as 0.805 ms
         assert not re.search(rf"(?<![\d.]){peak:g}(?![\d.])", both), peak
-    rows = [ln.split() for ln in done.stdout.splitlines()[3:6]]
-    assert [r[4] for r in rows] == ["xla", "reference", "xla-capacity"] and {r[0] for r in rows} == {"ci"}
+    assert "x dense" in done.stdout.splitlines()[1]  # dense runs on CPU too: every row has its ratio to it
+    rows = [ln.split() for ln in done.stdout.splitlines()[3:7]]
+    assert [r[4] for r in rows] == ["xla", "dense", "reference", "xla-capacity"] and {r[0] for r in rows} == {"ci"}
 
 
 @pytest.mark.parametrize("module", ["mok_jax.bench.grouped_ffn", "mok_jax.bench.comm"])
@@ -123,8 +125,8 @@ def test_list_models(capsys):
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """The CPU default (ci model, all 8 host devices, reference + xla + xla-capacity), both passes, with every
-    output asked for."""
+    """The CPU default (ci model, all 8 host devices, reference + dense + xla + xla-capacity), both passes, with
+    every output asked for."""
     d = tmp_path_factory.mktemp("bench")
     paths = {"json": d / "r.json", "plot": d / "r.png", "profile": d / "prof"}
     argv = ["--pass", "fwd,fwd+bwd", "--json", str(paths["json"]), "--plot", str(paths["plot"]), "--profile",
@@ -144,11 +146,12 @@ def test_default_run_json_schema(default_run, cpu_devices):
     assert rep["roofline"] == {"peak_tflops": None, "peak_tflops_fp8": None, "nvlink_gbps": None}  # H200's: not CPU
     cfg = rep["config"]
     assert cfg["models"] == ["ci"] and cfg["tokens"] == [32] and cfg["ep_mode"] == "full" and cfg["baseline"] == "xla"
+    assert cfg["problems"] == {"ci": {"tokens": [32], "ep_mode": "full", "experts_per_gpu": 2}}  # 16 over 8 devices
     assert cfg["peak_tflops"] is None and cfg["peak_tflops_fp8"] is None and cfg["nvlink_gbps"] is None
     assert rep["command"][0] == "mok-bench"
     results = rep["results"]
-    assert [(r["pass"], r["impl"]) for r in results] == [  # pass-major, the baseline first
-        (p, i) for p in ("fwd", "fwd+bwd") for i in ("xla", "reference", "xla-capacity")]
+    assert [(r["pass"], r["impl"]) for r in results] == [  # pass-major, the baseline first, then dense
+        (p, i) for p in ("fwd", "fwd+bwd") for i in ("xla", "dense", "reference", "xla-capacity")]
     for r in results:
         assert tuple(r) == RESULT_KEYS  # every record has exactly the documented keys, in order
         assert r["status"] == "ok", r["error"]
@@ -163,8 +166,11 @@ def test_default_run_json_schema(default_run, cpu_devices):
         assert r["dispatch_bytes_per_gpu"] == 32 * 4 * 64 * 2
         assert r["remote_dispatch_bytes_per_gpu_uniform"] == 32 * 4 * 64 * 2 * 7 / 8
     base = {r["pass"]: r["median_ms"] for r in results if r["impl"] == "xla"}
+    dense = {r["pass"]: r["median_ms"] for r in results if r["impl"] == "dense"}
     for r in results:
         assert r["speedup_vs_baseline"] == pytest.approx(base[r["pass"]] / r["median_ms"])
+        assert r["dense_median_ms"] == dense[r["pass"]]  # the dense row of the same model, tokens and pass
+        assert r["x_dense"] == pytest.approx(r["median_ms"] / dense[r["pass"]])
     cap = [r for r in results if r["impl"] == "xla-capacity"]
     assert all(r["dropped_slots"] == 0 and r["capacity"] == 10 for r in cap)  # uniform: ceil(1.25*32*4/16) = 10
 
@@ -213,6 +219,47 @@ def test_a_failed_implementation_exits_nonzero(tmp_path, cpu_devices, monkeypatc
                            "RuntimeError: a failure injected by the test")
 
 
+# ------------------------------------------------------------------ dense, and the standard problems
+
+
+def test_dense_row_has_the_layers_flops_no_communication_and_every_row_its_ratio(tmp_path, cpu_devices, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--impl", "xla-capacity,dense", "--baseline", "xla-capacity", "--devices", "2", "--tokens",
+                     "16", "--pass", "fwd,fwd+bwd", "--peak-tflops", "805", "--nvlink-gbps", "394", "--json", str(out),
+                     "-q", *FAST]) == 0
+    rows = {(r["pass"], r["impl"]): r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == [(p, i) for p in ("fwd", "fwd+bwd") for i in ("xla-capacity", "dense")]
+    for p in ("fwd", "fwd+bwd"):
+        layer, dense = rows[p, "xla-capacity"], rows[p, "dense"]
+        assert dense["status"] == "ok" and dense["flops_per_gpu"] == layer["flops_per_gpu"]
+        assert dense["compute_floor_ms"] == layer["compute_floor_ms"]  # the same FLOPs at the same peak
+        assert dense["comm_floor_ms"] is None and dense["comm_fraction"] is None  # it moves no rows
+        assert layer["comm_floor_ms"] > 0
+        assert dense["x_dense"] == 1.0 and layer["x_dense"] == pytest.approx(layer["median_ms"] / dense["median_ms"])
+    table = capsys.readouterr().out
+    assert "x dense" in table.splitlines()[1] and "x dense: this median / dense's" in table
+    assert cli.main(["--from-json", str(out), "--markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "| vs baseline | x dense | note |" in md and "| `dense` |" in md
+
+
+def test_a_gpu_run_takes_each_models_standard_problem(tmp_path, cpu_devices, monkeypatch):
+    """On a GPU (the CPU devices passed off as one) a model runs its standard problem: here a stand-in for ci, 16
+    tokens with E/4 experts on one GPU; --tokens overrides the tokens, the experts stay."""
+    from mok_jax.bench import problems
+
+    monkeypatch.setattr(runner, "_on_gpu", lambda devices: True)
+    monkeypatch.setitem(problems.STANDARD_PROBLEMS, "ci", problems.StandardProblem(tokens_per_gpu=16,
+                                                                                   one_gpu_experts="E/4"))
+    out = tmp_path / "r.json"
+    for argv, tokens in (([], [16]), (["--tokens", "8"], [8])):
+        assert cli.main(["ci", "--impl", "xla", "--devices", "1", "--json", str(out), "-q", *argv, *FAST]) == 0
+        rep = json.loads(out.read_text())
+        assert rep["config"]["problems"] == {"ci": {"tokens": tokens, "ep_mode": "E/4", "experts_per_gpu": 4}}
+        assert [(r["tokens_per_gpu"], r["experts_per_gpu"], r["status"]) for r in rep["results"]] == [
+            (tokens[0], 4, "ok")]
+
+
 # ------------------------------------------------------------------ exit codes: refused before anything runs (rc 2)
 
 
@@ -220,6 +267,29 @@ def _one_error_line(err: str) -> str:
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("mok-bench: error: "), lines
     return lines[0]
+
+
+def test_tokamax_not_installed_is_dropped_with_the_reason_or_refused_by_name(tmp_path, cpu_devices, monkeypatch,
+                                                                              capsys):
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # what an import finds where tokamax is not installed
+    monkeypatch.setitem(cli.CPU_DEFAULTS, "impls", ("xla", "tokamax"))
+    out = tmp_path / "r.json"
+    assert cli.main(["ci", "--devices", "1", "--tokens", "8", "--json", str(out), "-q", *FAST]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["impl"] for r in rep["results"]] == ["xla"]
+    assert rep["unavailable_impls"]["tokamax"].startswith("ImportError: tokamax is not installed")
+    assert "mok-bench: not run (unavailable here): tokamax" in capsys.readouterr().err
+    assert cli.main(["ci", "--impl", "tokamax", "--devices", "1", "--tokens", "8", *FAST]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith(
+        "mok-bench: error: implementation 'tokamax' is not available here: ImportError: tokamax is not installed")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokamax") is None, reason="tokamax is not installed: not a pass")
+def test_tokamax_on_cpu_is_refused_by_name_with_its_kernels_reason(capsys, cpu_devices):
+    """Its Mosaic GPU kernel cannot run on CPU: asked for by name, one line and rc 2, before any run."""
+    assert cli.main(["ci", "--impl", "tokamax", "--devices", "1", "--tokens", "8", *FAST]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith(
+        "mok-bench: error: implementation 'tokamax' is not available here: ")
 
 
 def test_a_model_toml_that_cannot_be_read_is_a_usage_error(tmp_path, cpu_devices, capsys):
@@ -550,10 +620,10 @@ def test_implementations_with_dtype_fp8():
     def impls(*argv, defaults=cli.GPU_DEFAULTS):
         return cli.implementations(cli.parse_args(list(argv)), defaults)
 
-    assert impls() == (["mok", "xla", "xla-capacity"], set())
-    assert impls("--dtype", "fp8") == (["mok", "mok-fp8", "xla", "xla-capacity"], set())
+    assert impls() == (["mok", "dense", "xla", "xla-capacity", "tokamax"], set())
+    assert impls("--dtype", "fp8") == (["mok", "mok-fp8", "dense", "xla", "xla-capacity", "tokamax"], set())
     assert impls("--dtype", "fp8", defaults=cli.CPU_DEFAULTS) == (
-        ["reference", "xla", "xla-capacity", "mok", "mok-fp8"], set())
+        ["reference", "dense", "xla", "xla-capacity", "mok", "mok-fp8"], set())
     assert impls("--dtype", "fp8", "--impl", "xla") == (["xla", "mok", "mok-fp8"], {"xla"})
     assert impls("--dtype", "fp8", "--impl", "mok-fp8,mok-keep,mok") == (
         ["mok-keep", "mok", "mok-fp8"], {"mok-fp8", "mok-keep", "mok"})
@@ -567,7 +637,7 @@ def test_dtype_fp8_without_the_kernels_runs_the_others_and_says_why(tmp_path, cp
     out = tmp_path / "r.json"
     assert cli.main(["ci", "--dtype", "fp8", "--tokens", "8", "--devices", "2", "--json", str(out), "-q", *FAST]) == 0
     rep = json.loads(out.read_text())
-    assert [r["impl"] for r in rep["results"]] == ["xla", "reference", "xla-capacity"]
+    assert [r["impl"] for r in rep["results"]] == ["xla", "dense", "reference", "xla-capacity"]
     assert rep["config"]["dtype"] == "fp8" and {r["dtype"] for r in rep["results"]} == {"bf16"}
     assert set(rep["unavailable_impls"]) == {"mok", "mok-fp8"}
     for why in rep["unavailable_impls"].values():

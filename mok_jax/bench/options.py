@@ -12,11 +12,10 @@ from typing import Any
 from mok_jax.bench import accounting as acc
 from mok_jax.bench.routing import ROUTINGS
 
-__all__ = ["CPU_DEFAULTS", "CPU_NOTICE", "DTYPES", "FP8_IMPL", "FP8_REFERENCE", "GPU_DEFAULTS", "IMPLEMENTATIONS",
-           "MAX_CALLS_PER_SAMPLE", "MOK_IMPLS", "NVLINK_GBPS", "ONE_GPU_EXPERTS", "PEAK_TFLOPS", "PLOT_FORMATS",
-           "TARGET_SAMPLE_MS",
-           "BenchOptions", "UsageError", "build_parser", "implementations", "kernel_settings", "parse_args",
-           "parse_experts_per_gpu", "parse_tokens", "print_models"]
+__all__ = ["CPU_DEFAULTS", "CPU_NOTICE", "DENSE", "DTYPES", "FP8_IMPL", "FP8_REFERENCE", "GPU_DEFAULTS",
+           "IMPLEMENTATIONS", "MAX_CALLS_PER_SAMPLE", "MOK_IMPLS", "NVLINK_GBPS", "ONE_GPU_EXPERTS", "PEAK_TFLOPS",
+           "PLOT_FORMATS", "TARGET_SAMPLE_MS", "BenchOptions", "UsageError", "build_parser", "implementations",
+           "kernel_settings", "parse_args", "parse_experts_per_gpu", "parse_tokens", "print_models"]
 
 DESCRIPTION = "mok-bench: how fast the MoE layer runs here, against what a JAX user would write instead."
 
@@ -25,15 +24,20 @@ DESCRIPTION = "mok-bench: how fast the MoE layer runs here, against what a JAX u
 # dense GEMM 8192^3 on one H200: cuBLAS bf16, torch._scaled_mm e4m3 (HARDWARE.md)
 PEAK_TFLOPS = {"bf16": 805.0, "fp8": 1477.0}
 NVLINK_GBPS = 394.0  # peer copy GPU0 -> GPU1 of the 2-GPU H200 machine (NV18), one direction
-GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice", "impls": ("mok", "xla", "xla-capacity")}
-ONE_GPU_EXPERTS = "E/32"  # default --experts-per-gpu on a machine with one GPU (and no --ep-mode given)
-CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("reference", "xla", "xla-capacity")}
+DENSE = "dense"  # the layer's FLOPs as one dense FFN (mok_jax.bench.dense): the practical limit, its own inputs
+# tokens: for a model without a standard problem (mok_jax.bench.problems); tokamax is dropped, with the reason,
+# where it is not installed
+GPU_DEFAULTS = {"model": "kimi-k2", "tokens": 2048, "ep_mode": "ep64-slice",
+                "impls": ("mok", DENSE, "xla", "xla-capacity", "tokamax")}
+ONE_GPU_EXPERTS = "E/32"  # --experts-per-gpu on one GPU (no --ep-mode given) for a model without a standard problem
+CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("reference", DENSE, "xla", "xla-capacity")}
 # ms a timed sample lasts (at least 3 calls, mok_jax.bench.timing), and the most calls in it. On CPU shorter: its
 # times are indicative only, and with 64 calls of an EP program in flight the 8 host devices' collectives abort
 # (XLA's CPU rendezvous times out waiting for threads the queued calls hold).
 TARGET_SAMPLE_MS = {"gpu": 100.0, "cpu": 20.0}
 MAX_CALLS_PER_SAMPLE = {"gpu": 64, "cpu": 16}
-IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "tokamax", "reference", "mok", "mok-ring", "mok-keep", "mok-fp8")
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "tokamax", "reference", DENSE, "mok", "mok-ring", "mok-keep",
+                   "mok-fp8")
 # the megakernel: kernel knobs apply (mok-ring: MoEConfig(keep="ring"), mok-keep: MoEConfig(keep="everything"),
 # mok-fp8: MoEConfig(precision="fp8"))
 MOK_IMPLS = ("mok", "mok-ring", "mok-keep", "mok-fp8")
@@ -46,11 +50,12 @@ CPU_NOTICE = ("CPU NUMBERS: no GPU found, so mok-bench ran the pure-JAX paths on
 EXAMPLES = """\
 examples:
   mok-bench                                   # defaults: kimi-k2, ep64-slice, 2048 tokens/GPU (ci model on CPU)
-  mok-bench --model bench --pass fwd,fwd+bwd --impl xla,xla-capacity --json out.json
+  mok-bench bench --pass fwd,fwd+bwd --json out.json   # the five standard problems; every row also 'x dense'
+  mok-bench --model bench --pass fwd,fwd+bwd --impl xla,xla-capacity --tokens 4096   # all at 4096 tokens
   mok-bench glm-5 --tokens 512..16384 --plot sweep.png        # 512, 1024, ..., 16384
   mok-bench kimi-k2 --routing zipf --zipf-s 1.2 --impl xla,xla-capacity --capacity-factor 2
   mok-bench kimi-k2 --profile /tmp/prof       # jax.profiler trace per run (TensorBoard / Perfetto)
-  mok-bench bench --devices 1 --experts-per-gpu E/32   # the 2-GPU ep64-slice problem on one GPU
+  mok-bench kimi-k2 --devices 1 --experts-per-gpu E/32   # the 2-GPU ep64-slice problem on one GPU
   mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-sms 16   # a mok granularity sweep
   mok-bench bench --tune --tokens 512..8192   # time mok's knobs, write configs/tuned/<device>/kernel.toml
   mok-bench bench --dtype fp8 --pass fwd,fwd+bwd --impl xla,mok   # mok-fp8 beside mok, ratio in 'vs bf16'
@@ -222,14 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mok-bench", description=DESCRIPTION, epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="model name (configs/models), TOML path, comma list, or 'bench' for "
-                   f"the four benchmark models (default: {GPU_DEFAULTS['model']}; {CPU_DEFAULTS['model']} on CPU)")
+                   "the models of the standard problems, each at its own tokens and experts per GPU on a GPU "
+                   f"(mok_jax.bench.problems) (default: {GPU_DEFAULTS['model']}; {CPU_DEFAULTS['model']} on CPU)")
     w = p.add_argument_group("what to run")
     w.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as the positional MODEL")
-    w.add_argument("-t", "--tokens", help=f"tokens per GPU: N, N1,N2,... or LO..HI doubling (default "
-                   f"{GPU_DEFAULTS['tokens']}; {CPU_DEFAULTS['tokens']} on CPU)")
+    w.add_argument("-t", "--tokens", help="tokens per GPU: N, N1,N2,... or LO..HI doubling, for every model "
+                   f"(default on GPU a model's standard problem's, else {GPU_DEFAULTS['tokens']}; "
+                   f"{CPU_DEFAULTS['tokens']} on CPU)")
     w.add_argument("--ep-mode", choices=acc.EP_MODES, help="full: the model's experts split over the GPUs; "
-                   "ep64-slice: E/64 experts per GPU (default ep64-slice on GPU, full on CPU; on one GPU without "
-                   "--ep-mode the default is --experts-per-gpu E/32, the whole 2-GPU problem)")
+                   "ep64-slice: E/64 experts per GPU (default on GPU: a model's standard problem, else ep64-slice, "
+                   f"and on one GPU --experts-per-gpu {ONE_GPU_EXPERTS}, the whole 2-GPU problem; full on CPU)")
     w.add_argument("--dtype", default="bf16", choices=DTYPES, help=f"bf16 (default), or fp8: also time {FP8_IMPL} "
                    f"(MoEConfig(precision='fp8'): the routed experts' forward in FP8 E4M3) right after the bf16 "
                    f"{FP8_REFERENCE} (added if --impl lacks it), its ratio to it in 'vs bf16'; all else stays bf16. "
@@ -247,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--capacity-factor", type=float, default=1.25,
                    help="xla-capacity: slots per (source rank, expert) = ceil(cf * T*k / E)")
     w.add_argument("--devices", type=int, help="EP degree: use the first N devices (default: all)")
-    w.add_argument("--experts-per-gpu", metavar="N|E/d", help="routed experts each GPU holds, overriding the split "
-                   "of --ep-mode: a count, or E/d for the model's E experts over d (E/32 on one GPU is the 2-GPU "
-                   "ep64-slice problem)")
+    w.add_argument("--experts-per-gpu", metavar="N|E/d", help="routed experts each GPU holds, for every model, "
+                   "overriding the split of --ep-mode and the standard problems: a count, or E/d for the model's E "
+                   "experts over d (E/32 on one GPU is the 2-GPU ep64-slice problem)")
     k = p.add_argument_group("mok kernel knobs (mok_jax.KernelConfig; unset: the tuned table or the heuristic, "
                              "mok_jax.tuning; other implementations ignore them)")
     k.add_argument("--granularity", help="tokens per microbatch: a multiple of 64 in 512..32768, or a comma list "
@@ -314,13 +321,14 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
 
 
 def print_models() -> None:
+    from mok_jax.bench.problems import STANDARD_SET, standard_models
     from mok_jax.config import list_models, load_model
 
-    bench = set(list_models(tag="bench"))
+    bench = set(standard_models())
     print(f"{'model':<20} {'E':>4} {'k':>3} {'H':>6} {'I':>6} {'Is':>6}  tags")
     for name in list_models():
         m = load_model(name)
-        tags = ",".join(m.tags) + (" (in 'bench')" if name in bench else "")
+        tags = ",".join(m.tags) + (f" (in '{STANDARD_SET}')" if name in bench else "")
         print(f"{name:<20} {m.num_experts:>4} {m.top_k:>3} {m.hidden_size:>6} {m.intermediate_size:>6} "
               f"{m.shared_size:>6}  {tags}")
 

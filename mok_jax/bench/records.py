@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mok_jax.bench import accounting as acc
-from mok_jax.bench.options import FP8_IMPL, BenchOptions
+from mok_jax.bench.options import DENSE, FP8_IMPL, BenchOptions
 
 __all__ = ["compute_floor", "error_text", "fill_timing", "new_record", "precision_of", "reference_gb"]
 
@@ -54,7 +54,8 @@ def new_record(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, opts: 
     r["remote_dispatch_bytes_per_gpu"] = float(traffic.sent_slots.mean()) * row_bytes
     r["unique_remote_dispatch_bytes_per_gpu"] = float(traffic.sent_unique.mean()) * row_bytes
     link_bytes = acc.link_bytes_per_row(shape.hidden_size, pass_, precision)  # over the pass's transfers
-    to_ms = lambda rows_: rows_ * link_bytes / (nvlink_gbps * 1e9) * 1e3 if nvlink_gbps else None
+    moves_rows = nvlink_gbps and impl != DENSE  # dense moves no rows: no communication floor
+    to_ms = lambda rows_: rows_ * link_bytes / (nvlink_gbps * 1e9) * 1e3 if moves_rows else None
     r["comm_floor_ms"] = to_ms(traffic.link_rows)
     r["comm_floor_unique_ms"] = to_ms(traffic.link_rows_unique)
     if impl == "xla-capacity":

@@ -14,7 +14,8 @@ JSON (``SCHEMA``): {
               mok rows also carry "kernel" (the KernelConfig's fields), "kernel_source" (explicit | tuned |
               heuristic) and the memory per rank in bytes (fwd rows; accounting.mok_memory_per_rank); dtype is
               the routed experts' forward ("fp8" for mok-fp8, whose rows also carry bf16_median_ms and
-              speedup_vs_bf16: the bf16 mok of the same model, tokens, pass and kernel, same process)],
+              speedup_vs_bf16: the bf16 mok of the same model, tokens, pass and kernel, same process); every ok
+              row carries dense_median_ms and x_dense (median / dense's median) when ``dense`` ran beside it],
   "unavailable_impls": {implementation: why} for defaults that cannot run here, "elapsed_s",
   "stopped": why the runs stopped early (a signal), or null,
   "tuned": with --tune: {"path", "entries" written or replaced, "incomplete" problems not written}, else absent
@@ -34,7 +35,7 @@ import sys
 from typing import Any, Iterable
 
 __all__ = [
-    "RESULT_KEYS", "SCHEMA", "environment", "fill_fp8_ratios", "fmt", "format_bytes", "format_markdown",
+    "RESULT_KEYS", "SCHEMA", "environment", "fill_dense_ratios", "fill_fp8_ratios", "fmt", "format_bytes", "format_markdown",
     "format_memory",
     "format_table", "git_info", "kernel_label", "load_results", "plot_sweep", "write_json",
 ]
@@ -58,6 +59,8 @@ RESULT_KEYS = (
     "comm_fraction_unique",
     # against the baseline measured in the same process
     "baseline", "baseline_median_ms", "speedup_vs_baseline",
+    # against ``dense`` (the layer's FLOPs as one dense FFN) of the same model, tokens and pass, same process
+    "dense_median_ms", "x_dense",
     # capacity baseline
     "capacity", "dropped_slots", "dropped_fraction",
     # the megakernel (mok rows): its KernelConfig, where that came from, and its memory per rank in bytes
@@ -165,6 +168,21 @@ def fill_fp8_ratios(results: list[dict], *, fp8_impl: str, reference: str) -> No
             r["speedup_vs_bf16"] = r["bf16_median_ms"] / r["median_ms"]
 
 
+def fill_dense_ratios(results: list[dict], *, dense: str) -> None:
+    """Give each ok row dense_median_ms and x_dense (its median over that of the ok ``dense`` row of the same
+    model, mode, tokens and pass; the dense row itself 1.0), in place; rows without such a dense row keep None."""
+    key = lambda r: (r["model"], r["ep_mode"], r["tokens_per_gpu"], r["pass"])
+    dense_ms = {key(r): r["median_ms"] for r in results if r["impl"] == dense and r["status"] == "ok"}
+    for r in results:
+        if r["status"] == "ok" and key(r) in dense_ms:
+            r["dense_median_ms"] = dense_ms[key(r)]
+            r["x_dense"] = r["median_ms"] / r["dense_median_ms"]
+
+
+def _has_dense(results: list[dict]) -> bool:
+    return any(r.get("x_dense") is not None for r in results)
+
+
 def _has_fp8(results: list[dict]) -> bool:
     return any(r.get("dtype") == "fp8" for r in results)
 
@@ -230,6 +248,8 @@ def format_table(results: Iterable[dict]) -> str:
         columns += [("comm ms", lambda r: fmt(r["comm_floor_ms"], ".3f"), True),
                     ("%comm", lambda r: percent(r["comm_fraction"]), True)]
     columns.append(("vs base", lambda r: _ratio(r["speedup_vs_baseline"]), True))
+    if _has_dense(results):
+        columns.append(("x dense", lambda r: _ratio(r.get("x_dense")), True))
     if _has_fp8(results):
         columns.append(("vs bf16", lambda r: _ratio(r.get("speedup_vs_bf16")), True))
     columns.append(("note", _note, False))
@@ -250,6 +270,8 @@ def format_table(results: Iterable[dict]) -> str:
         foot.append("comm ms: dispatch+combine floor at the NVLink bandwidth (busiest GPU); %comm: that floor over "
                     "the median")
     foot.append("vs base: baseline median / this median" +
+                ("; x dense: this median / dense's (the layer's FLOPs as one dense FFN)" if _has_dense(results)
+                 else "") +
                 ("; vs bf16: the bf16 mok's median (same kernel) / this median." if _has_fp8(results) else "."))
     out.append("; ".join(foot))
     return "\n".join(out)
@@ -265,7 +287,8 @@ def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None
     fp8 = _has_fp8(results)
     head += [f"% of {peak_tflops:g}" if peak_tflops and not fp8 else "% of roofline"] if with_peak else []
     head += ["comm floor ms"] if with_comm else []
-    head += ["vs baseline"] + (["vs bf16 mok"] if fp8 else []) + ["note"]
+    dense = _has_dense(results)
+    head += ["vs baseline"] + (["x dense"] if dense else []) + (["vs bf16 mok"] if fp8 else []) + ["note"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["--:"] * (len(head) - 6) + ["---"]) + "|"]
     for r in results:
         ok = r["status"] == "ok"
@@ -278,6 +301,8 @@ def format_markdown(results: Iterable[dict], *, peak_tflops: float | None = None
             cells.append(fmt(r["comm_floor_ms"], ".3f"))
         cells.append((fmt(r["speedup_vs_baseline"], ".2f") + f"x {r['baseline']}")
                      if ok and r["speedup_vs_baseline"] else "-")
+        if dense:
+            cells.append(_ratio(r.get("x_dense")) if ok else "-")
         if fp8:
             cells.append(_ratio(r.get("speedup_vs_bf16")) if ok else "-")
         cells.append(_note(r).replace("|", "/"))

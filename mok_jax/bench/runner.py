@@ -10,13 +10,13 @@ import time
 from typing import Any
 
 from mok_jax.bench import accounting as acc
-from mok_jax.bench.options import (CPU_DEFAULTS, CPU_NOTICE, FP8_IMPL, FP8_REFERENCE, GPU_DEFAULTS, MOK_IMPLS,
-                                   NVLINK_GBPS, ONE_GPU_EXPERTS, PEAK_TFLOPS, BenchOptions, UsageError,
-                                   implementations, kernel_settings, parse_experts_per_gpu)
+from mok_jax.bench.options import (CPU_DEFAULTS, CPU_NOTICE, DENSE, FP8_IMPL, FP8_REFERENCE, GPU_DEFAULTS,
+                                   MOK_IMPLS, NVLINK_GBPS, ONE_GPU_EXPERTS, PEAK_TFLOPS, BenchOptions, UsageError,
+                                   implementations, kernel_settings)
+from mok_jax.bench.problems import STANDARD_PROBLEMS, STANDARD_SET, standard_models
 from mok_jax.bench.records import error_text, new_record, reference_gb
 from mok_jax.bench.report import eprint, format_bytes
-from mok_jax.bench.steps import (init_weights, layer_inputs, layer_step, measure, routing_and_traffic,
-                                 write_profile)
+from mok_jax.bench.steps import RunArrays, measure, routing_and_traffic, write_profile
 
 __all__ = ["Unavailable", "run"]
 
@@ -24,19 +24,32 @@ RAGGED_COLLECTIVE_IMPLS = ("ragged", "tokamax")  # at EP > 1 they dispatch with 
 
 
 def _resolve_models(names: tuple[str, ...]):
-    """The ModelShapes of the model argument's names ('bench': the benchmark models); a name or TOML path that
-    cannot be read is a UsageError naming it, in one line."""
-    from mok_jax.config import list_models, load_model
+    """The ModelShapes of the model argument's names ('bench': the models of the standard problems); a name or TOML
+    path that cannot be read is a UsageError naming it, in one line."""
+    from mok_jax.config import load_model
 
     out = []
     for name in names:
-        for n in (list_models(tag="bench") if name == "bench" else [name]):
+        for n in (standard_models() if name == STANDARD_SET else [name]):
             try:
                 out.append(load_model(n))
             except (OSError, ValueError, TypeError, KeyError) as e:  # no such file, bad TOML, missing/extra fields
                 reason = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise UsageError(f"model {n!r}: {reason}") from None
     return out
+
+
+def _problem(model, opts: BenchOptions, on_gpu: bool, num_gpus: int, ep_mode: str,
+             defaults: dict) -> tuple[acc.BenchShape, tuple[int, ...]]:
+    """(the BenchShape, the tokens per GPU) that ``model`` runs here: on a GPU its standard problem
+    (mok_jax.bench.problems; a model without one: the defaults' tokens, and on one GPU ONE_GPU_EXPERTS experts),
+    each part of which --tokens, --experts-per-gpu and --ep-mode override; on CPU the CPU defaults."""
+    standard = STANDARD_PROBLEMS.get(model.name) if on_gpu else None
+    tokens = opts.tokens or ((standard.tokens_per_gpu,) if standard else (defaults["tokens"],))
+    experts = opts.experts_per_gpu
+    if experts is None and on_gpu and not opts.ep_mode:
+        experts = standard.experts_per_gpu(num_gpus) if standard else ONE_GPU_EXPERTS if num_gpus == 1 else None
+    return acc.bench_shape(model, num_gpus, ep_mode, experts_per_gpu=experts), tokens
 
 
 class Unavailable(RuntimeError):
@@ -107,11 +120,11 @@ def _device_memory(devices) -> tuple[int, str]:
     return host // len(devices), f"the host's {format_bytes(host)} shared by {len(devices)} host devices"
 
 
-def _check_memory(shapes, tokens_list, passes, devices) -> None:
+def _check_memory(problems, passes, devices) -> None:
     """A problem that cannot fit is refused before anything runs: UsageError when the lower bound of what any
     implementation holds (accounting.min_bytes_per_gpu) exceeds one device's memory."""
     memory, source = _device_memory(devices)
-    for shape in shapes:
+    for shape, tokens_list in problems:
         for tokens in tokens_list:
             need, pass_ = max((acc.min_bytes_per_gpu(shape, tokens, p), p) for p in passes)
             if need > memory:
@@ -148,7 +161,7 @@ def _runnable(opts: BenchOptions, defaults: dict, mesh, shape: acc.BenchShape, t
     baseline = opts.baseline or ("xla" if "xla" in impls else impls[0])
     if baseline not in impls:
         impls.insert(0, baseline)
-    impls.sort(key=lambda i: i != baseline)  # the baseline first, so every ratio has its denominator
+    impls.sort(key=lambda i: (i != baseline, i != DENSE))  # the baseline, then dense: every ratio's denominator first
     return impls, baseline, dropped
 
 
@@ -171,7 +184,6 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     if n > len(devices):
         raise UsageError(f"--devices {n}: only {len(devices)} {devices[0].platform} device(s) here")
     models = _resolve_models(opts.models or (defaults["model"],))
-    tokens_list = opts.tokens or (defaults["tokens"],)
     ep_mode = opts.ep_mode or defaults["ep_mode"]
     # the H200's rooflines on GPU; on CPU only what the command line gives (none by default)
     peaks = {"bf16": opts.peak_tflops or (PEAK_TFLOPS["bf16"] if on_gpu else None),
@@ -180,21 +192,19 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     nvlink = opts.nvlink_gbps or (NVLINK_GBPS if on_gpu else None)
     dtype = jax.numpy.bfloat16  # inputs and weights, for either --dtype (fp8 is mok-fp8's math inside the layer)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n], axis_types=(AxisType.Explicit,))
-    # ValueError -> usage error in main()
-    experts_per_gpu = opts.experts_per_gpu
-    if experts_per_gpu is None and on_gpu and n == 1 and not opts.ep_mode:
-        # one GPU: the whole 2-GPU ep64-slice problem (E/32 experts)
-        experts_per_gpu = parse_experts_per_gpu(ONE_GPU_EXPERTS)
-    shapes = [acc.bench_shape(m, n, ep_mode, experts_per_gpu=experts_per_gpu) for m in models]
-    _check_memory(shapes, tokens_list, opts.passes, devices[:n])
+    problems = [_problem(m, opts, on_gpu, n, ep_mode, defaults) for m in models]  # ValueError: rc 2 in main()
+    _check_memory(problems, opts.passes, devices[:n])
     gpu_kind = _gpu_kind()
 
-    impls, baseline, dropped_impls = _runnable(opts, defaults, mesh, shapes[0], tokens_list[0], gpu_kind)
+    first_shape, first_tokens = problems[0]
+    impls, baseline, dropped_impls = _runnable(opts, defaults, mesh, first_shape, first_tokens[0], gpu_kind)
 
     config = dataclasses.asdict(opts)
-    config.update(models=[m.name for m in models], tokens=list(tokens_list), ep_mode=ep_mode, impls=impls,
-                  baseline=baseline, peak_tflops=peak, peak_tflops_fp8=peaks["fp8"], nvlink_gbps=nvlink, devices=n,
-                  passes=list(opts.passes))
+    config.update(models=[m.name for m in models], tokens=list(dict.fromkeys(t for _, ts in problems for t in ts)),
+                  problems={s.model: {"tokens": list(ts), "ep_mode": s.ep_mode, "experts_per_gpu": s.experts_per_gpu}
+                            for s, ts in problems},
+                  ep_mode=ep_mode, impls=impls, baseline=baseline, peak_tflops=peak, peak_tflops_fp8=peaks["fp8"],
+                  nvlink_gbps=nvlink, devices=n, passes=list(opts.passes))
     report = {"schema": rep.SCHEMA, "created_utc": rep.now_utc(), "command": argv or ["mok-bench"], "config": config,
               "cpu_numbers": not on_gpu, "notice": None if on_gpu else CPU_NOTICE,
               **rep.environment(devices, n), "git": rep.git_info(),
@@ -203,7 +213,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     results = report["results"]
     # pass-major, so a sweep cut short by --time-budget still has whole curves for the first pass; mok once per
     # kernel setting (--granularity list, --tune grid), the others once
-    plan = [(s, p, t, i, knobs) for s in shapes for p in opts.passes for t in tokens_list for i in impls
+    plan = [(s, p, t, i, knobs) for s, ts in problems for p in opts.passes for t in ts for i in impls
             for knobs in (kernel_settings(opts, t) if i in MOK_IMPLS else [None])]
 
     if not on_gpu:  # once, above everything the runs print (stdout: it heads the table in a redirected file)
@@ -218,17 +228,16 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         old_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
     except ValueError:  # not the main thread: no handler
         old_handler = None
-    fns: dict[tuple, Any] = {}  # per (impl, kernel)
-    steps: dict[tuple, Any] = {}
-    cur = {"shape": None, "weights": None, "fp8_weights": None, "tokens": None, "problem": None}
+    arrays = RunArrays(mesh, dtype, opts)
     routings: dict[int, Any] = {}  # per tokens, for the current model (host arrays)
+    current_shape = None
     base_ms: dict[tuple, float] = {}  # baseline median per (model, tokens, pass)
     dropped: dict[tuple, int] = {}  # dropped slots per (model, tokens, impl)
     stop_reason = None
     try:
         for shape, pass_, tokens, impl, knobs in plan:
-            if cur["shape"] is not shape:
-                cur.update(shape=shape, weights=None, fp8_weights=None, tokens=None, problem=None)
+            if current_shape is not shape:
+                current_shape = shape
                 routings.clear()
             if tokens not in routings:
                 routings[tokens] = routing_and_traffic(shape, tokens, opts)
@@ -255,29 +264,12 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                 if impl == "reference" and on_gpu and gb > opts.reference_max_gb:
                     raise _Skip(f"reference is dense: {gb:.1f} GB of activations > --reference-max-gb "
                                 f"{opts.reference_max_gb:g}")
-                if cur["weights"] is None:
-                    cur["weights"] = init_weights(shape, mesh, dtype, opts.seed)
-                if cur["tokens"] != tokens:
-                    cur.update(tokens=None, problem=None)  # free the previous inputs first
-                    cur.update(tokens=tokens, problem=layer_inputs(shape, tokens, routing, mesh, dtype, opts.seed))
-                if (impl, kernel) not in fns:
-                    fns[impl, kernel] = baselines.build(impl, mesh, capacity_factor=opts.capacity_factor,
-                                                        kernel=kernel)
-                fp8_weights = impl == FP8_IMPL and pass_ == "fwd"  # made outside the timed call (module doc)
-                if (impl, kernel, pass_) not in steps:
-                    steps[impl, kernel, pass_] = layer_step(fns[impl, kernel], pass_, fp8_weights=fp8_weights)
-                step = steps[impl, kernel, pass_]
-                x, idx, w, dy = cur["problem"]
-                args = (x, idx, w, cur["weights"], dy)
-                if fp8_weights:
-                    if cur["fp8_weights"] is None:
-                        cur["fp8_weights"] = baselines.quantize_weights(cur["weights"], mesh)
-                    args += (cur["fp8_weights"],)
+                step, args = arrays.step_and_args(shape, tokens, routing, pass_, impl, kernel)
                 measure(r, step, args, slow=impl == "ragged", opts=opts)
                 if impl == "xla-capacity":
                     key = (shape.model, tokens, impl)
                     if key not in dropped:
-                        dropped[key] = int(fns[impl, kernel](*args[:4])[1]["dropped_slots"])
+                        dropped[key] = int(arrays.fn(impl, kernel)(*args[:4])[1]["dropped_slots"])
                     r["dropped_slots"] = dropped[key]
                     r["dropped_fraction"] = dropped[key] / (n * tokens * shape.top_k)
                 if impl == baseline and (shape.model, tokens, pass_) not in base_ms:  # mok as baseline: its first
@@ -287,10 +279,12 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                     r["speedup_vs_baseline"] = r["baseline_median_ms"] / r["median_ms"]
                 if impl in (FP8_IMPL, FP8_REFERENCE):
                     rep.fill_fp8_ratios(results, fp8_impl=FP8_IMPL, reference=FP8_REFERENCE)
+                rep.fill_dense_ratios(results, dense=DENSE)  # dense runs second: the rows after it get theirs
                 of_peak = "" if r["compute_fraction"] is None else f", {r['compute_fraction'] * 100:.1f}% of peak"
+                x_dense = "" if r["x_dense"] is None or impl == DENSE else f", {r['x_dense']:.2f}x dense"
                 vs_bf16 = "" if r["speedup_vs_bf16"] is None else f", {r['speedup_vs_bf16']:.2f}x {FP8_REFERENCE}"
-                say(f"{label}: {r['median_ms']:.3f} ms ({rep.fmt(r['tflops'], '.1f')} TFLOP/s{of_peak}{vs_bf16}; "
-                    f"first call {r['first_call_s']:.1f} s)")
+                say(f"{label}: {r['median_ms']:.3f} ms ({rep.fmt(r['tflops'], '.1f')} TFLOP/s{of_peak}{x_dense}"
+                    f"{vs_bf16}; first call {r['first_call_s']:.1f} s)")
                 if opts.profile:
                     try:  # a trace that cannot be taken (no CUPTI, say) costs the trace, not the timing
                         write_profile(opts.profile, r, step, args)
@@ -318,7 +312,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
         bar.close()
-        cur.clear()
+        arrays.clear()
     if opts.tune:
         report["tuned"] = _write_tuned(results, devices[0].device_kind, report["git"])
     report["elapsed_s"] = time.perf_counter() - t_start
@@ -348,7 +342,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                f"{dropped_impls[FP8_IMPL].splitlines()[0][:300]}")
     if opts.plot:
         models_txt = ",".join(dict.fromkeys(r["model"] for r in results))
-        modes = ",".join(dict.fromkeys(s.ep_mode for s in shapes))
+        modes = ",".join(dict.fromkeys(s.ep_mode for s, _ in problems))
         path = rep.plot_sweep(opts.plot, results, peak_tflops=peak if on_gpu else None,
                               fp8_peak_tflops=peaks["fp8"] if on_gpu and opts.dtype == "fp8" else None,
                               title=f"{models_txt} ({modes}, {_dtype_text(opts.dtype)}, {opts.routing} routing) on "
