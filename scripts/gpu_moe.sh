@@ -24,10 +24,20 @@ for s in ${BENCH_STEPS-headline granularity}; do
     tune) step tune 170 "${BENCH[@]}" --model "$MODELS" --tokens 2048 --tune --time-budget ${TUNE_BUDGET:-120} \
             --json "$LOGS/tune.json"
           cp configs/tuned/*/kernel.toml "$LOGS/" 2>/dev/null ;;
-    headline) step headline ${HEADLINE_LIMIT:-240} "${BENCH[@]}" --model "$MODELS" --tokens 2048 \
-                --impl xla,xla-capacity,mok --time-budget ${HEADLINE_BUDGET:-200} --json "$LOGS/headline.json" ;;
-    train) step train ${TRAIN_LIMIT:-300} "${BENCH[@]/fwd/fwd+bwd}" --model "$MODELS" --tokens 2048 \
-             --impl xla,xla-capacity,mok,mok-keep --time-budget ${TRAIN_BUDGET:-250} --json "$LOGS/train.json" ;;
+    # headline (fwd) and train (fwd+bwd): the five standard problems (mok_jax.bench.problems: the four models at 2048
+    # tokens with E/32 experts, qwen3-30b-a3b at 8192 with 16) with mok-bench's GPU defaults: mok, dense, xla,
+    # xla-capacity and tokamax (bf16 GEMM outputs; tokamax from the wheels in .whl, installed under /tmp, or dropped
+    # with the reason); HEADLINE_IMPLS / TRAIN_IMPLS name others (named ones that cannot run stop the step, rc 2)
+    headline) [ -d .whl ] && [ ! -d /tmp/mok_wheels ] && $PY -m pip install -q --no-index --no-deps --target /tmp/mok_wheels .whl/*.whl
+              step headline ${HEADLINE_LIMIT:-480} env PYTHONPATH="$PYTHONPATH:/tmp/mok_wheels" $PY -m mok_jax.bench \
+                "${STD_MODELS:-bench}" --pass fwd ${HEADLINE_IMPLS:+--impl $HEADLINE_IMPLS} --no-progress \
+                --samples ${SAMPLES:-10} --target-sample-ms ${SAMPLE_MS:-100} --time-budget ${HEADLINE_BUDGET:-420} \
+                --json "$LOGS/headline.json" ;;
+    train) [ -d .whl ] && [ ! -d /tmp/mok_wheels ] && $PY -m pip install -q --no-index --no-deps --target /tmp/mok_wheels .whl/*.whl
+           step train ${TRAIN_LIMIT:-540} env PYTHONPATH="$PYTHONPATH:/tmp/mok_wheels" $PY -m mok_jax.bench \
+             "${STD_MODELS:-bench}" --pass fwd+bwd ${TRAIN_IMPLS:+--impl $TRAIN_IMPLS} --no-progress \
+             --samples ${SAMPLES:-10} --target-sample-ms ${SAMPLE_MS:-100} --time-budget ${TRAIN_BUDGET:-480} \
+             --json "$LOGS/train.json" ;;
     backward) step backward ${BACKWARD_LIMIT:-300} $PY -m mok_jax.bench.backward --model "$MODELS" \
                 --samples ${SAMPLES:-10} --sample-ms ${SAMPLE_MS:-100} --trace "$LOGS/backward_trace" --json "$LOGS/backward.json"
               rm -rf "$LOGS/backward_trace" ;;

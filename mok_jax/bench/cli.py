@@ -10,6 +10,20 @@ measured in the same process (accounting: ``mok_jax.bench.accounting``; implemen
 it with their memory; ``--tune`` times mok over a grid of knobs and writes the device's tuned table
 (``mok_jax.bench.tune``).
 
+The baselines are in their strongest form: bf16 GEMM outputs (f32 accumulation inside the GEMM) and so bf16
+cotangents in the backward (``mok_jax.bench.baselines``, "Precision"; the f32-output form of earlier sessions is
+gone, its numbers are in git history). ``tokamax`` (tokamax.ragged_dot on its Mosaic GPU kernel, the extra
+``mok_jax[tokamax]``) runs where it is installed and is dropped with the reason elsewhere. ``dense`` is the
+layer's FLOPs as one dense SwiGLU FFN per device over T k (+ T shared) rows with one weight pair
+(``mok_jax.bench.dense``; its own inputs, each device its own problem in one program): the practical limit on
+this card, run right after the baseline, and every row's ``x dense`` is its median over dense's (same model,
+tokens and pass). On a GPU, dense and tokamax are among the defaults; on CPU dense is (cheap at ci's shape).
+
+The model argument ``bench`` is the standard set (``mok_jax.bench.problems``): kimi-k2, glm-5,
+qwen3.5-397b-a17b and deepseek-v4-pro at 2048 tokens per GPU (E/32 experts on one GPU), and qwen3-30b-a3b at 8192
+tokens with 16 experts per GPU, each model on a GPU at its own standard problem unless --tokens,
+--experts-per-gpu or --ep-mode say otherwise.
+
 ``--dtype fp8`` also times ``mok-fp8``, the layer with FP8 routed experts (MoEConfig(precision="fp8")), right
 after the bf16 ``mok`` (added when --impl lacks it) in the same process, with the same inputs and kernel knobs;
 its row carries the ratio to that mok ("vs bf16"). Inputs, weights and the other implementations stay bf16. Its
@@ -17,6 +31,13 @@ forward takes the E4M3 weights quantised once outside the timed call (as a user 
 step); its fwd+bwd quantises them inside the step, so that cost is timed. Its compute floor counts the forward's
 routed GEMMs at the FP8 dense peak and the rest (shared expert, backward) at the bf16 peak
 (``accounting.compute_floor_ms``), and its communication floor its E4M3 dispatch rows.
+
+Exit status (``main``): 0 when at least one run succeeded and none failed; 1 when a run failed or none ran; 2, with
+one line saying why and before anything runs, on a bad option, a model or TOML that cannot be read, a --plot
+format that cannot be written, a problem whose inputs, outputs and weights alone exceed a device's memory, or an
+implementation named with --impl that cannot run here (``ragged`` and ``tokamax`` at EP > 1 on CPU: XLA:CPU has no
+ragged-all-to-all). The code: options (the command line), runner (what runs, and the run), steps (inputs and
+timed steps), records (a result's figures), report (the table, JSON and plot), and this entry.
 """
 
 from __future__ import annotations
