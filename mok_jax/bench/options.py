@@ -333,7 +333,6 @@ def print_models() -> None:
               f"{m.shared_size:>6}  {tags}")
 
 
-
 def kernel_settings(opts: BenchOptions, tokens: int) -> list[dict | None]:
     """The mok knob settings to run at ``tokens`` per GPU: one per --granularity value (with the other knob
     options), the --tune grid, or [None] (no knob option: mok_jax.tuning resolves every knob)."""

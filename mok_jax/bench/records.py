@@ -54,7 +54,7 @@ def new_record(shape: acc.BenchShape, tokens: int, pass_: str, impl: str, opts: 
     r["remote_dispatch_bytes_per_gpu"] = float(traffic.sent_slots.mean()) * row_bytes
     r["unique_remote_dispatch_bytes_per_gpu"] = float(traffic.sent_unique.mean()) * row_bytes
     link_bytes = acc.link_bytes_per_row(shape.hidden_size, pass_, precision)  # over the pass's transfers
-    moves_rows = nvlink_gbps and impl != DENSE  # dense moves no rows: no communication floor
+    moves_rows = bool(nvlink_gbps) and impl != DENSE  # dense moves no rows: no communication floor
     to_ms = lambda rows_: rows_ * link_bytes / (nvlink_gbps * 1e9) * 1e3 if moves_rows else None
     r["comm_floor_ms"] = to_ms(traffic.link_rows)
     r["comm_floor_unique_ms"] = to_ms(traffic.link_rows_unique)

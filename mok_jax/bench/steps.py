@@ -75,7 +75,6 @@ def layer_step(fn, pass_: str, *, fp8_weights: bool = False):
     return jax.jit(jax.grad(loss, argnums=(0, 2, 3)))
 
 
-
 def dense_inputs(shape: acc.BenchShape, tokens: int, mesh, dtype, seed: int):
     """The ``dense`` implementation's arguments: per device its own dense problem of the rank's forward FLOPs
     (mok_jax.bench.dense: T k (+ T shared) rows, one weight pair), stacked on a leading axis sharded over ep, so
