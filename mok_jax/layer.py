@@ -22,7 +22,8 @@ Dtypes (checked at trace time, errors name the argument, the expected and the gi
 * ``topk_idx``: int32 global expert ids.
 
 Routing values. An expert id of -1 marks a masked slot: it is skipped and its weight ignored (even a NaN
-weight), on both implementations. Any other id outside [0, E) is invalid:
+or inf weight: neither the output nor any gradient sees it, and its own gradient is 0), on both implementations.
+Any other id outside [0, E) is invalid:
 
 * concrete (not traced) ids are checked before tracing: ValueError;
 * under ``jit`` both implementations give NaN rows for the affected tokens (every other row is computed
@@ -530,6 +531,9 @@ def moe(
                             f"implementation='xla')")
     if config.checkify_ids and isinstance(topk_idx, jax.core.Tracer):  # concrete ids were checked above
         _report_invalid_ids(topk_idx, num_experts)
+    # A masked slot's weight is ignored, even a NaN or inf (as a top-k over -inf logits gives): 0 from here on, so
+    # that neither implementation's forward, residuals or backward reads it; its gradient is 0.
+    topk_weight = jnp.where(topk_idx == -1, jnp.zeros((), topk_weight.dtype), topk_weight)
     # Casts outside the custom_vjp, so that autodiff hands f32 master weights f32 gradients and a bf16
     # topk_weight a bf16 one; no-ops when the dtypes already match.
     weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import mok_jax as mj
 import mok_jax.flax as mflax
-from helpers import random_problem
+from helpers import GRAD_NAMES, random_problem
 from mok_jax import _native, reference
 from mok_jax.flax import LinenMoELayer, MoELayer
 from mok_jax.workspace import CommConfig, Workspace
@@ -350,6 +350,24 @@ def test_masked_slot_ignores_its_weight(cpu_devices, path):
     np.testing.assert_array_equal(np.asarray(masked), np.asarray(zero_weight))
     err, _ = checkify.checkify(f, errors=checkify.user_checks)(x, idx.at[:, 2].set(-1), w, W)
     assert err.get() is None
+
+
+@pytest.mark.parametrize("path", ["single", "ep"])
+@pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
+def test_masked_slot_weight_reaches_no_gradient(cpu_devices, path, poison):
+    """A masked slot (-1) whose weight is NaN or inf (a top-k over -inf logits gives one): the forward and the
+    gradients of x, topk_weight and every weight are the bits of the same routing with 0 there, finite, and the
+    slot's weight gradient is 0."""
+    x, idx, w, W = random_problem(SHAPE, 16, seed=36)
+    idx = idx.at[:, 2].set(-1).at[5].set(-1)
+    masked = np.asarray(idx) < 0
+    f = _run(path)
+    run = jax.jit(jax.value_and_grad(lambda x, w, W: jnp.sum(f(x, idx, w, W) ** 2), argnums=(0, 1, 2)))
+    got, want = run(x, jnp.where(masked, poison, w), W), run(x, jnp.where(masked, 0.0, w), W)
+    for name, a, b in zip(("y",) + GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.isfinite(np.asarray(a)).all(), name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert not np.asarray(got[1][1])[masked].any()
 
 
 @pytest.mark.parametrize("path", ["single", "ep"])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_problem, use_fused_ep_backward
+from helpers import GRAD_NAMES, random_problem, use_fused_ep_backward
 
 import mok_jax as mj
 from mok_jax import _native, reference
@@ -480,6 +480,56 @@ def test_glue_masked_slot_weights_are_ignored_and_invalid_ids_match_xla():
     for e in range(8):
         _assert_rows_close("invalid ids: d gate_up", dW.gate_up[e], xla[3].gate_up[e], TOL_F32_ROW)
     assert not np.asarray(dx)[[5, 9]].any() and not np.asarray(dw)[[5, 9]].any()
+
+
+def _reads_every_weight(op, weight_arg: int, out_field: str):
+    """A stand-in for a kernel that reads every slot's weight, a masked slot's too (a masked slot's weight is not
+    promised to be finite, so the layer must not hand it one): ``op`` (a forward or backward reference) with 0 times
+    the sum of its ``weight_arg``-th argument added to its output (``out_field`` of it; None: the whole output)."""
+    def run(*args, **kw):
+        out = op(*args, **kw)
+        poison = 0.0 * jnp.sum(args[weight_arg])
+        if out_field is None:
+            return out + poison.astype(out.dtype)
+        field = getattr(out, out_field)
+        return out._replace(**{out_field: field + poison.astype(field.dtype)})
+    return run
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
+def test_mok_kernels_never_see_a_masked_slots_weight(monkeypatch, cpu_devices, ep, poison):
+    """implementation='mok' with a NaN or inf weight in masked slots, its forward and backward ops standing in by
+    references that read every slot's weight: the layer hands them 0 there, so the forward and every gradient are
+    finite and the bits of the same routing with 0 in those slots (EP 1 and, through the fused op, EP 2)."""
+    import mok_jax.ops
+    from mok_jax.reference import experts_backward_ep_reference
+
+    monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
+    monkeypatch.setattr(moe_mod, "_forward_mok", _reads_every_weight(
+        lambda *a, fp8_weights=None: moe_mod._forward_xla(*a), 2, None))
+    monkeypatch.setattr(mok_jax.ops, "experts_backward", _reads_every_weight(experts_backward_reference, 2, "dx"))
+    use_fused_ep_backward(monkeypatch, ep)
+    monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", _reads_every_weight(
+        functools.partial(experts_backward_ep_reference, axis_name="ep"), 4, "dx"))
+    shape = _shape(8, 32, 24, 3, 16)
+    x, _, w, W = random_problem(shape, 16, seed=ep)
+    x, W = x.astype(jnp.bfloat16), jax.tree.map(lambda a: a.astype(jnp.bfloat16), W)
+    idx = _routing_case("masked", 16, 8, 3, seed=ep)
+    masked = np.asarray(idx) < 0
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=cpu_devices[:ep])
+    spec = jax.sharding.PartitionSpec
+    cfg = mj.MoEConfig(implementation="mok", ep_axis="ep", keep="nothing")
+    layer = jax.shard_map(lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg), mesh=mesh, out_specs=spec("ep"),
+                          in_specs=(spec("ep"), spec("ep"), spec("ep"), MoEWeights(spec("ep"), spec("ep"), spec(),
+                                                                                 spec())))
+    run = jax.jit(jax.value_and_grad(lambda x, w, W: jnp.sum(layer(x, idx, w, W).astype(jnp.float32) ** 2),
+                                     argnums=(0, 1, 2)))
+    got, want = run(x, jnp.where(masked, poison, w), W), run(x, jnp.where(masked, 0.0, w), W)
+    for name, a, b in zip(("y",) + GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.isfinite(np.asarray(a, np.float32)).all(), name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    assert not np.asarray(got[1][1])[masked].any()
 
 
 def test_glue_nan_gradients_when_the_op_reports_bad_status():

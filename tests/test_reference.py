@@ -130,3 +130,27 @@ def test_moe_gradients_finite_differences():
     with jax.enable_x64(False):
         check_grads(f, (x, w, W), order=1, modes=["rev"], atol=5e-2, rtol=5e-2, eps=1e-2)
 
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_masked_slot_weight_reaches_no_gradient(cpu_devices, poison):
+    """A masked slot (-1) with a NaN or inf weight, as a top-k over -inf logits gives: the forward and every
+    gradient of reference.moe and of reference.ep_moe (EP 2 under shard_map) are the bits of the same routing with
+    0 in that slot, finite, and the slot's weight gradient is 0 (the slot selects no expert's row: it reads none)."""
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    x, idx, w, W = random_problem(load_model("ci"), 8, seed=11)
+    idx = idx.at[1, 2].set(-1).at[4, 0].set(-1)
+    masked = np.asarray(idx) < 0
+    mesh = jax.make_mesh((2,), ("ep",), axis_types=(AxisType.Auto,), devices=cpu_devices[:2])
+    specs = (P("ep"), P("ep"), P("ep"), MoEWeights(P("ep"), P("ep"), P(), P()))
+    ep = jax.shard_map(lambda x, i, w, W: reference.ep_moe(x, i, w, W, axis_name="ep"), mesh=mesh, in_specs=specs,
+                       out_specs=P("ep"))
+    for name, f in (("moe", reference.moe), ("ep_moe", ep)):
+        run = jax.jit(jax.value_and_grad(lambda x, w, W: jnp.sum(f(x, idx, w, W) ** 2), argnums=(0, 1, 2)))
+        got = run(x, jnp.where(masked, poison, w), W)
+        want = run(x, jnp.where(masked, 0.0, w), W)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.isfinite(np.asarray(a)).all(), name
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        assert not np.asarray(got[1][1])[masked].any(), name

@@ -44,17 +44,22 @@ def shared_expert(x: jax.Array, weights: MoEWeights) -> jax.Array:
 
 def routed_sum(expert_out: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, expert_offset=0) -> jax.Array:
     """sum_j topk_weight[t, j] * expert_out[topk_idx[t, j] - expert_offset, t], in slot order, in f32.
-
-    expert_out: f32[E_local, T, H]. Slots whose expert is not in [offset, offset + E_local) add nothing.
+    expert_out: f32[E_local, T, H]. A slot whose expert is not in [offset, offset + E_local) (a masked slot, -1;
+    another rank's expert; an invalid id) adds nothing. Each slot's row is selected among the experts (the one whose
+    id matches; exact zeros from the others), not gathered by a clipped id: a slot without an expert here reads no
+    expert's row, so a NaN or inf weight there reaches neither the sum nor any gradient, and no index needs a
+    sharding on a mesh of Explicit axes.
     """
     num_local = expert_out.shape[0]
-    tokens = jnp.arange(expert_out.shape[1])
     acc = jnp.zeros(expert_out.shape[1:], _F32)
     for j in range(topk_idx.shape[1]):
         local = topk_idx[:, j] - expert_offset
         mine = (local >= 0) & (local < num_local)
-        row = expert_out[jnp.clip(local, 0, num_local - 1), tokens]
-        acc = acc + jnp.where(mine[:, None], topk_weight[:, j, None].astype(_F32) * row, 0.0)
+        chosen = local[None, :] == jnp.arange(num_local)[:, None]  # [E_local, T]: the slot's expert, or none
+        row = jnp.sum(jnp.where(chosen[..., None], expert_out, 0.0), axis=0)
+        # fl(w row), then the f32 add, as documented (the barrier keeps XLA from contracting the two into an fma)
+        prod = jax.lax.optimization_barrier(topk_weight[:, j, None].astype(_F32) * row)
+        acc = acc + jnp.where(mine[:, None], prod, 0.0)
     return acc
 
 
