@@ -67,6 +67,31 @@ def gpu_skip_reason() -> str | None:
     return None
 
 
+def readme_api_calls(prefix: str) -> list[str]:
+    """The calls in the README's API section whose code span starts with ``prefix`` (e.g. "mok_jax.emulation."), as
+    written there, for a test to evaluate."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = re.search(r"^## API\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    assert section, "README.md has no section '## API'"
+    return re.findall(rf"`({re.escape(prefix)}\w+\([^`]*\))`", section.group(1))
+
+
+def readme_api_names(ep: int = 4) -> dict:
+    """The names the API section's emulation calls use, for ``ep`` ranks of 8 tokens each (the ci shape, bf16), and
+    mok_jax with the module they name imported."""
+    import mok_jax
+    import mok_jax.emulation  # noqa: F401 (a dotted name in the README is a module to import)
+
+    x, topk_idx, topk_weight, weights = random_problem(mok_jax.load_model("ci"), 8 * ep, seed=4)
+    dy = jax.random.normal(jax.random.key(5), x.shape)
+    bf16 = lambda a: None if a is None else a.astype(jnp.bfloat16)  # noqa: E731
+    return dict(mok_jax=mok_jax, x=bf16(x), topk_idx=topk_idx, topk_weight=topk_weight,
+                weights=type(weights)(*map(bf16, weights)), dy=bf16(dy))
+
+
 def seeded_key(seed: int, tag: str):
     """A JAX key for case ``tag`` of a run seeded with ``seed`` (the seed is printed by the test module)."""
     import zlib

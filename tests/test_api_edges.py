@@ -1,5 +1,6 @@
 """API edges (CPU): vmap of the FFI ops, the Linen wrapper's arguments, mixed dtypes, dtype and shape errors,
-bad routing values under jit (NaN rows + checkify), NaN isolation, and the Flax module's workspace setup."""
+bad routing values under jit (NaN rows + checkify), NaN isolation, the Flax module's workspace setup, and no module
+shadowed by an attribute of its package."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -466,3 +470,36 @@ def test_mok_layer_sets_its_workspace_up_at_construction(cpu_devices, monkeypatc
     assert model.config.workspace is not ws and made[-1]["max_tokens"] == 128 // shards
     step(model, jnp.ones((128, SHAPE.hidden_size)))
     assert calls[-1].workspace is model.config.workspace
+
+
+# ----------------------------------------------------------------------------- one name per thing
+
+# A function that mok_jax.ops exports under its module's name: the same trap, in code this change does not own
+# (issue 35, "one name per thing"). A new one, or one of these fixed, fails the test below.
+OPS_SHADOWED = {"mok_jax.ops.fp8_grouped_ffn", "mok_jax.ops.grouped_ffn", "mok_jax.ops.moe_forward"}
+
+_SHADOWED = """
+import importlib, pkgutil, sys
+found = []
+def walk(name):
+    package = importlib.import_module(name)
+    names = dict(vars(package))  # as its import left it, before a submodule's import binds the submodule there
+    for info in pkgutil.iter_modules(package.__path__):
+        full = f"{name}.{info.name}"
+        if info.name in names and names[info.name] is not importlib.import_module(full):
+            found.append(full)
+        if info.ispkg:
+            walk(full)
+walk("mok_jax")
+print(" ".join(sorted(found)))
+"""
+
+
+def test_no_module_is_shadowed_by_an_attribute_of_its_package():
+    """For every module m of every package p of mok_jax, p.m is that module or absent, in a fresh process (a
+    module and a function of one name: mok_jax.moe was both, and emulation.py, importing the module by that name,
+    got the function)."""
+    done = subprocess.run([sys.executable, "-c", _SHADOWED], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(done.stdout.split()) == OPS_SHADOWED

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import layer_problem, layer_shape, record_metrics, seeded_key
+from helpers import (GRAD_NAMES, layer_problem, layer_shape, readme_api_calls, readme_api_names, record_metrics,
+                     seeded_key)
 
 import mok_jax as mj
 from mok_jax import reference
@@ -276,6 +277,23 @@ def test_emulated_math(ep):
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     _check_math(f"emulated_ep{ep}", y, *args)
 
+
+def test_readme_api_emulation_calls_run_as_written():
+    """The README API section's emulation calls, evaluated as written (EP 4, the ci shape): the forward with a clean
+    status within the bound of the fp32 reference, and the backward (by default the fused op, every rank in one
+    launch) the bits of the collectives path (fused=False)."""
+    from mok_jax.emulation import emulated_moe_backward
+
+    names = readme_api_names(ep=4)
+    args = [names[n] for n in ("x", "topk_idx", "topk_weight", "weights")]
+    forward, backward = readme_api_calls("mok_jax.emulation.")
+    y, status = eval(forward, names)
+    assert not np.asarray(status).any(), f"status {np.asarray(status)}"
+    _check_math("readme_emulated", y, *args)
+    got = eval(backward, names)
+    want = emulated_moe_backward(*args, names["dy"], ep=4, fused=False)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 def test_emulated_rank_that_skips_a_call_raises():
     shape = _shape(8, 256, 128, 2)

@@ -1,7 +1,9 @@
-"""The README as a user meets it: its Flax example runs as written, and `pip install .[test]` brings every
-third-party module the tests and the package import. (Its links: tests/test_docs_links.py.)"""
+"""The README as a user meets it: its Flax example and its API section's emulation calls run as written, and
+`pip install .[test]` brings every third-party module the tests and the package import. (Its links:
+tests/test_docs_links.py.)"""
 
 import ast
+import importlib
 import importlib.metadata
 import os
 import pathlib
@@ -10,9 +12,14 @@ import subprocess
 import sys
 import tomllib
 
+import jax
 import numpy as np
+import pytest
 
-from helpers import TOL_BF16_REORDER, rel_err
+from helpers import GRAD_NAMES, TOL_BF16_REORDER, gpu_skip_reason, readme_api_calls, readme_api_names, rel_err
+from mok_jax._native import NativeLibraryUnavailable
+from mok_jax.reference import experts_backward_ep_reference, experts_backward_reference
+from mok_jax.workspace import CommConfig, Workspace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -73,6 +80,43 @@ def test_flax_example_runs_as_written(tmp_path):
     # the sharded bf16 layer against the f32 reference on the same (bf16) tokens, weights and routing
     assert rel_err(r["y_now"], r["y_ref"]) < TOL_BF16_REORDER
 
+
+# ------------------------------------------------------------------------------------------------ API calls
+
+
+def test_api_emulation_calls_reach_the_kernels_as_written():
+    """Each mok_jax.emulation call of the API section, evaluated as written on a machine without the kernels, gets
+    as far as them and says so, naming the call (emulated_moe_backward raised an AttributeError of its own: the
+    module it read a setting from was shadowed by the function mok_jax.moe)."""
+    if gpu_skip_reason() is None:
+        pytest.skip("the kernels are here: tests/test_moe_gpu.py runs these calls on them")
+    calls = readme_api_calls("mok_jax.emulation.")
+    names = [c.split("(")[0] for c in calls]
+    assert names == ["mok_jax.emulation.emulated_moe", "mok_jax.emulation.emulated_moe_backward"], calls
+    for call, name in zip(calls, names):
+        needs = f"{re.escape(name)} needs (the mok CUDA kernels|a CUDA GPU)"
+        with pytest.raises(NativeLibraryUnavailable, match=needs):
+            eval(call, readme_api_names())
+
+
+def test_api_emulated_backward_runs_as_written_with_stand_ins(monkeypatch):
+    """The API section's emulated_moe_backward call as written, with the fused op's reference in the kernel's place
+    and a stand-in for the emulated workspace this machine cannot make: the gradients of the collectives path
+    (fused=False with the EP-1 op's reference), bit for bit."""
+    emu = importlib.import_module("mok_jax.emulation")
+    names = readme_api_names(ep=4)
+    ws = Workspace(ws_id=11, config=CommConfig(ep=4, max_tokens=8, hidden_size=64, top_k=4, num_experts=16),
+                   mesh=None, axis_name=None, local=[], emulated=True)
+    monkeypatch.setattr(emu, "require_native", lambda what: None)
+    monkeypatch.setattr(emu.ops, "experts_backward_ep", experts_backward_ep_reference)
+    monkeypatch.setattr(emu, "_emulated_workspace", lambda workspace, device, ep, *a: ws)
+    [call] = [c for c in readme_api_calls("mok_jax.emulation.") if "emulated_moe_backward(" in c]
+    got = eval(call, names)
+    args = [names[n] for n in ("x", "topk_idx", "topk_weight", "weights", "dy")]
+    want = emu.emulated_moe_backward(*args, ep=4, fused=False, experts_fn=experts_backward_reference)
+    assert len(jax.tree.leaves(got)) == len(GRAD_NAMES)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 # ------------------------------------------------------------------------------------------------ packaging
 
