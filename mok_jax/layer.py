@@ -115,8 +115,11 @@ def _forward_xla(x, topk_idx, topk_weight, weights, config: MoEConfig):
 
 
 def _report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
-    """A checkify-able report of the first invalid id (row-major), a no-op unless the caller checkifies.
-    The row is an index into this call's tokens: inside shard_map the rank's own (checkify names the shard)."""
+    """A checkify-able report of the first invalid id (row-major), a no-op unless the caller checkifies, and when
+    there are no slots. The row is an index into this call's tokens: inside shard_map the rank's own (checkify names
+    the shard)."""
+    if not topk_idx.size:  # nothing to report (and argmax has no empty form)
+        return
     bad = _invalid_ids(topk_idx, num_experts)
     first = jnp.argmax(bad.reshape(-1))
     k = topk_idx.shape[1]

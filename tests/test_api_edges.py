@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import os
@@ -328,6 +329,27 @@ def test_bad_expert_ids_give_nan_rows_and_a_checkify_error(cpu_devices, path):
     assert f"{second[0]}mok_jax.moe: topk_idx{second[1]} = -7" in err.get()
     err, _ = checkify.checkify(f, errors=checkify.user_checks)(x, idx, w, W)
     assert err.get() is None
+
+
+def _mesh(kind: str):
+    """The (2, 4) mesh of the tests over ("dp", "ep"), its axes of ``kind`` "auto" or "explicit" (jax.make_mesh's
+    default)."""
+    return jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(getattr(AxisType, kind.capitalize()),) * 2)
+
+
+@pytest.mark.parametrize("path", ["single", "auto", "explicit"])
+def test_no_tokens_under_jit(cpu_devices, path):
+    """T = 0 under jit, as eagerly: an empty output and gradients of the arguments' shapes, on one device and
+    expert-parallel, through the function and the Flax module (the invalid-id report asked argmax of an empty
+    sequence)."""
+    x, idx, w, W = random_problem(SHAPE, 0, seed=37)
+    mesh = None if path == "single" else _mesh(path)
+    f = mj.moe if mesh is None else functools.partial(mj.expert_parallel_moe, mesh=mesh)
+    y, grads = jax.jit(jax.value_and_grad(lambda x, w, W: jnp.sum(f(x, idx, w, W)), argnums=(0, 1, 2)))(x, w, W)
+    assert y == 0 and jax.tree.map(jnp.shape, grads) == jax.tree.map(jnp.shape, (x, w, W))
+    assert jax.jit(f)(x, idx, w, W).shape == (0, SHAPE.hidden_size)
+    layer = MoELayer(SHAPE, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert nnx.jit(lambda m, x: m(x))(layer, jnp.zeros((2, 0, SHAPE.hidden_size))).shape == (2, 0, SHAPE.hidden_size)
 
 
 def test_checkify_ids_off_lets_jax_export_serialize_the_layer():
