@@ -50,9 +50,10 @@ def load_balancing_loss(probs: jax.Array, topk_idx: jax.Array, num_experts: int)
 
 
 def _param(rngs: nnx.Rngs, shape, fan_in: int, dtype, names, mesh: Mesh | None) -> nnx.Param:
-    value = jax.random.normal(rngs.params(), shape, dtype) * (fan_in ** -0.5)
+    init = lambda key: jax.random.normal(key, shape, dtype) * (fan_in ** -0.5)  # noqa: E731
     if mesh is None:
-        return nnx.Param(value, out_sharding=names, eager_sharding=False)
+        return nnx.Param(init(rngs.params()), out_sharding=names, eager_sharding=False)
+    value = jax.jit(init, out_shardings=NamedSharding(mesh, P(*names)))(rngs.params())
     return nnx.Param(value, out_sharding=names, mesh=mesh)
 
 

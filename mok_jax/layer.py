@@ -53,7 +53,7 @@ from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
 from mok_jax.validation import check_fp8_weights, check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
-__all__ = ["kept_rows", "moe"]
+__all__ = ["kept_rows", "moe", "report_invalid_ids"]
 
 
 class KeptGateUp(NamedTuple):
@@ -114,10 +114,12 @@ def _forward_xla(x, topk_idx, topk_weight, weights, config: MoEConfig):
     return jnp.where(bad_token[:, None], jnp.nan, y)
 
 
-def _report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
-    """A checkify-able report of the first invalid id (row-major), a no-op unless the caller checkifies, and when
-    there are no slots. The row is an index into this call's tokens: inside shard_map the rank's own (checkify names
-    the shard)."""
+def report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
+    """A checkify-able report of the first invalid id of topk_idx int32[T, k] (row-major; ids are global, in [0,
+    num_experts) or -1), a no-op unless the caller checkifies, and when there are no slots. ``moe`` makes it for the
+    tokens of its call (inside a caller's shard_map: the rank's own, and checkify names the shard);
+    ``expert_parallel_moe`` for the global ones, outside its shard_map, whose ranks then make none
+    (MoEConfig.checkify_ids off). A caller's own shard_map over Explicit axes can do the same: docs/errors.md."""
     if not topk_idx.size:  # nothing to report (and argmax has no empty form)
         return
     bad = _invalid_ids(topk_idx, num_experts)
@@ -533,7 +535,7 @@ def moe(
             raise TypeError(f"implementation='mok' runs in bfloat16: x is {x.dtype} (cast x, or use "
                             f"implementation='xla')")
     if config.checkify_ids and isinstance(topk_idx, jax.core.Tracer):  # concrete ids were checked above
-        _report_invalid_ids(topk_idx, num_experts)
+        report_invalid_ids(topk_idx, num_experts)
     # A masked slot's weight is ignored, even a NaN or inf (as a top-k over -inf logits gives): 0 from here on, so
     # that neither implementation's forward, residuals or backward reads it; its gradient is 0.
     topk_weight = jnp.where(topk_idx == -1, jnp.zeros((), topk_weight.dtype), topk_weight)

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import MoEConfig
 from mok_jax.fp8 import Fp8ExpertWeights
-from mok_jax.layer import moe
+from mok_jax.layer import moe, report_invalid_ids
 from mok_jax.weights import MoEWeights
 
 __all__ = ["expert_parallel_moe", "is_explicit", "place", "resolve_token_axes"]
@@ -96,8 +96,16 @@ def expert_parallel_moe(
     args = (x, topk_idx, topk_weight, weights, fp8_weights)
     specs = (tok, tok, tok, wspec, None if fp8_weights is None else Fp8ExpertWeights(*[P(ep_axis)] * 4))
     args = jax.tree.map(lambda a, spec: place(a, NamedSharding(mesh, spec)), args, specs)
+    # Invalid ids are reported after the shard_map, on the global ids, not by each rank inside it: the row is then
+    # the caller's, and a checkify error that went through a shard_map over Explicit axes cannot be read (checkify's
+    # own reduction of it raises ShardingTypeError in jax 0.11: docs/errors.md).
+    report = config.checkify_ids and isinstance(args[1], jax.core.Tracer)
+    config = dataclasses.replace(config, checkify_ids=False)
     body = jax.shard_map(
         lambda x, i, w, W, W8: moe(x, i, w, W, config=config, fp8_weights=W8), mesh=mesh, in_specs=specs,
         out_specs=tok
     )
-    return body(*args)
+    y = body(*args)
+    if report:
+        report_invalid_ids(args[1], num_experts)
+    return y

@@ -295,20 +295,22 @@ def test_dtype_and_hidden_size_errors_name_the_argument(make, exc, match):
 # ----------------------------------------------------------------------------- 5e, 5f: bad values inside jit
 
 
-def _auto_mesh():
-    return jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(AxisType.Auto,) * 2)
+def _mesh(kind: str):
+    """The (2, 4) mesh of the tests over ("dp", "ep"), its axes of ``kind`` "auto" or "explicit" (jax.make_mesh's
+    default)."""
+    return jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(getattr(AxisType, kind.capitalize()),) * 2)
 
 
 def _run(path: str):
-    """The layer under jit on one device, or expert-parallel over 8 host devices (Auto axes: checkify of
-    shard_map does not handle Explicit axes in jax 0.11)."""
+    """The layer under jit on one device ("single"), or expert-parallel over 8 host devices on a mesh of Auto or
+    Explicit axes ("auto", "explicit")."""
     if path == "single":
         return jax.jit(mj.moe)
-    mesh = _auto_mesh()
+    mesh = _mesh(path)
     return jax.jit(lambda x, i, w, W: mj.expert_parallel_moe(x, i, w, W, mesh=mesh))
 
 
-@pytest.mark.parametrize("path", ["single", "ep"])
+@pytest.mark.parametrize("path", ["single", "auto", "explicit"])
 def test_bad_expert_ids_give_nan_rows_and_a_checkify_error(cpu_devices, path):
     x, idx, w, W = random_problem(SHAPE, 16, seed=33)
     bad = idx.at[3, 1].set(16).at[9, 0].set(-7)
@@ -319,22 +321,14 @@ def test_bad_expert_ids_give_nan_rows_and_a_checkify_error(cpu_devices, path):
     ok = np.asarray(f(x, idx.at[3].set(-1).at[9].set(-1), w, W))
     np.testing.assert_array_equal(y[~rows], ok[~rows])  # every other token as usual
 
-    # the index is of the call's own tokens: under shard_map a rank's (2 tokens per shard here), and
-    # checkify names the shard
-    first, second = (("", "[3, 1]"), ("", "[9, 0]")) if path == "single" else \
-        (("at mapped index 1: ", "[1, 1]"), ("at mapped index 4: ", "[1, 0]"))
+    # the index is of the caller's tokens, expert-parallel too (the global ids are checked before the shard_map)
     err, _ = checkify.checkify(f, errors=checkify.user_checks)(x, bad, w, W)
-    assert f"{first[0]}mok_jax.moe: topk_idx{first[1]} = 16 is neither an expert id in [0, 16) nor -1" in err.get()
+    assert "mok_jax.moe: topk_idx[3, 1] = 16 is neither an expert id in [0, 16) nor -1" in err.get()
     err, _ = checkify.checkify(f, errors=checkify.user_checks)(x, bad.at[3, 1].set(0), w, W)
-    assert f"{second[0]}mok_jax.moe: topk_idx{second[1]} = -7" in err.get()
-    err, _ = checkify.checkify(f, errors=checkify.user_checks)(x, idx, w, W)
+    assert "mok_jax.moe: topk_idx[9, 0] = -7" in err.get()
+    err, y = checkify.checkify(f, errors=checkify.user_checks)(x, idx, w, W)
     assert err.get() is None
-
-
-def _mesh(kind: str):
-    """The (2, 4) mesh of the tests over ("dp", "ep"), its axes of ``kind`` "auto" or "explicit" (jax.make_mesh's
-    default)."""
-    return jax.make_mesh((2, 4), ("dp", "ep"), axis_types=(getattr(AxisType, kind.capitalize()),) * 2)
+    err.throw()  # what raised ShardingTypeError on an Explicit mesh, even with valid ids
 
 
 @pytest.mark.parametrize("path", ["single", "auto", "explicit"])
@@ -367,7 +361,7 @@ def test_checkify_ids_off_lets_jax_export_serialize_the_layer():
     assert np.flatnonzero(np.isnan(y).any(axis=1)).tolist() == [3]
 
 
-@pytest.mark.parametrize("path", ["single", "ep"])
+@pytest.mark.parametrize("path", ["single", "auto", "explicit"])
 def test_masked_slot_ignores_its_weight(cpu_devices, path):
     x, idx, w, W = random_problem(SHAPE, 16, seed=34)
     f = _run(path)
@@ -378,7 +372,7 @@ def test_masked_slot_ignores_its_weight(cpu_devices, path):
     assert err.get() is None
 
 
-@pytest.mark.parametrize("path", ["single", "ep"])
+@pytest.mark.parametrize("path", ["single", "auto", "explicit"])
 @pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
 def test_masked_slot_weight_reaches_no_gradient(cpu_devices, path, poison):
     """A masked slot (-1) whose weight is NaN or inf (a top-k over -inf logits gives one): the forward and the
@@ -396,7 +390,7 @@ def test_masked_slot_weight_reaches_no_gradient(cpu_devices, path, poison):
     assert not np.asarray(got[1][1])[masked].any()
 
 
-@pytest.mark.parametrize("path", ["single", "ep"])
+@pytest.mark.parametrize("path", ["single", "auto", "explicit"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_nan_in_one_token_stays_in_its_row(cpu_devices, path, dtype):
     x, idx, w, W = random_problem(SHAPE, 16, seed=35, dtype=dtype)

@@ -6,11 +6,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.experimental import checkify
+from jax.sharding import AxisType, PartitionSpec as P
 
 import mok_jax as mj
 from helpers import TOL_F32_REORDER, rel_err
 from mok_jax.flax import LinenMoELayer, MoELayer
+
+
+def _mesh(shape: tuple[int, int], kind: str):
+    """A ("dp", "ep") mesh of host devices, its axes of ``kind`` "auto" or "explicit" (jax.make_mesh's default):
+    both are first-class."""
+    return jax.make_mesh(shape, ("dp", "ep"), axis_types=(getattr(AxisType, kind.capitalize()),) * 2)
 
 
 def _loss(model, x, target):
@@ -30,10 +37,10 @@ def _train(model, x, target, steps):
     return [float(step(model, optimizer, x, target)) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("dp,ep", [(2, 4), (1, 8)])
-def test_training_step_reduces_loss_and_matches_reference_grads(cpu_devices, dp, ep):
+@pytest.mark.parametrize("dp,ep,kind", [(2, 4, "explicit"), (1, 8, "auto")])
+def test_training_step_reduces_loss_and_matches_reference_grads(cpu_devices, dp, ep, kind):
     shape = mj.load_model("ci")
-    mesh = jax.make_mesh((dp, ep), ("dp", "ep"))
+    mesh = _mesh((dp, ep), kind)
     model = MoELayer(shape, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert model.gate_up[...].sharding.spec == P("ep", None, None)
     assert model.shared_gate_up[...].sharding.spec == P(None, None)
@@ -96,3 +103,18 @@ def test_linen_wrapper():
     assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
     grads = jax.grad(lambda v: jnp.sum(layer.apply(v, x) ** 2))(variables)
     assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_checkify_of_the_jitted_layer(cpu_devices, kind):
+    """checkify of a jitted MoELayer call (its state through nnx.split and nnx.merge, as JAX's transforms take a
+    module) reports no error for the router's ids and gives the unchecked output, on either kind of mesh (on an
+    Explicit one, reading the error raised ShardingTypeError: the ranks' checks left the shard_map sharded)."""
+    shape = mj.load_model("ci")
+    graphdef, state = nnx.split(MoELayer(shape, mesh=_mesh((2, 4), kind), dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    f = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    x = jax.random.normal(jax.random.key(1), (16, shape.hidden_size))
+    err, y = checkify.checkify(f, errors=checkify.user_checks)(state, x)
+    assert err.get() is None
+    err.throw()
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(f(state, x)))
