@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mok_jax import reference
 from mok_jax._native import require_native
@@ -128,6 +129,27 @@ def report_invalid_ids(topk_idx: jax.Array, num_experts: int) -> None:
     checkify.debug_check(
         ~jnp.any(bad), "mok_jax.moe: topk_idx[{}, {}] = {} is neither an expert id in [0, " + str(num_experts)
         + ") nor -1 (masked); that token's output row is NaN", first // k, first % k, topk_idx.reshape(-1)[first])
+
+
+def _every_expert_here(weights: MoEWeights, x: jax.Array) -> MoEWeights:
+    """moe without an EP axis runs every expert on every token of x: on a mesh of Explicit axes, a weight sharded
+    over a mesh axis that x's tokens are sharded over is gathered over that axis (an expert and a token cannot both
+    be split over one axis); a no-op for other shardings, and on Auto meshes, where XLA chooses."""
+    lead = jax.typeof(x).sharding.spec[0]
+    token_axes = set(lead if isinstance(lead, tuple) else () if lead is None else (lead,))
+    if not token_axes:
+        return weights
+
+    def without_token_axes(entry):  # a PartitionSpec entry (None, an axis or axes) less the token axes
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a and a not in token_axes)
+        return names[0] if len(names) == 1 else names or None
+
+    def gather(w):
+        sharding = jax.typeof(w).sharding
+        spec = P(*map(without_token_axes, sharding.spec))
+        return w if spec == sharding.spec else jax.sharding.reshard(w, NamedSharding(sharding.mesh, spec))
+
+    return jax.tree.map(gather, weights)
 
 
 def _workspace(config: MoEConfig, x, topk_idx, weights: MoEWeights):
@@ -502,9 +524,10 @@ def moe(
 
     x: bf16|f32[T, H]; topk_idx: int32[T, k] (global expert ids; -1 = masked slot); topk_weight: f32[T, k]
     (bf16 accepted); weights: MoEWeights in x's dtype, or f32 with bf16 x (routed weights are this rank's
-    local experts when ``config.ep_axis`` is set). Returns [T, H] in x.dtype; NaN rows for tokens with an
-    invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight, at every EP
-    size.
+    local experts when ``config.ep_axis`` is set; without it every expert, and the arguments may be sharded: on a
+    mesh of Explicit axes y has x's sharding, ``_every_expert_here``). Returns [T, H] in x.dtype; NaN rows for
+    tokens with an invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight, at
+    every EP size.
 
     fp8_weights (only with ``config.precision="fp8"``): the E4M3 form of the routed weights that the forward
     reads, ``mok_jax.fp8.quantize_expert_weights(weights.gate_up, weights.down)`` (of this rank's experts), made
@@ -539,6 +562,8 @@ def moe(
     # A masked slot's weight is ignored, even a NaN or inf (as a top-k over -inf logits gives): 0 from here on, so
     # that neither implementation's forward, residuals or backward reads it; its gradient is 0.
     topk_weight = jnp.where(topk_idx == -1, jnp.zeros((), topk_weight.dtype), topk_weight)
+    if config.ep_axis is None:
+        weights = _every_expert_here(weights, x)
     # Casts outside the custom_vjp, so that autodiff hands f32 master weights f32 gradients and a bf16
     # topk_weight a bf16 one; no-ops when the dtypes already match.
     weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)

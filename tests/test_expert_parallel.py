@@ -77,3 +77,27 @@ def test_one_axis_mesh(cpu_devices):
     x, idx, w, W = random_problem(shape, 16, seed=17)
     mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("cpu")[:2])
     assert rel_err(mj.expert_parallel_moe(x, idx, w, W, mesh=mesh), mj.moe(x, idx, w, W)) < TOL_F32_REORDER
+
+
+@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize("tokens", [("dp",), ("dp", "ep")])
+def test_moe_without_an_ep_axis_on_sharded_arguments(cpu_devices, auto, tokens):
+    """mok_jax.moe with no EP axis, under jit, on data-parallel x (its tokens over ``tokens``) and routed weights
+    sharded over "ep", on an Explicit or an Auto mesh: the single-device forward and gradients, y in x's sharding on
+    Explicit axes (where it raised ShardingTypeError: the gather of a slot's row, or experts and tokens both split
+    over "ep")."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    shape = mj.load_model("ci")
+    x, idx, w, W = random_problem(shape, 32, seed=18)
+    dy = jax.random.normal(jax.random.key(19), x.shape)
+    mesh = _mesh(2, 4, auto=auto)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    tok = P(tokens)
+    args = (put(x, tok), put(idx, tok), put(w, tok), mj.MoEWeights(*map(put, W, (P("ep"), P("ep"), P(), P()))))
+    run = jax.jit(jax.value_and_grad(lambda x, i, w, W: jnp.sum(mj.moe(x, i, w, W) * dy), argnums=(0, 2, 3)))
+    got, want = run(*args), run(x, idx, w, W)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, r) < TOL_F32_REORDER
+    y = jax.jit(mj.moe)(*args)
+    assert auto or y.sharding.is_equivalent_to(args[0].sharding, y.ndim)  # Explicit: x's sharding, by type
