@@ -162,8 +162,9 @@ class MoEConfig:
         still records them for ``Workspace.check()``).
     keep: what ``implementation="mok"``'s forward keeps for its backward beyond the inputs, trading memory for
         recompute of the routed experts' gate/up GEMM (two thirds of their forward FLOPs, a quarter of their
-        backward's). The forward writes its fp32 gate/up accumulators g | u of the kept slots into its backward's
-        rows, and the backward recomputes only the others. Kept per rank and layer, f32 [rows, 2I]:
+        backward's). The forward writes its fp32 gate/up accumulators g | u of the kept slots, rounded to bf16 as the
+        backward's recompute stores them, into its backward's rows, and the backward recomputes only the others. Kept
+        per rank and layer, bf16 [rows, 2I]:
         "nothing": none; the backward recomputes every slot.
         "balanced" (the default with precision "bf16"): the first T k + 128 L rows of the rank's padded
             expert-major layout (L its experts): every row a balanced routing fills, so the memory does not grow

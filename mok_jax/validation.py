@@ -17,10 +17,14 @@ import numpy as np
 
 from mok_jax.weights import MoEWeights
 
-__all__ = ["check_experts_backward_args", "check_fp8_expert_weights", "check_fp8_weights", "check_kept_gu",
-           "check_moe_args", "check_routing_values", "check_workspace_call"]
+__all__ = ["KEPT_GU_DTYPE", "check_experts_backward_args", "check_fp8_expert_weights", "check_fp8_weights",
+           "check_kept_gu", "check_moe_args", "check_routing_values", "check_workspace_call"]
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float32)
+# What the kernels' backward stores g, u in (kept by the forward, or recomputed by the op): the compute dtype, its
+# fp32 accumulators rounded once, half the bytes of fp32 through HBM and the SwiGLU epilogue's stage ring. (The
+# pure-JAX reference takes g, u in its inputs' dtype: f32 with f32 inputs.)
+KEPT_GU_DTYPE = jnp.bfloat16
 
 
 def _is_float(dtype) -> bool:
@@ -241,9 +245,9 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
     """Shapes and dtypes of the experts' backward arguments (mok_jax.ops.experts_backward and its reference);
     returns (T, k, M, H, I, E). ``where`` opens each message; ``dtypes``: the floating dtypes allowed for x (dy
     and the weights must be x's); ``max_experts``: the most experts the caller takes (None: no limit); ``gu``:
-    None, or the forward's kept g, u, which must be float32[M, 2I] whatever x's dtype; ``gu_part``, ``gu_part_row``:
-    None, or some rows' kept g, u, float32[R, 2I], and int32[M], each row's row of them (both or neither; not with
-    ``gu``); ``shared_gate_up``,
+    None, or the forward's kept g, u, [M, 2I] in x's dtype; ``gu_part``, ``gu_part_row``: None, or some rows' kept
+    g, u, [R, 2I] in x's dtype, and int32[M], each row's row of them (both or neither; not with ``gu``);
+    ``shared_gate_up``,
     ``shared_down``: None, or the shared expert's [H, 2Is] and [Is, H] in x's dtype (both or neither). The values
     of pos, src_slot, group_sizes and gu are not checked (they are device values)."""
     for name, a, rank, shape in (("x", x, 2, "[T, H]"), ("dy", dy, 2, "[T, H]"),
@@ -282,21 +286,23 @@ def check_experts_backward_args(x, dy, topk_weight, pos, src_slot, group_sizes, 
     if tokens * top_k >= 2**31:
         raise ValueError(f"{where}: topk_weight: slots T * k must be below 2^31 (int32 slot ids in src_slot), got "
                          f"{tokens} * {top_k}")
-    check_kept_gu(where, gu, gu_part, gu_part_row, m, inter)
+    check_kept_gu(where, gu, gu_part, gu_part_row, m, inter, dtype=dtype)
     _check_shared_expert(shared_gate_up, shared_down, hidden, tokens, where, dtype)
     return tokens, top_k, m, hidden, inter, num_experts
 
 
-def check_kept_gu(where: str, gu, gu_part, gu_part_row, m: int, inter: int, ranks: int | None = None) -> None:
-    """The kept g, u operands of the experts' backward ops: gu float32[M, 2I] (every row's), or gu_part
-    float32[R, 2I] with gu_part_row int32[M] (some rows' and each row's row of them), or none; with ``ranks`` (the
-    fused EP op) each has that leading rank axis. A wrong dtype of gu is a TypeError, anything else a ValueError
-    naming the argument."""
+def check_kept_gu(where: str, gu, gu_part, gu_part_row, m: int, inter: int, ranks: int | None = None,
+                  dtype=KEPT_GU_DTYPE) -> None:
+    """The kept g, u operands of the experts' backward ops, in ``dtype`` (the kernels': KEPT_GU_DTYPE; the
+    reference's: its inputs'): gu [M, 2I] (every row's), or gu_part [R, 2I] with gu_part_row int32[M] (some rows'
+    and each row's row of them), or none; with ``ranks`` (the fused EP op) each has that leading rank axis. A wrong
+    dtype of gu is a TypeError, anything else a ValueError naming the argument."""
     lead, lead_name = ((), "") if ranks is None else ((ranks,), "ranks, ")
+    name = jnp.dtype(dtype).name
     if gu is not None:
         want = (*lead, m, 2 * inter)
-        if getattr(gu, "dtype", None) != jnp.float32:
-            raise TypeError(f"{where}: gu (the kept g, u) must be float32[{lead_name}M, 2I] = float32{list(want)}, "
+        if getattr(gu, "dtype", None) != dtype:
+            raise TypeError(f"{where}: gu (the kept g, u) must be {name}[{lead_name}M, 2I] = {name}{list(want)}, "
                             f"got {getattr(gu, 'dtype', type(gu).__name__)}{list(getattr(gu, 'shape', ()))}")
         if tuple(gu.shape) != want:
             raise ValueError(f"{where}: gu (the kept g, u) must be [{lead_name}M, 2I] = {want} (src_slot's rows, "
@@ -309,9 +315,9 @@ def check_kept_gu(where: str, gu, gu_part, gu_part_row, m: int, inter: int, rank
     if gu is not None:
         raise ValueError(f"{where}: gu (every row's kept g, u) and gu_part (some rows') are exclusive")
     shape = tuple(getattr(gu_part, "shape", ()))
-    if getattr(gu_part, "dtype", None) != jnp.float32 or len(shape) != len(lead) + 2 or shape[:len(lead)] != lead \
+    if getattr(gu_part, "dtype", None) != dtype or len(shape) != len(lead) + 2 or shape[:len(lead)] != lead \
             or shape[-1] != 2 * inter:
-        raise ValueError(f"{where}: gu_part (some rows' kept g, u) must be float32[{lead_name}R, 2I] with "
+        raise ValueError(f"{where}: gu_part (some rows' kept g, u) must be {name}[{lead_name}R, 2I] with "
                          f"{f'ranks = {ranks}, ' if lead else ''}2I = {2 * inter}, got "
                          f"{getattr(gu_part, 'dtype', type(gu_part).__name__)}{list(shape)}")
     want_row = (*lead, m)

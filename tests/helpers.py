@@ -232,7 +232,7 @@ def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
 
 def ring_part(gu, src_slot, k: int, first: int):
     """(gu_part, gu_part_row, rows kept): the g, u of a layout's slot rows whose token is >= first (as
-    MoEConfig(keep="ring") keeps the ring's tokens'), numbered in row order; gu: f32[M, 2I] of every row."""
+    MoEConfig(keep="ring") keeps the ring's tokens'), numbered in row order; gu: [M, 2I] of every row."""
     mine = np.asarray((src_slot >= 0) & (src_slot // k >= first))
     row = jnp.asarray(np.where(mine, np.cumsum(mine) - 1, -1).astype(np.int32))
     return gu[np.nonzero(mine)[0]], row, mine

@@ -50,8 +50,9 @@ def test_keep_default_is_balanced_in_bf16_and_nothing_in_fp8():
 
 
 def _recomputed_gu(x, gate_up, layout, k):
-    """g | u of every row of ``layout`` as experts_backward_reference recomputes them (f32, expert by expert over
-    every row, zeros in rows without a slot), so that keeping them changes no bit."""
+    """g | u of every row of ``layout`` as experts_backward_reference recomputes them (f32 accumulation rounded to
+    x's dtype, as the kernels store them; expert by expert over every row, zeros in rows without a slot), so that
+    keeping them changes no bit."""
     m = layout.num_rows
     slot_ok = (layout.src_slot >= 0) & (layout.src_slot < x.shape[0] * k)
     x32 = gather_rows(x, jnp.where(slot_ok, layout.src_slot // k, -1)).astype(jnp.float32)
@@ -59,13 +60,13 @@ def _recomputed_gu(x, gate_up, layout, k):
     gu = jnp.zeros((m, gate_up.shape[2]), jnp.float32)
     for e in range(gate_up.shape[0]):
         gu = jnp.where(((expert_of_row == e) & slot_ok)[:, None], x32 @ gate_up[e].astype(jnp.float32), gu)
-    return gu
+    return gu.astype(x.dtype)
 
 
 def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_weights=None):
     """The megakernel's outputs on CPU: the xla forward, and with ``keep`` = (keep_pos, rows) the kept g, u: each
     slot's row of the rank's layout (at EP > 1 over every rank's tokens, as the kernel sees them) written to its
-    keep_pos row of f32[rows, 2I] (slots outside it are not kept)."""
+    keep_pos row of bf16[rows, 2I] (slots outside it are not kept)."""
     y = moe_mod._forward_xla(x, topk_idx, topk_weight, weights, config)
     if keep is None:
         return y
@@ -81,7 +82,7 @@ def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_
     pos = layout.pos.reshape(-1)
     mine = (pos < layout.num_rows) & (keep_pos >= 0) & (keep_pos < rows)
     picked = jnp.concatenate([gu, jnp.zeros((1, gu.shape[1]), gu.dtype)])[pos]
-    kept = jnp.zeros((rows + 1, gu.shape[1]), jnp.float32).at[jnp.where(mine, keep_pos, rows)].set(picked)
+    kept = jnp.zeros((rows + 1, gu.shape[1]), gu.dtype).at[jnp.where(mine, keep_pos, rows)].set(picked)
     return y, kept[:rows]
 
 
@@ -242,14 +243,14 @@ def _lowered_calls(monkeypatch, keep, T, kernel, H=64, I=32, E=4, k=2):
 @pytest.mark.parametrize("keep", ["everything", "balanced"])
 def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monkeypatch, keep):
     """jax.grad of the real ops with keep="everything" (and the default, "balanced", the same at EP 1): the forward
-    call takes keep_pos [1, T k] and returns keep_gu [1, M, 2I]; the backward call takes that [M, 2I] buffer,
+    call takes keep_pos [1, T k] and returns keep_gu bf16[1, M, 2I]; the backward call takes that [M, 2I] buffer,
     aliased to its gu scratch."""
     T, H, I, E, k = 40, 64, 32, 4, 2
     M = T * k + 128 * E
     fwd, bwd = _lowered_calls(monkeypatch, keep, T, mj.KernelConfig(granularity=512, comm_sms_fwd=8))
-    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xf32>)" in fwd, fwd
+    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xbf16>)" in fwd, fwd
     # the kept buffer: the ninth operand (then the shared expert's weights, here none: [H, 0] and [0, H])
-    assert (f"tensor<{M}x{2 * I}xf32>, tensor<0x{2 * I}xf32>, tensor<0xi32>, tensor<0xi32>, tensor<{H}x0xbf16>, "
+    assert (f"tensor<{M}x{2 * I}xbf16>, tensor<0x{2 * I}xbf16>, tensor<0xi32>, tensor<0xi32>, tensor<{H}x0xbf16>, "
             f"tensor<0x{H}xbf16>)") in bwd.split("->")[0], bwd
     # ... handed to the op as its gu scratch (result 8), whose padding rows it zeroes in place
     assert re.search(r"output_operand_alias<output_tuple_indices = \[8\], operand_index = 8,", bwd), bwd
@@ -346,13 +347,13 @@ def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused)
 
 
 def test_keep_ring_lowers_to_a_part_kept_forward_and_backward(monkeypatch):
-    """jax.grad of the real ops with keep="ring" and tokens past the ring: the forward returns keep_gu [1, (T - t0)
-    k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the block flags [ceil(M / 128)], and its gu
+    """jax.grad of the real ops with keep="ring" and tokens past the ring: the forward returns keep_gu bf16[1, (T -
+    t0) k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the block flags [ceil(M / 128)], and its gu
     scratch is its own (no alias)."""
     T, H, I, E, k = 1200, 64, 32, 4, 2
     M, rows = T * k + 128 * E, (T - 512) * k
     fwd, bwd = _lowered_calls(monkeypatch, "ring", T, _RING)
-    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{rows}x{2 * I}xf32>)" in fwd, fwd
-    assert (f"tensor<0x{2 * I}xf32>, tensor<{rows}x{2 * I}xf32>, tensor<{M}xi32>, tensor<{-(-M // 128)}xi32>, "
+    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{rows}x{2 * I}xbf16>)" in fwd, fwd
+    assert (f"tensor<0x{2 * I}xbf16>, tensor<{rows}x{2 * I}xbf16>, tensor<{M}xi32>, tensor<{-(-M // 128)}xi32>, "
             f"tensor<{H}x0xbf16>") in bwd.split("->")[0], bwd
     assert "output_operand_alias" not in bwd, bwd

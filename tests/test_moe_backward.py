@@ -744,7 +744,7 @@ def _custom_call_lines(text, target):
 
 
 def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
-    """The op's custom call types "(operands) -> (results)" as the contract has them: gu_in f32[gu_rows, 2I]
+    """The op's custom call types "(operands) -> (results)" as the contract has them: gu_in bf16[gu_rows, 2I]
     (0: none kept), gu_part, gu_part_row and its block flags (part_rows: None for none, else gu_part's rows) and
     the shared expert's weights ([H, 0] and [0, H] for none: Is = 0), then dx, dw, d_gate_up,
     d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 flags (40
@@ -755,21 +755,21 @@ def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
     part = (0, 0, 0) if part_rows is None else (part_rows, M, -(-M // 128))
     operands = (f"(tensor<{T}x{H}xbf16>, tensor<{T}x{H}xbf16>, tensor<{T}x{k}xf32>, tensor<{T}x{k}xi32>, "
                 f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, "
-                f"tensor<{gu_rows}x{2 * I}xf32>, tensor<{part[0]}x{2 * I}xf32>, tensor<{part[1]}xi32>, "
+                f"tensor<{gu_rows}x{2 * I}xbf16>, tensor<{part[0]}x{2 * I}xbf16>, tensor<{part[1]}xi32>, "
                 f"tensor<{part[2]}xi32>, tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>)")
     flags = -(-(40 + 4 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 5) // 4) * 4
     results = (f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, "
                f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, "
-               f"tensor<{M}xf32>, tensor<{M}x{2 * I}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "
+               f"tensor<{M}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "
                f"tensor<{M}x{-(-I // 256)}xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{flags}xi32>, "
-               f"tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>, tensor<{Ts}x{2 * Is}xf32>, "
+               f"tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>, tensor<{Ts}x{2 * Is}xbf16>, "
                f"tensor<{Ts}x{2 * Is}xbf16>, tensor<{Ts}x{Is}xbf16>, tensor<{Ts}x{H}xf32>)")
     return operands + " -> " + results
 
 
 def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
-    """One call with the contract's operands and results (_call_types; no gu kept: gu_in f32[0, 2I] and the
-    op's scratch gu f32[M, 2I]; ffi/src/ffi_moe_backward.cu) and num_sms as an int32 attribute (0 = every SM).
+    """One call with the contract's operands and results (_call_types; no gu kept: gu_in bf16[0, 2I] and the
+    op's scratch gu bf16[M, 2I]; ffi/src/ffi_moe_backward.cu) and num_sms as an int32 attribute (0 = every SM).
     With a kept gu: tests/test_moe_backward_kept.py."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
@@ -788,7 +788,7 @@ def test_op_lowers_to_one_call_in_the_contracts_order(monkeypatch):
 def test_grad_of_the_mok_layer_lowers_to_one_backward_call(monkeypatch):
     """jax.grad of mj.moe(implementation='mok') at EP 1: the forward megakernel and one experts' backward call
     on the tokens and a layout of T * k + 128 * E padded rows, in the contract's operand order (no gu kept here:
-    gu_in is f32[0, 2I] and the op's scratch gu f32[M, 2I]), nothing of the xla path's dense experts, and no
+    gu_in is bf16[0, 2I] and the op's scratch gu bf16[M, 2I]), nothing of the xla path's dense experts, and no
     [M, H] array outside the call (the op gathers the rows and sums the slots itself). The shared expert's backward
     is five bf16 matmuls in XLA, or with moe._SHARED_IN_OP part of the same call (its weights operands too)."""
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
@@ -924,10 +924,10 @@ def test_fused_ep_op_lowers_to_one_call_with_the_workspace(monkeypatch):
     # (H 32, I 24, L 2; flags: 40 time words, 4 per m-block of ceil(M / 128) + L, 2 (L + 1), 5 totals, to 4s)
     flags = -(-(40 + 4 * (-(-M // 128) + 2) + 2 * 3 + 5) // 4) * 4
     assert (f"-> (tensor<2x24x32xf32>, tensor<2x24x3xf32>, tensor<2x2x32x48xbf16>, tensor<2x2x24x32xbf16>, "
-            f"tensor<2xi32>, tensor<2x{M}x32xbf16>, tensor<2x{M}x32xbf16>, tensor<2x{M}xf32>, tensor<2x{M}x48xf32>, "
+            f"tensor<2xi32>, tensor<2x{M}x32xbf16>, tensor<2x{M}x32xbf16>, tensor<2x{M}xf32>, tensor<2x{M}x48xbf16>, "
             f"tensor<2x{M}x48xbf16>, tensor<2x{M}x24xbf16>, tensor<2x{M}x1xf32>, tensor<2x{M}x32xbf16>, "
             f"tensor<2x{M}xf32>, tensor<2x{flags}xi32>)") in call, call
-    gu = jnp.zeros((2, M, 48), jnp.float32)
+    gu = jnp.zeros((2, M, 48), jnp.bfloat16)
     text = jax.jit(lambda *a: experts_backward_ep(ws, *a[:-1], gu=a[-1])).lower(*args, gu).as_text()
     [call] = [line for line in text.splitlines() if "custom_call @mok_experts_backward_ep(" in line]
     assert re.search(r"output_operand_alias<output_tuple_indices = \[8\], operand_index = 8,", call), call
@@ -944,15 +944,17 @@ def test_fused_ep_op_lowers_to_one_call_with_the_workspace(monkeypatch):
     (lambda a: {**a, "skip_rank": 2}, "skip_rank must be"),
     (lambda a: {**a, "gu_part_row": a["src_slot"]}, "gu_part and gu_part_row .* both be given or both be None"),
     # the kept g, u: the EP-1 op's checks (mok_jax.validation.check_kept_gu) with the rank axis
-    (lambda a: {**a, "gu": jnp.zeros((*a["src_slot"].shape, 48), jnp.bfloat16)},
-     r"gu \(the kept g, u\) must be float32\[ranks, M, 2I\] = float32\[2, \d+, 48\], got bfloat16"),
-    (lambda a: {**a, "gu": jnp.zeros((1, a["src_slot"].shape[1], 48), jnp.float32)},
+    (lambda a: {**a, "gu": jnp.zeros((*a["src_slot"].shape, 48), jnp.float32)},
+     r"gu \(the kept g, u\) must be bfloat16\[ranks, M, 2I\] = bfloat16\[2, \d+, 48\], got float32"),
+    (lambda a: {**a, "gu": jnp.zeros((1, a["src_slot"].shape[1], 48), jnp.bfloat16)},
      r"gu \(the kept g, u\) must be \[ranks, M, 2I\] = \(2, \d+, 48\) .*got \(1, "),
-    (lambda a: {**a, "gu": jnp.zeros((*a["src_slot"].shape, 48), jnp.float32), "gu_part": jnp.zeros((2, 4, 48)),
-                "gu_part_row": a["src_slot"]}, r"gu \(every row's kept g, u\) and gu_part .* exclusive"),
-    (lambda a: {**a, "gu_part": jnp.zeros((4, 48)), "gu_part_row": a["src_slot"]},
-     r"gu_part \(some rows' kept g, u\) must be float32\[ranks, R, 2I\] with ranks = 2, 2I = 48, got float32\[4, 48\]"),
-    (lambda a: {**a, "gu_part": jnp.zeros((2, 4, 48)), "gu_part_row": a["src_slot"][:, 1:]},
+    (lambda a: {**a, "gu": jnp.zeros((*a["src_slot"].shape, 48), jnp.bfloat16),
+                "gu_part": jnp.zeros((2, 4, 48), jnp.bfloat16), "gu_part_row": a["src_slot"]},
+     r"gu \(every row's kept g, u\) and gu_part .* exclusive"),
+    (lambda a: {**a, "gu_part": jnp.zeros((4, 48), jnp.bfloat16), "gu_part_row": a["src_slot"]},
+     r"gu_part \(some rows' kept g, u\) must be bfloat16\[ranks, R, 2I\] with ranks = 2, 2I = 48, got "
+     r"bfloat16\[4, 48\]"),
+    (lambda a: {**a, "gu_part": jnp.zeros((2, 4, 48), jnp.bfloat16), "gu_part_row": a["src_slot"][:, 1:]},
      r"gu_part_row \(each row's row of gu_part\) must be int32\[ranks, M\] = int32\[2, \d+\]"),
 ])
 def test_fused_ep_op_names_the_bad_argument(monkeypatch, change, match):

@@ -588,7 +588,7 @@ def test_fused_ep_backward_with_part_kept_gu_gives_the_bits_of_ep_one(ep):
         mine = (src >= 0) & (tok % per_rank >= first)
         # the kept row of slot (token t of rank q, j): ((q (per_rank - first) + t - first) k + j
         row = np.where(mine, ((tok // per_rank) * (per_rank - first) + tok % per_rank - first) * k + src % k, -1)
-        gu_part = jnp.full((ring_slots, 2 * I), jnp.nan, _F32).at[row[mine]].set(c.gu[np.nonzero(mine)[0]])
+        gu_part = jnp.full((ring_slots, 2 * I), jnp.nan, c.gu.dtype).at[row[mine]].set(c.gu[np.nonzero(mine)[0]])
         blocks = used_kept_blocks(src, row, ring_slots, ep * per_rank * k, c.layout.group_sizes)
         assert 0 < blocks.sum() < blocks.size, f"EP {ep} rank {r}: want copied and recomputed blocks, got {blocks}"
         parts.append(KeptGateUp(gu_part, c.layout, jnp.asarray(row, jnp.int32)))

@@ -27,9 +27,9 @@ _F32 = jnp.float32
 
 @functools.partial(jax.jit, static_argnames="top_k")
 def _reference_gu(x, src_slot, group_sizes, gate_up, *, top_k):
-    """f32[M, 2I], what the forward keeps, computed as the reference recomputes it: row r of expert e (the
-    group holding r) is x_r @ gate_up[e] at matmul precision "highest", with x_r = x[src_slot[r] // k] (zeros for
-    padding rows); rows past sum(group_sizes) are zeros."""
+    """[M, 2I] in x's dtype, what the forward keeps, computed as the reference recomputes it: row r of expert e (the
+    group holding r) is x_r @ gate_up[e] at matmul precision "highest", rounded to x's dtype, with x_r =
+    x[src_slot[r] // k] (zeros for padding rows); rows past sum(group_sizes) are zeros."""
     m = src_slot.shape[0]
     slot_ok = (src_slot >= 0) & (src_slot < x.shape[0] * top_k)
     x32 = gather_rows(x, jnp.where(slot_ok, src_slot // top_k, -1)).astype(_F32)
@@ -38,7 +38,7 @@ def _reference_gu(x, src_slot, group_sizes, gate_up, *, top_k):
     with jax.default_matmul_precision("highest"):
         for e in range(gate_up.shape[0]):
             gu = jnp.where((expert_of_row == e)[:, None], x32 @ gate_up[e].astype(_F32), gu)
-    return gu
+    return gu.astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -61,7 +61,7 @@ def test_reference_fed_its_own_gu_gives_its_bits(case, T, E, k, H, I, dtype):
     ref = jax.jit(experts_backward_reference)
     want = ref(*args)
     gu = _reference_gu(x, src_slot, gs, gate_up, top_k=k)
-    assert gu.shape == (src_slot.shape[0], 2 * I) and gu.dtype == _F32
+    assert gu.shape == (src_slot.shape[0], 2 * I) and gu.dtype == dtype
     assert_same_bits(case, ref(*args, gu=gu), want)
     past = jnp.arange(src_slot.shape[0]) >= jnp.sum(gs)
     assert bool(past.any()), "M = T k + 128 E leaves rows past the groups"
@@ -89,17 +89,18 @@ def test_reference_reads_the_given_gu():
 # ----------------------------------------------------------------------------- argument errors
 
 
-_BAD_GU = [
-    (jnp.ones((M_, 2 * I_), jnp.bfloat16), TypeError, r"gu \(the kept g, u\) must be float32\[M, 2I\] = "
-     rf"float32\[{M_}, {2 * I_}\], got bfloat16\[{M_}, {2 * I_}\]"),
-    (jnp.ones((M_, 2 * I_), jnp.float16), TypeError, "gu .* must be float32.*got float16"),
-    (jnp.ones((M_, 2 * I_), jnp.int32), TypeError, "gu .* must be float32.*got int32"),
-    (jnp.ones((M_ - 1, 2 * I_), _F32), ValueError,
+_BF16 = jnp.bfloat16
+_BAD_GU = [  # _op_args is bf16: the kept g, u must be bf16 too (the kernel stores them so)
+    (jnp.ones((M_, 2 * I_), _F32), TypeError, r"gu \(the kept g, u\) must be bfloat16\[M, 2I\] = "
+     rf"bfloat16\[{M_}, {2 * I_}\], got float32\[{M_}, {2 * I_}\]"),
+    (jnp.ones((M_, 2 * I_), jnp.float16), TypeError, "gu .* must be bfloat16.*got float16"),
+    (jnp.ones((M_, 2 * I_), jnp.int32), TypeError, "gu .* must be bfloat16.*got int32"),
+    (jnp.ones((M_ - 1, 2 * I_), _BF16), ValueError,
      rf"gu \(the kept g, u\) must be \[M, 2I\] = \({M_}, {2 * I_}\) .*got \({M_ - 1}, {2 * I_}\)"),
-    (jnp.ones((M_, I_), _F32), ValueError, rf"gu .* must be \[M, 2I\] = \({M_}, {2 * I_}\) .*got \({M_}, {I_}\)"),
-    (jnp.ones((0, 2 * I_), _F32), ValueError, rf"gu .* must be \[M, 2I\] .*got \(0, {2 * I_}\)"),
-    (jnp.ones((M_ * 2 * I_,), _F32), ValueError, r"gu .* must be \[M, 2I\]"),
-    (jnp.ones((M_, 2 * I_, 1), _F32), ValueError, r"gu .* must be \[M, 2I\]"),
+    (jnp.ones((M_, I_), _BF16), ValueError, rf"gu .* must be \[M, 2I\] = \({M_}, {2 * I_}\) .*got \({M_}, {I_}\)"),
+    (jnp.ones((0, 2 * I_), _BF16), ValueError, rf"gu .* must be \[M, 2I\] .*got \(0, {2 * I_}\)"),
+    (jnp.ones((M_ * 2 * I_,), _BF16), ValueError, r"gu .* must be \[M, 2I\]"),
+    (jnp.ones((M_, 2 * I_, 1), _BF16), ValueError, r"gu .* must be \[M, 2I\]"),
 ]
 
 
@@ -118,14 +119,14 @@ def test_op_with_a_good_gu_without_gpu_raises_not_falls_back():
     if any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("this machine has a GPU: the op runs (tests/test_moe_backward_kept_gpu.py)")
     with pytest.raises(_native.NativeLibraryUnavailable, match="experts_backward"):
-        experts_backward(**_op_args(), gu=jnp.zeros((M_, 2 * I_), _F32))
+        experts_backward(**_op_args(), gu=jnp.zeros((M_, 2 * I_), _BF16))
 
 
 # ----------------------------------------------------------------------------- what reaches the handler
 
 
 def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
-    """gu given: operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in f32[M, 2I]; the
+    """gu given: operands x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in bf16[M, 2I]; the
     results as without it, the scratch gu (result 8) aliased to gu_in: the op zeroes its padding rows in place
     (ffi/src/ffi_moe_backward.cu). return_gu (the test hook) gives back the gu the op read, without a second
     call."""
@@ -136,7 +137,7 @@ def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
     args = (sds((T, H), jnp.bfloat16), sds((T, H), jnp.bfloat16), sds((T, k), _F32), sds((T, k), jnp.int32),
             sds((M,), jnp.int32), sds((E,), jnp.int32), sds((E, H, 2 * I), jnp.bfloat16),
             sds((E, I, H), jnp.bfloat16))
-    gu = sds((M, 2 * I), _F32)
+    gu = sds((M, 2 * I), _BF16)
     text = jax.jit(lambda *a: mb.experts_backward(*a[:-1], gu=a[-1])).lower(*args, gu).as_text()
     [call] = _custom_call_lines(text, "mok_experts_backward")
     assert _call_types(T, k, M, H, I, E, M) in call, call
@@ -144,7 +145,7 @@ def test_op_lowers_with_the_kept_gu_as_its_ninth_operand(monkeypatch):
 
     for given in (None, gu):
         out, back = jax.eval_shape(functools.partial(mb.experts_backward, return_gu=True), *args, gu=given)
-        assert back.shape == (M, 2 * I) and back.dtype == _F32, given
+        assert back.shape == (M, 2 * I) and back.dtype == _BF16, given
         assert out.dx.shape == (T, H) and out.dx_rows.shape == (M, H), given
     assert len(_custom_call_lines(text, "mok_experts_backward")) == 1
 
@@ -200,7 +201,8 @@ def test_reference_with_part_kept_gu_copies_whole_blocks_and_recomputes_the_rest
     t = int(src_slot[r]) // k
     np.testing.assert_array_equal(np.flatnonzero(np.any(np.asarray(got.dx) != np.asarray(own.dx), axis=1)), [t])
     # no kept row at all: every block recomputes
-    _assert_outputs_close("nothing kept", ref(*args, jnp.zeros((0, 2 * I), _F32), jnp.full(src_slot.shape, -1)), want)
+    _assert_outputs_close("nothing kept", ref(*args, jnp.zeros((0, 2 * I), x.dtype), jnp.full(src_slot.shape, -1)),
+                          want)
 
 
 def test_kept_blocks_flags_blocks_whose_slot_rows_all_have_a_kept_row():
@@ -215,17 +217,18 @@ def test_kept_blocks_flags_blocks_whose_slot_rows_all_have_a_kept_row():
 
 
 _BAD_PART = [
-    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32)), ValueError, "gu_part and gu_part_row .* both be given or both be None"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _BF16)), ValueError,
+     "gu_part and gu_part_row .* both be given or both be None"),
     (dict(gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError, "gu_part and gu_part_row .* both"),
-    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.int32),
-          gu=jnp.zeros((M_, 2 * I_), _F32)), ValueError, r"gu \(every row's kept g, u\) and gu_part .* exclusive"),
-    (dict(gu_part=jnp.zeros((4, I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError,
-     rf"gu_part \(some rows' kept g, u\) must be float32\[R, 2I\] with 2I = {2 * I_}, got float32\[4, {I_}\]"),
-    (dict(gu_part=jnp.zeros((4, 2 * I_), jnp.bfloat16), gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError,
-     r"gu_part .* must be float32\[R, 2I\].*got bfloat16"),
-    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_ - 1,), jnp.int32)), ValueError,
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _BF16), gu_part_row=jnp.zeros((M_,), jnp.int32),
+          gu=jnp.zeros((M_, 2 * I_), _BF16)), ValueError, r"gu \(every row's kept g, u\) and gu_part .* exclusive"),
+    (dict(gu_part=jnp.zeros((4, I_), _BF16), gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError,
+     rf"gu_part \(some rows' kept g, u\) must be bfloat16\[R, 2I\] with 2I = {2 * I_}, got bfloat16\[4, {I_}\]"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.int32)), ValueError,
+     r"gu_part .* must be bfloat16\[R, 2I\].*got float32"),
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _BF16), gu_part_row=jnp.zeros((M_ - 1,), jnp.int32)), ValueError,
      rf"gu_part_row \(each row's row of gu_part\) must be int32\[M\] = int32\[{M_}\] .*got int32\[{M_ - 1}\]"),
-    (dict(gu_part=jnp.zeros((4, 2 * I_), _F32), gu_part_row=jnp.zeros((M_,), jnp.float32)), ValueError,
+    (dict(gu_part=jnp.zeros((4, 2 * I_), _BF16), gu_part_row=jnp.zeros((M_,), jnp.float32)), ValueError,
      r"gu_part_row .* must be int32\[M\].*got float32"),
 ]
 
@@ -239,7 +242,7 @@ def test_op_rejects_a_bad_gu_part_naming_it(kw, exc, match):
 
 
 def test_op_lowers_with_the_part_kept_gu_after_gu_in(monkeypatch):
-    """gu_part given: operands ..., gu_in f32[0, 2I], gu_part f32[R, 2I], gu_part_row s32[M], the block flags
+    """gu_part given: operands ..., gu_in bf16[0, 2I], gu_part bf16[R, 2I], gu_part_row s32[M], the block flags
     s32[ceil(M / 128)]; the scratch gu is the op's own (no alias)."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)
@@ -249,7 +252,7 @@ def test_op_lowers_with_the_part_kept_gu_after_gu_in(monkeypatch):
             sds((M,), jnp.int32), sds((E,), jnp.int32), sds((E, H, 2 * I), jnp.bfloat16),
             sds((E, I, H), jnp.bfloat16))
     text = jax.jit(lambda *a: mb.experts_backward(*a[:-2], gu_part=a[-2], gu_part_row=a[-1])).lower(
-        *args, sds((R, 2 * I), _F32), sds((M,), jnp.int32)).as_text()
+        *args, sds((R, 2 * I), _BF16), sds((M,), jnp.int32)).as_text()
     [call] = _custom_call_lines(text, "mok_experts_backward")
     assert _call_types(T, k, M, H, I, E, 0, part_rows=R) in call, call
     assert "output_operand_alias" not in call, call

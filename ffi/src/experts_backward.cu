@@ -65,7 +65,7 @@ struct Operands {
   TileW::TmaB wd_b;   // dy rows [rows, H]
   TileW::TmaA wg_a;   // x rows read as H x rows
   TileW::TmaB wg_b;   // dgu [rows, 2I]
-  gemm::TmaGu dh_gu;  // g | u [rows, 2I] f32: the DH tiles' epilogue operands, through the ring
+  gemm::TmaGu dh_gu;  // g | u [rows, 2I] bf16: the DH tiles' epilogue operands, through the ring
 };
 
 __device__ void prefetch(const Operands& o) {
@@ -85,7 +85,7 @@ __device__ void prefetch(const Operands& o) {
 // Host: the descriptors over rows x of x_rows / dy_rows (and dgu, hw, gu of as many rows), weights of `groups`
 // experts.
 Operands make_operands(const Bf16* x_rows, const Bf16* dy_rows, const Bf16* gate_up, const Bf16* down, const Bf16* dgu,
-                       const Bf16* hw, const float* gu, int rows, int H, int I, int groups) {
+                       const Bf16* hw, const __nv_bfloat16* gu, int rows, int H, int I, int groups) {
   Operands o;
   o.gu_a = TileGu::make_tma_a(x_rows, rows, H);
   o.gu_b = TileGu::make_tma_b(gate_up, 2 * I, H, groups);
@@ -112,9 +112,9 @@ struct KernelParams {  // one EP rank's
   uint4* x_e;
   uint4* dy_e;
   float* w_e;
-  float* gu;          // the recompute's scratch, or the kept g | u
+  __nv_bfloat16* gu;  // the recompute's scratch, or the kept g | u (bf16 [M, 2I])
   int32_t kept;       // g, u kept: no GU items; GATHER zeroes gu's padding rows
-  const float* gu_part;        // part of them kept: the kept rows, each row's row of them, the blocks they cover
+  const __nv_bfloat16* gu_part;  // part of them kept: the kept rows, each row's row of them, the blocks they cover
   const int32_t* gu_part_row;  // (nullptr: none)
   const int32_t* gu_block;
   int32_t gu_part_rows, gu_blocks;
@@ -128,7 +128,7 @@ struct KernelParams {  // one EP rank's
   int32_t* status;
   int32_t* flags;
   gemm::SwigluBackwardOut sbwd;  // the shared expert's epilogue: weight 1, no dw partials
-  float* gus;
+  __nv_bfloat16* gus;
   float* dxs;
   Bf16* d_shared_gate_up;
   Bf16* d_shared_down;
@@ -495,18 +495,18 @@ __device__ void gather(const KernelParams& p, const Item& it, int ct) {
       }
     } else {
       for (int c = lane; c < chunks; c += 32) xd[c] = make_uint4(0, 0, 0, 0), dd[c] = make_uint4(0, 0, 0, 0);
-      if (p.kept) {
-        float4* g = reinterpret_cast<float4*>(p.gu + int64_t(r) * 2 * p.I);
-        for (int c = lane; c < p.I / 2; c += 32) g[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (p.kept) {  // a row's 2I bf16 are I / 4 16-byte vectors (I is a multiple of 8)
+        uint4* g = reinterpret_cast<uint4*>(p.gu + int64_t(r) * 2 * p.I);
+        for (int c = lane; c < p.I / 4; c += 32) g[c] = make_uint4(0, 0, 0, 0);
       }
     }
     if (copy_gu) {
       const int32_t src = p.gu_part_row[r];
       const bool has = src >= 0 && src < p.gu_part_rows;
-      const float4* gs = reinterpret_cast<const float4*>(p.gu_part + int64_t(has ? src : 0) * 2 * p.I);
-      float4* g = reinterpret_cast<float4*>(p.gu + int64_t(r) * 2 * p.I);
+      const uint4* gs = reinterpret_cast<const uint4*>(p.gu_part + int64_t(has ? src : 0) * 2 * p.I);
+      uint4* g = reinterpret_cast<uint4*>(p.gu + int64_t(r) * 2 * p.I);
 #pragma unroll 4
-      for (int c = lane; c < p.I / 2; c += 32) g[c] = has ? __ldg(gs + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int c = lane; c < p.I / 4; c += 32) g[c] = has ? __ldg(gs + c) : make_uint4(0, 0, 0, 0);
     }
     if (lane == 0) p.w_e[r] = valid ? p.topk_weight[slot] : 0.0f;
   }
@@ -694,7 +694,9 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         TileGu::Accumulator acc;
         if (!TileGu::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
         const int n = 2 * (it.shared ? p.Is : p.I);
-        TileGu::store_f32(acc, {it.shared ? p.gus : p.gu, n, it.row0, it.row_end, col0, n}, wg, t);
+        // bf16, as the forward keeps them (the same rounding of the same fp32 accumulators)
+        TileGu::store_bf16<false>(acc, s.epi[wg], {it.shared ? p.gus : p.gu, n, it.row0, it.row_end, col0, n}, wg,
+                                  t);
         gemm::fence_proxy_async_global();  // the DH tiles read g, u through TMA
         break;
       }
@@ -918,8 +920,8 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
   const auto* dgu = static_cast<const Bf16*>(p.dgu);
   const auto* hw = static_cast<const Bf16*>(p.hw);
   const bool kept = p.gu_kept != nullptr;  // the forward's g, u: no GU items
-  k.routed = make_operands(x_e, dy_e, gate_up, down, dgu, hw, kept ? p.gu_kept : static_cast<const float*>(p.gu), M,
-                           H, I, E);
+  auto* gu = static_cast<__nv_bfloat16*>(kept ? p.gu_kept : p.gu);
+  k.routed = make_operands(x_e, dy_e, gate_up, down, dgu, hw, gu, M, H, I, E);
   k.x = static_cast<const uint4*>(p.x);
   k.dy = static_cast<const uint4*>(p.dy);
   k.topk_weight = p.topk_weight;
@@ -929,10 +931,10 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
   k.x_e = static_cast<uint4*>(p.x_e);
   k.dy_e = static_cast<uint4*>(p.dy_e);
   k.w_e = p.w_e;
-  k.gu = kept ? p.gu_kept : static_cast<float*>(p.gu);
+  k.gu = gu;
   k.kept = kept;
   if (p.gu_part != nullptr) {
-    k.gu_part = p.gu_part, k.gu_part_row = p.gu_part_row, k.gu_block = p.gu_block;
+    k.gu_part = static_cast<const __nv_bfloat16*>(p.gu_part), k.gu_part_row = p.gu_part_row, k.gu_block = p.gu_block;
     k.gu_part_rows = int(p.gu_part_rows), k.gu_blocks = (M + kBlockM - 1) / kBlockM;
   }
   k.bwd = gemm::SwigluBackwardOut{k.gu, p.w_e, static_cast<__nv_bfloat16*>(p.dgu), static_cast<__nv_bfloat16*>(p.hw),
@@ -952,9 +954,10 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
     if (T > 0)  // no descriptor of an empty matrix: without rows no shared tile loads anything
       *shared = make_operands(static_cast<const Bf16*>(p.x), static_cast<const Bf16*>(p.dy),
                               static_cast<const Bf16*>(p.shared_gate_up), static_cast<const Bf16*>(p.shared_down),
-                              static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws), p.gus, T, H, Is, 1);
-    k.gus = p.gus;
-    k.sbwd = gemm::SwigluBackwardOut{p.gus, nullptr, static_cast<__nv_bfloat16*>(p.dgus),
+                              static_cast<const Bf16*>(p.dgus), static_cast<const Bf16*>(p.hws),
+                              static_cast<const __nv_bfloat16*>(p.gus), T, H, Is, 1);
+    k.gus = static_cast<__nv_bfloat16*>(p.gus);
+    k.sbwd = gemm::SwigluBackwardOut{k.gus, nullptr, static_cast<__nv_bfloat16*>(p.dgus),
                                      static_cast<__nv_bfloat16*>(p.hws), nullptr, Is, (Is + kBlockN - 1) / kBlockN};
     k.dxs = p.dxs;
     k.d_shared_gate_up = static_cast<Bf16*>(p.d_shared_gate_up);

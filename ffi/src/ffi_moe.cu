@@ -6,7 +6,7 @@
 //                   gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H],
 //                   shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H],       (Is = 0: no shared expert)
 //                   keep_pos: s32[R, ep T k] or s32[R, 0])
-//     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes], keep_gu: f32[R, rows, 2I] (rows = 0 with
+//     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes], keep_gu: bf16[R, rows, 2I] (rows = 0 with
 //        keep_pos [R, 0]: nothing kept; else the kept g, u of mok/moe/forward.cuh's ForwardRank::keep_gu)
 //   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device).
 //   mok_moe_forward_fp8(x, topk_idx, topk_weight, gate_up: f8e4m3fn[R, L, 2I, H], gate_up_scale: f32[R, L, 2I/128,
@@ -140,7 +140,7 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
                                DecodeRouted decode_routed, ffi::Buffer<ffi::BF16>& shared_gate_up,
                                ffi::Buffer<ffi::BF16>& shared_down, ffi::Buffer<ffi::S32>* keep_pos,
                                ffi::ResultBuffer<ffi::BF16>& y, ffi::ResultBuffer<ffi::S32>& status,
-                               ffi::ResultBuffer<ffi::U8>& scratch, ffi::ResultBuffer<ffi::F32>* keep_gu) {
+                               ffi::ResultBuffer<ffi::U8>& scratch, ffi::ResultBuffer<ffi::BF16>* keep_gu) {
   mok::ffi_util::count_handler_run();
   std::vector<mok::comm::CommView> views;
   uint64_t poison = 0, call_error = 0;
@@ -251,7 +251,7 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
                         ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
                         ffi::Buffer<ffi::S32> keep_pos, ffi::ResultBuffer<ffi::BF16> y,
                         ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::U8> scratch,
-                        ffi::ResultBuffer<ffi::F32> keep_gu) {
+                        ffi::ResultBuffer<ffi::BF16> keep_gu) {
   constexpr const char* kOp = "mok_moe_forward";
   auto decode = [&](int64_t R, int64_t H, int64_t num_local, RoutedWeights* rw) {
     return decode_bf16_routed(kOp, R, H, num_local, gate_up, down, rw);
@@ -293,7 +293,7 @@ MOK_FFI_HANDLER(MokMoeForward, forward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>()   // y
                     .Ret<ffi::Buffer<ffi::S32>>()    // status
                     .Ret<ffi::Buffer<ffi::U8>>()     // scratch
-                    .Ret<ffi::Buffer<ffi::F32>>());  // keep_gu
+                    .Ret<ffi::Buffer<ffi::BF16>>());  // keep_gu
 
 // The same call with the routed experts in FP8 (ForwardShape::routed_fp8); it keeps nothing for the backward.
 MOK_FFI_HANDLER(MokMoeForwardFp8, forward_fp8_impl,

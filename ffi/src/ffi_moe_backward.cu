@@ -1,11 +1,11 @@
 // XLA FFI handler for mok/experts_backward.cuh: mok_experts_backward.
 //   x: bf16[T, H], dy: bf16[T, H], topk_weight: f32[T, k], pos: s32[T, k], src_slot: s32[M], group_sizes: s32[E],
-//   gate_up: bf16[E, H, 2I], down: bf16[E, I, H], gu_in: f32[M, 2I] (the forward's kept g | u) or f32[0, 2I]
-//   (none kept: the op recomputes them into its scratch gu), gu_part: f32[R, 2I] (some rows' kept g | u) or
-//   f32[0, 2I], gu_part_row: s32[M] (each row's row of gu_part) or s32[0], gu_block: s32[ceil(M / 128)] (1: the
+//   gate_up: bf16[E, H, 2I], down: bf16[E, I, H], gu_in: bf16[M, 2I] (the forward's kept g | u) or bf16[0, 2I]
+//   (none kept: the op recomputes them into its scratch gu), gu_part: bf16[R, 2I] (some rows' kept g | u) or
+//   bf16[0, 2I], gu_part_row: s32[M] (each row's row of gu_part) or s32[0], gu_block: s32[ceil(M / 128)] (1: the
 //   m-block's slot rows are all in gu_part) or s32[0], shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H]
 //   -> dx: f32[T, H], dw: f32[T, k], d_gate_up: bf16[E, H, 2I], d_down: bf16[E, I, H], status: s32[],
-//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: f32[M, 2I] (with gu_in kept: XLA aliases
+//      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: bf16[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
 //      flags: s32[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4] (time words,
@@ -16,8 +16,8 @@
 // axis R (1: this device's rank; P: every rank of an emulated group on one device, one launch):
 //   x, dy: bf16[R, T, H] (each rank's own tokens), topk_idx: s32[R, T, k] (its own ids), topk_weight: f32[R, P T, k]
 //   (every rank's, rank-major: the all-gather), src_slot: s32[R, M] (slots numbered over the P T tokens),
-//   group_sizes: s32[R, L], gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H], gu_in: f32[R, M | 0, 2I],
-//   gu_part: f32[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
+//   group_sizes: s32[R, L], gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H], gu_in: bf16[R, M | 0, 2I],
+//   gu_part: bf16[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
 //   -> dx: f32[R, T, H], dw: f32[R, T, k], d_gate_up, d_down (as gate_up, down), status: s32[R], then the scratch
 //      of the EP-1 op with a leading R (x_e .. dw_e, flags)
 //   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1)}
@@ -60,9 +60,9 @@ struct Want {
 // *kept and *part say which form came. With every row kept, the result gu is the kept buffer (XLA aliases it to
 // gu_in; a caller that does not gets a copy here), whose padding rows the gather zeroes in place.
 ffi::Error check_kept_gu(const char* op, cudaStream_t stream, int64_t ranks, int64_t m, int64_t inter,
-                         const ffi::Buffer<ffi::F32>& gu_in, const ffi::Buffer<ffi::F32>& gu_part,
+                         const ffi::Buffer<ffi::BF16>& gu_in, const ffi::Buffer<ffi::BF16>& gu_part,
                          const ffi::Buffer<ffi::S32>& gu_part_row, const ffi::Buffer<ffi::S32>& gu_block,
-                         ffi::ResultBuffer<ffi::F32>& gu, bool* kept, bool* part) {
+                         ffi::ResultBuffer<ffi::BF16>& gu, bool* kept, bool* part) {
   using mok::ffi_util::invalid;
   const size_t lead = ranks > 0 ? 1 : 0;
   const std::string r = ranks > 0 ? "ranks, " : "";
@@ -70,11 +70,11 @@ ffi::Error check_kept_gu(const char* op, cudaStream_t stream, int64_t ranks, int
   const bool gin_ok = gin.size() == 2 + lead && (!lead || gin[0] == ranks) && gin[lead + 1] == 2 * inter &&
                       (gin[lead] == m || gin[lead] == 0);
   if (!gin_ok)
-    return invalid(op, "gu_in (the kept g, u) must be f32[" + r + "M or 0, 2I] with M = " + std::to_string(m) +
+    return invalid(op, "gu_in (the kept g, u) must be bf16[" + r + "M or 0, 2I] with M = " + std::to_string(m) +
                            ", 2I = " + std::to_string(2 * inter) + ", got " + dims_str(gin));
   *kept = m > 0 && gin[lead] == m;
   if (gpart.size() != 2 + lead || (lead && gpart[0] != ranks) || gpart[lead + 1] != 2 * inter)
-    return invalid(op, "gu_part must be f32[" + r + "rows, 2I] with 2I = " + std::to_string(2 * inter) +
+    return invalid(op, "gu_part must be bf16[" + r + "rows, 2I] with 2I = " + std::to_string(2 * inter) +
                            ", got " + dims_str(gpart));
   *part = gu_part_row.element_count() != 0;
   const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
@@ -89,7 +89,7 @@ ffi::Error check_kept_gu(const char* op, cudaStream_t stream, int64_t ranks, int
   if (*part && *kept) return invalid(op, "gu_in (all rows kept) and gu_part (some rows kept) are exclusive");
   if (*kept && gu->untyped_data() != gu_in.untyped_data())
     if (cudaError_t err = cudaMemcpyAsync(gu->untyped_data(), gu_in.untyped_data(),
-                                          size_t(gu_in.element_count()) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                          gu_in.size_bytes(), cudaMemcpyDeviceToDevice,
                                           stream);
         err != cudaSuccess)
       return mok::ffi_util::cuda_error(op, err);
@@ -102,7 +102,7 @@ auto bind_scratch(Binding b) {
   return std::move(b).template Ret<ffi::Buffer<ffi::BF16>>()  // x_e
       .template Ret<ffi::Buffer<ffi::BF16>>()      // dy_e
       .template Ret<ffi::Buffer<ffi::F32>>()       // w_e
-      .template Ret<ffi::Buffer<ffi::F32>>()       // gu (with every row kept, aliased to gu_in)
+      .template Ret<ffi::Buffer<ffi::BF16>>()      // gu (with every row kept, aliased to gu_in)
       .template Ret<ffi::Buffer<ffi::BF16>>()      // dgu
       .template Ret<ffi::Buffer<ffi::BF16>>()      // hw
       .template Ret<ffi::Buffer<ffi::F32>>()       // dw_part
@@ -115,7 +115,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::Buffer<ffi::F32> topk_weight, ffi::Buffer<ffi::S32> pos,
                                  ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes,
                                  ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
-                                 ffi::Buffer<ffi::F32> gu_in, ffi::Buffer<ffi::F32> gu_part,
+                                 ffi::Buffer<ffi::BF16> gu_in, ffi::Buffer<ffi::BF16> gu_part,
                                  ffi::Buffer<ffi::S32> gu_part_row, ffi::Buffer<ffi::S32> gu_block,
                                  ffi::Buffer<ffi::BF16> shared_gate_up,
                                  ffi::Buffer<ffi::BF16> shared_down,
@@ -123,11 +123,11 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
                                  ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e,
                                  ffi::ResultBuffer<ffi::BF16> dy_e, ffi::ResultBuffer<ffi::F32> w_e,
-                                 ffi::ResultBuffer<ffi::F32> gu, ffi::ResultBuffer<ffi::BF16> dgu,
+                                 ffi::ResultBuffer<ffi::BF16> gu, ffi::ResultBuffer<ffi::BF16> dgu,
                                  ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
                                  ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
                                  ffi::ResultBuffer<ffi::S32> flags, ffi::ResultBuffer<ffi::BF16> d_shared_gate_up,
-                                 ffi::ResultBuffer<ffi::BF16> d_shared_down, ffi::ResultBuffer<ffi::F32> gus,
+                                 ffi::ResultBuffer<ffi::BF16> d_shared_down, ffi::ResultBuffer<ffi::BF16> gus,
                                  ffi::ResultBuffer<ffi::BF16> dgus, ffi::ResultBuffer<ffi::BF16> hws,
                                  ffi::ResultBuffer<ffi::F32> dxs, ExpertsBackwardAttrs attrs) {
   mok::ffi_util::count_handler_run();
@@ -253,8 +253,8 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
                     .Arg<ffi::Buffer<ffi::BF16>>() // gate_up
                     .Arg<ffi::Buffer<ffi::BF16>>() // down
-                    .Arg<ffi::Buffer<ffi::F32>>()  // gu_in: kept g | u, or [0, 2I]
-                    .Arg<ffi::Buffer<ffi::F32>>()  // gu_part: some rows' kept g | u, or [0, 2I]
+                    .Arg<ffi::Buffer<ffi::BF16>>() // gu_in: kept g | u, or [0, 2I]
+                    .Arg<ffi::Buffer<ffi::BF16>>() // gu_part: some rows' kept g | u, or [0, 2I]
                     .Arg<ffi::Buffer<ffi::S32>>()  // gu_part_row [M], or [0]
                     .Arg<ffi::Buffer<ffi::S32>>()  // gu_block [ceil(M / 128)], or [0]
                     .Arg<ffi::Buffer<ffi::BF16>>() // shared_gate_up [H, 2Is] ([H, 0]: none)
@@ -267,7 +267,7 @@ MOK_FFI_HANDLER(MokExpertsBackward, experts_backward_impl,
                     ) // then the scratch, then the shared expert's
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_shared_gate_up
                     .Ret<ffi::Buffer<ffi::BF16>>() // d_shared_down
-                    .Ret<ffi::Buffer<ffi::F32>>()  // gus (scratch)
+                    .Ret<ffi::Buffer<ffi::BF16>>() // gus (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // dgus (scratch)
                     .Ret<ffi::Buffer<ffi::BF16>>() // hws (scratch)
                     .Ret<ffi::Buffer<ffi::F32>>()  // dxs (scratch)
@@ -290,11 +290,11 @@ ffi::Error experts_backward_ep_impl(
     cudaStream_t stream, int32_t device_ordinal, ExpertsBackwardEpAttrs attrs, ffi::Buffer<ffi::BF16> x,
     ffi::Buffer<ffi::BF16> dy, ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weight,
     ffi::Buffer<ffi::S32> src_slot, ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::BF16> gate_up,
-    ffi::Buffer<ffi::BF16> down, ffi::Buffer<ffi::F32> gu_in, ffi::Buffer<ffi::F32> gu_part,
+    ffi::Buffer<ffi::BF16> down, ffi::Buffer<ffi::BF16> gu_in, ffi::Buffer<ffi::BF16> gu_part,
     ffi::Buffer<ffi::S32> gu_part_row, ffi::Buffer<ffi::S32> gu_block, ffi::ResultBuffer<ffi::F32> dx,
     ffi::ResultBuffer<ffi::F32> dw, ffi::ResultBuffer<ffi::BF16> d_gate_up, ffi::ResultBuffer<ffi::BF16> d_down,
     ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e, ffi::ResultBuffer<ffi::BF16> dy_e,
-    ffi::ResultBuffer<ffi::F32> w_e, ffi::ResultBuffer<ffi::F32> gu, ffi::ResultBuffer<ffi::BF16> dgu,
+    ffi::ResultBuffer<ffi::F32> w_e, ffi::ResultBuffer<ffi::BF16> gu, ffi::ResultBuffer<ffi::BF16> dgu,
     ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part, ffi::ResultBuffer<ffi::BF16> dx_e,
     ffi::ResultBuffer<ffi::F32> dw_e, ffi::ResultBuffer<ffi::S32> flags) {
   mok::ffi_util::count_handler_run();
@@ -422,8 +422,8 @@ MOK_FFI_HANDLER(MokExpertsBackwardEp, experts_backward_ep_impl,
                     .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes
                     .Arg<ffi::Buffer<ffi::BF16>>()  // gate_up
                     .Arg<ffi::Buffer<ffi::BF16>>()  // down
-                    .Arg<ffi::Buffer<ffi::F32>>()   // gu_in
-                    .Arg<ffi::Buffer<ffi::F32>>()   // gu_part
+                    .Arg<ffi::Buffer<ffi::BF16>>()  // gu_in
+                    .Arg<ffi::Buffer<ffi::BF16>>()  // gu_part
                     .Arg<ffi::Buffer<ffi::S32>>()   // gu_part_row
                     .Arg<ffi::Buffer<ffi::S32>>()   // gu_block
                     .Ret<ffi::Buffer<ffi::F32>>()   // dx

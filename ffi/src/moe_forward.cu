@@ -124,7 +124,7 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
     rp.sync = reinterpret_cast<int32_t*>(base + sl.sync);
     rp.row_slot = reinterpret_cast<int32_t*>(base + sl.row_slot);
     rp.keep_pos = in.keep_pos;
-    rp.keep_gu = in.keep_pos != nullptr ? in.keep_gu : nullptr;
+    rp.keep_gu = in.keep_pos != nullptr ? static_cast<__nv_bfloat16*>(in.keep_gu) : nullptr;
     rp.keep_rows = in.keep_rows;
     const auto* x = static_cast<const Bf16*>(in.x);
     rp.a_sgu = Tile::make_tma_a(x, T, H);

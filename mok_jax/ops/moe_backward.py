@@ -2,7 +2,8 @@
 
 From the tokens' x and dy, the router weights and a padded expert-major layout of the slots
 (mok_jax.expert_layout.padded_layout: every group padded to a multiple of 128 rows) it gathers each row's token
-and weight, recomputes the SwiGLU forward's fp32 gate/up (or takes the forward's kept copy, ``gu``), and returns
+and weight, recomputes the SwiGLU forward's gate/up (fp32 accumulation, stored in bf16: KEPT_GU_DTYPE), or takes the
+forward's kept copy (``gu``, rounded the same way), and returns
 the gradients of x (each token's slot rows summed), of each slot's router weight and of the routed weights. The
 gathered rows and the kernel's scratch (gu, dgu, hw, the dw partials, the per-row dx and dw) are extra outputs that
 XLA allocates and this wrapper drops, except the per-row dx (``dx_rows``, for the expert-parallel backward).
@@ -11,9 +12,9 @@ mok_jax.reference.experts_backward_reference has the same signature and semantic
 With the shared expert's weights it also runs the shared expert's backward over the tokens' own rows (weight 1)
 and adds its dx to dx.
 
-The call's operands: x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in (f32[M, 2I] when ``gu``
-is given, else f32[0, 2I]), gu_part, gu_part_row and the blocks they cover (f32[R, 2I], int32[M], int32[ceil(M /
-128)] when ``gu_part`` is given, else f32[0, 2I], int32[0], int32[0]), shared_gate_up, shared_down (bf16[H, 0] and
+The call's operands: x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in (bf16[M, 2I] when ``gu``
+is given, else bf16[0, 2I]), gu_part, gu_part_row and the blocks they cover (bf16[R, 2I], int32[M], int32[ceil(M /
+128)] when ``gu_part`` is given, else bf16[0, 2I], int32[0], int32[0]), shared_gate_up, shared_down (bf16[H, 0] and
 bf16[0, H] without a shared expert);
 results: dx, dw, d_gate_up, d_down, status, then the scratch x_e, dy_e, w_e, gu (aliased to gu_in when kept),
 dgu, hw, dw partials, dx_e, dw_e, flags, then d_shared_gate_up, d_shared_down and the shared expert's scratch
@@ -30,7 +31,8 @@ import numpy as np
 
 from mok_jax._native import require_native
 from mok_jax.expert_layout import kept_blocks
-from mok_jax.validation import check_experts_backward_args, check_kept_gu, check_num_sms, check_workspace_call
+from mok_jax.validation import (KEPT_GU_DTYPE, check_experts_backward_args, check_kept_gu, check_num_sms,
+                                 check_workspace_call)
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPERTS_BACKWARD_MAX_TOP_K",
            "EXPERTS_BACKWARD_STATUS_COMM", "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP",
@@ -68,10 +70,12 @@ def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
 
 def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple = ()) -> tuple:
     """The op's scratch results over its M rows (each with the leading axes ``lead``: (R,) for the EP form),
-    dropped by the wrappers: the gathered x_e, dy_e, w_e; gu (g, u in fp32, as the forward has them; kept: aliases
-    gu_in), dgu, hw = bf16(w h), the dw partials; dx_e (the per-row dx, dx_rows), dw_e; the dependency counters."""
+    dropped by the wrappers: the gathered x_e, dy_e, w_e; gu (g, u in KEPT_GU_DTYPE, as the forward keeps them; kept:
+    aliases gu_in), dgu, hw = bf16(w h), the dw partials; dx_e (the per-row dx, dx_rows), dw_e; the dependency
+    counters."""
     bf16, f32 = jnp.bfloat16, jnp.float32
-    shapes = (((m, hidden), bf16), ((m, hidden), bf16), ((m,), f32), ((m, 2 * inter), f32), ((m, 2 * inter), bf16),
+    shapes = (((m, hidden), bf16), ((m, hidden), bf16), ((m,), f32), ((m, 2 * inter), KEPT_GU_DTYPE),
+              ((m, 2 * inter), bf16),
               ((m, inter), bf16), ((m, -(-inter // _DW_PART_COLS)), f32), ((m, hidden), bf16), ((m,), f32),
               ((flag_words,), jnp.int32))
     return tuple(jax.ShapeDtypeStruct((*lead, *shape), dtype) for shape, dtype in shapes)
@@ -83,10 +87,9 @@ def _kept_operands(gu, gu_part, gu_part_row, src_slot, inter: int, slots: int, r
     128-row blocks it covers (kept_blocks over the ``slots`` slot ids), or empty ones. ``ranks``: the EP form's
     leading rank axis (each rank's blocks from its own layout), None at EP 1."""
     lead = () if ranks is None else (ranks,)
-    f32 = jnp.float32
-    gu_in = gu if gu is not None else jnp.zeros((*lead, 0, 2 * inter), f32)
+    gu_in = gu if gu is not None else jnp.zeros((*lead, 0, 2 * inter), KEPT_GU_DTYPE)
     if gu_part is None:
-        return gu_in, jnp.zeros((*lead, 0, 2 * inter), f32), jnp.zeros((*lead, 0), jnp.int32), \
+        return gu_in, jnp.zeros((*lead, 0, 2 * inter), KEPT_GU_DTYPE), jnp.zeros((*lead, 0), jnp.int32), \
             jnp.zeros((*lead, 0), jnp.int32)
 
     def blocks(src, row, part):
@@ -149,31 +152,31 @@ def experts_backward(
     specified. num_sms: persistent CTAs (one per SM) to use; None uses every SM. The result does not depend
     on it.
 
-    gu: None (the op recomputes g, u = x_r @ gate_up[e] in fp32 itself), or f32[M, 2I], the forward's kept fp32
-    gate/up accumulators in this layout: row r holds g in columns [0, I) and u in [I, 2I) of row r's slot; rows
-    that hold no slot may hold anything (the op zeroes the padding rows inside the groups, in place: XLA hands
-    the op gu's buffer, and copies it first only if gu is still needed elsewhere). The op then skips its
-    recompute and reads these; the outputs are the bits it gives when its recompute equals gu on the slots'
-    rows (nothing else changes).
+    gu: None (the op recomputes g, u = x_r @ gate_up[e] itself, fp32 accumulation stored in bf16), or bf16[M, 2I],
+    the forward's kept gate/up accumulators in this layout, rounded to bf16 as the op rounds its own: row r holds
+    g in columns [0, I) and u in [I, 2I) of row r's slot; rows that hold no slot may hold anything (the op zeroes
+    the padding rows inside the groups, in place: XLA hands the op gu's buffer, and copies it first only if gu is
+    still needed elsewhere). The op then skips its recompute and reads these; the outputs are the bits it gives
+    when its recompute equals gu on the slots' rows (nothing else changes).
 
-    gu_part, gu_part_row: None, or some rows' kept g | u (MoEConfig(keep="ring")): f32[R, 2I], and int32[M], row
-    r's row of gu_part (outside [0, R): none). A block of 128 rows whose every slot row has one takes its g, u
-    from there (``mok_jax.expert_layout.kept_blocks``; its padding rows get zeros), every other block is
-    recomputed, all its rows. Again the outputs are the bits of the recompute when gu_part equals it on those
-    rows. Not with ``gu``.
+    gu_part, gu_part_row: None, or some rows' kept g | u (MoEConfig(keep="ring" | "balanced")): bf16[R, 2I], and
+    int32[M], row r's row of gu_part (outside [0, R): none). A block of 128 rows whose every slot row has one
+    takes its g, u from there (``mok_jax.expert_layout.kept_blocks``; its padding rows get zeros), every other
+    block is recomputed, all its rows. Again the outputs are the bits of the recompute when gu_part equals it on
+    those rows. Not with ``gu``.
 
     shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H] (both or neither): the shared expert, whose backward
     the same kernel then runs over the T tokens' own rows, as one more expert of weight 1 (fp32 accumulation,
     the routed roundings):
 
-        g, u = split(x @ shared_gate_up);  h = silu(g) * u;  dh = dy @ shared_down^T
+        g, u = bf16(split(x @ shared_gate_up));  h = silu(g) * u;  dh = dy @ shared_down^T
         dgu = bf16([dh u silu'(g), dh silu(g)]);  dx_s = dgu @ shared_gate_up^T          (fp32)
         d_shared_down = bf16(bf16(h)^T dy);  d_shared_gate_up = bf16(x^T dgu)            (K = T, in token order)
 
     and dx[t] becomes (the slot sum) + dx_s[t] in fp32. The shared expert's gradients do not depend on the group
     sizes or their status.
 
-    return_gu: a test and benchmark hook: also return the f32[M, 2I] g, u that the op used: its own recompute
+    return_gu: a test and benchmark hook: also return the bf16[M, 2I] g, u that the op used: its own recompute
     (with ``gu_part``: and the rows it took from there)
     (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
     or ``gu`` itself when given. Returns (ExpertsBackwardOutput, gu) then.
@@ -214,8 +217,8 @@ def experts_backward(
         *_row_scratch(m, hidden, inter, _flag_words(m, num_experts, s_rows)),
         jax.ShapeDtypeStruct((hidden, 2 * s_inter), bf16),  # d_shared_gate_up
         jax.ShapeDtypeStruct((s_inter, hidden), bf16),  # d_shared_down
-        # the shared expert's scratch, dropped: gus (f32), dgus, hws = bf16(h), dxs (its f32 dx)
-        jax.ShapeDtypeStruct((s_rows, 2 * s_inter), f32),
+        # the shared expert's scratch, dropped: gus (as gu), dgus, hws = bf16(h), dxs (its f32 dx)
+        jax.ShapeDtypeStruct((s_rows, 2 * s_inter), KEPT_GU_DTYPE),
         jax.ShapeDtypeStruct((s_rows, 2 * s_inter), bf16),
         jax.ShapeDtypeStruct((s_rows, s_inter), bf16),
         jax.ShapeDtypeStruct((s_rows, hidden), f32),
@@ -234,7 +237,8 @@ def experts_backward(
     if return_gu:
         # the recompute leaves the rows past the groups unwritten (nothing reads them); zeros, as the forward keeps
         used = jnp.sum(jnp.maximum(group_sizes, 0))
-        extras.append(gu if kept else jnp.where((jnp.arange(m) < used)[:, None], scratch[3], 0.0))
+        zero = jnp.zeros((), KEPT_GU_DTYPE)
+        extras.append(gu if kept else jnp.where((jnp.arange(m) < used)[:, None], scratch[3], zero))
     if return_item_ns:
         words = scratch[_FLAGS][:_TIME_WORDS].reshape(2, len(ITEM_KINDS), 2)
         extras.append(_u64_as_f32(words))
@@ -274,7 +278,7 @@ def experts_backward_ep(
     workspace (every rank on one GPU, one launch). Per rank: x, dy: bf16[T, H], its own tokens; topk_idx: int32[T, k],
     its own tokens' global expert ids; topk_weight: f32[P T, k], every rank's router weights in rank order (the
     all-gather); src_slot: int32[M], group_sizes: int32[L]: its padded layout of the slots of its experts
-    [r L, (r + 1) L) over the P T tokens (``mok_jax.moe._rank_layout``; slot s = t_global k + j); gate_up:
+    [r L, (r + 1) L) over the P T tokens (``mok_jax.layer._rank_layout``; slot s = t_global k + j); gate_up:
     bf16[L, H, 2I], down: bf16[L, I, H]; gu or gu_part, gu_part_row: its kept g | u in that layout, as
     experts_backward takes them (with R leading).
 

@@ -18,7 +18,7 @@ from mok_jax._native import require_native
 from mok_jax import tuning
 from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights
-from mok_jax.validation import check_fp8_expert_weights, check_workspace_call
+from mok_jax.validation import KEPT_GU_DTYPE, check_fp8_expert_weights, check_workspace_call
 
 __all__ = ["TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
@@ -93,11 +93,11 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     still runs, so that differences of timings say what a stage costs the call. kernel None: the tuned table
     of the workspace's device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
 
-    keep_pos (the backward's "keep everything" residual): int32[R, ep * T * k], the row that each slot (s, t, j) of
-    the EP group (source rank s, its token t, slot j; flat (s T + t) k + j) takes in a kept f32[keep_rows, 2I]
-    buffer of rank r's experts' g | u (its fp32 gate/up accumulators), or any value outside [0, keep_rows) for
-    none. Then the call also returns keep_gu: f32[R, keep_rows, 2I] (rows no slot names are not written):
-    (y, status, keep_gu). The other outputs do not change.
+    keep_pos (the backward's kept g, u, MoEConfig.keep): int32[R, ep * T * k], the row that each slot (s, t, j) of
+    the EP group (source rank s, its token t, slot j; flat (s T + t) k + j) takes in a kept bf16[keep_rows, 2I]
+    buffer of rank r's experts' g | u (its fp32 gate/up accumulators rounded to bf16, as the backward rounds its
+    recompute), or any value outside [0, keep_rows) for none. Then the call also returns keep_gu: bf16[R,
+    keep_rows, 2I] (rows no slot names are not written): (y, status, keep_gu). The other outputs do not change.
 
     fp8_weights (MoEConfig(precision="fp8")): rank r's routed experts in E4M3 (mok_jax.fp8.Fp8ExpertWeights with a
     leading rank axis: gate_up f8[R, L, 2I, H], gate_up_scale f32[R, L, 2I/128, H/128], down f8[R, L, H, I],
@@ -178,7 +178,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         jax.ShapeDtypeStruct((R, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((R, 4), jnp.int32),
         jax.ShapeDtypeStruct((R, nbytes), jnp.uint8),
-        jax.ShapeDtypeStruct((R, int(keep_rows), 2 * inter), jnp.float32),  # kept g | u ([R, 0, 2I]: none)
+        jax.ShapeDtypeStruct((R, int(keep_rows), 2 * inter), KEPT_GU_DTYPE),  # kept g | u ([R, 0, 2I]: none)
     )
     attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
                  comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),

@@ -6,16 +6,18 @@ as the kernel; with f32 inputs nothing is rounded, which makes it comparable wit
 mok_jax.reference.experts.swiglu_ffn to fp32 precision). Row r holds slot s = src_slot[r] (zeros for padding);
 per row r of expert e:
 
-    g, u = split(x_r @ gate_up[e]);  h = silu(g) * u                           (g, u and h in fp32)
+    g, u = round(split(x_r @ gate_up[e]));  h = silu(g) * u      (fp32 accumulation; g, u stored rounded, h fp32)
     dh' = dy_r @ down[e]^T;  dw_r = <dh', h>;  dh = w_r dh'
     dgu_r = round([dh u silu'(g), dh silu(g)]),  silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
     dx_r = round(dgu_r @ gate_up[e]^T)
     d_down[e] = round(sum_r round(w_r h_r)^T dy_r);  d_gate_up[e] = round(sum_r x_r^T dgu_r)
 
+(round: to the inputs' dtype, as the kernel stores each value; the identity with f32 inputs.)
+
 and per token t: dx[t] = sum_j dx_{pos[t, j]} in fp32 in slot order, dw[t, j] = dw_{pos[t, j]} (a slot whose pos
-is outside [0, M) adds nothing and gets 0). Given the forward's kept g, u (``gu``, f32[M, 2I]), row r of expert e
-takes its g, u from gu[r] instead of x_r @ gate_up[e] (a row without a slot: zeros, whatever gu holds there);
-everything else is the same.
+is outside [0, M) adds nothing and gets 0). Given the forward's kept g, u (``gu``, [M, 2I] in the inputs' dtype: the
+same rounding of the same accumulators), row r of expert e takes its g, u from gu[r] instead of round(x_r @
+gate_up[e]) (a row without a slot: zeros, whatever gu holds there); everything else is the same.
 
 With the shared expert's weights (shared_gate_up [H, 2Is], shared_down [Is, H]) its backward runs over the tokens'
 own rows, weight 1, with the same roundings, and its dx (f32, dgu_s @ shared_gate_up^T) is added to each token's
@@ -63,8 +65,8 @@ def experts_backward_reference(
     """mok_jax.ops.experts_backward in pure JAX (same signature, shapes and semantics; the module docstring has
     the math). x, dy, gate_up and down: bf16 or f32, one dtype (the dtype of every rounding and of d_gate_up and
     d_down; dx and dw are f32); topk_weight: f32[T, k]; pos: int32[T, k]; src_slot: int32[M]; group_sizes:
-    int32[E]. num_sms is accepted and ignored. gu: None, or f32[M, 2I] (whatever the dtype of x), the forward's
-    kept g | u per row (as mok_jax.ops.experts_backward takes them): row r of expert e then uses gu[r] as its g, u;
+    int32[E]. num_sms is accepted and ignored. gu: None, or [M, 2I] in x's dtype, the forward's kept g | u per row
+    (as mok_jax.ops.experts_backward takes them in bf16): row r of expert e then uses gu[r] as its g, u;
     rows of no expert are not read. gu_part, gu_part_row: None, or some rows' kept g | u and each row's row of them
     (as the op takes them): rows of a block of 128 whose slot rows all have one use those (kept_blocks), the other
     blocks recompute. shared_gate_up, shared_down: the shared expert (both or neither), in x's dtype.
@@ -78,6 +80,7 @@ def experts_backward_reference(
         where="mok_jax.reference.experts_backward_reference", dtypes=(jnp.bfloat16, jnp.float32), gu=gu,
         shared_gate_up=shared_gate_up, shared_down=shared_down, gu_part=gu_part, gu_part_row=gu_part_row)
     dtype = x.dtype
+    rnd = lambda a: a.astype(dtype).astype(_F32)  # noqa: E731  (the kernel's stores; nothing with f32 inputs)
     shared = shared_gate_up is not None
     status = _status(group_sizes, m)
 
@@ -95,7 +98,8 @@ def experts_backward_reference(
         block = kept_blocks(src_slot, gu_part_row, rows, tokens * k, EXPERTS_BACKWARD_GROUP_ALIGN)
         from_part = jnp.repeat(block, EXPERTS_BACKWARD_GROUP_ALIGN)[:m] == 1
         has = (gu_part_row >= 0) & (gu_part_row < rows)
-        part = gather_rows(gu_part, jnp.where(has, gu_part_row, -1)) if rows else jnp.zeros((m, 2 * inter), _F32)
+        part = gather_rows(gu_part, jnp.where(has, gu_part_row, -1)).astype(_F32) if rows else \
+            jnp.zeros((m, 2 * inter), _F32)
 
     ends = jnp.cumsum(group_sizes)
     expert_of_row = jnp.searchsorted(ends, jnp.arange(m), side="right")  # == E past sum(group_sizes)
@@ -105,17 +109,17 @@ def experts_backward_reference(
     with jax.default_matmul_precision("highest"):
         for e in range(num_experts):
             mine = (expert_of_row == e) & (status == 0)
-            # fp32, as the forward's epilogue has it (or as the forward kept it)
-            gu_e = x32 @ gate_up[e].astype(_F32) if gu is None else gu
+            # fp32 accumulation, rounded as the op stores it (or as the forward kept it)
+            gu_e = rnd(x32 @ gate_up[e].astype(_F32)) if gu is None else gu
             if from_part is not None:
                 gu_e = jnp.where(from_part[:, None], part, gu_e)
             g, u = gu_e[:, :inter], gu_e[:, inter:]
             dh_raw = dy32 @ down[e].astype(_F32).T
             h, dg, du = swiglu_backward(g, u, w32[:, None] * dh_raw)
             dw_e = jnp.sum(dh_raw * h, axis=1)
-            dgu = jnp.concatenate([dg, du], axis=1).astype(dtype).astype(_F32)
+            dgu = rnd(jnp.concatenate([dg, du], axis=1))
             dgu = jnp.where(mine[:, None], dgu, 0.0)
-            hw = jnp.where(mine[:, None], (w32[:, None] * h).astype(dtype).astype(_F32), 0.0)
+            hw = jnp.where(mine[:, None], rnd(w32[:, None] * h), 0.0)
             x_mine = jnp.where(mine[:, None], x32, 0.0)
             dy_mine = jnp.where(mine[:, None], dy32, 0.0)
             dx_rows = jnp.where(mine[:, None], dgu @ gate_up[e].astype(_F32).T, dx_rows)
@@ -143,13 +147,13 @@ def experts_backward_reference(
 
 def _shared_backward(x, dy, shared_gate_up, shared_down):
     """The shared expert's part: (dx_s f32[T, H], d_shared_gate_up, d_shared_down), fp32 from the inputs with the
-    routed experts' roundings (weight 1)."""
+    routed experts' roundings (weight 1; g, u rounded as the op stores them)."""
     dtype, s_inter = x.dtype, shared_down.shape[0]
     rnd = lambda a: a.astype(dtype).astype(_F32)  # noqa: E731
     x32, dy32 = x.astype(_F32), dy.astype(_F32)
     wsgu, wsd = shared_gate_up.astype(_F32), shared_down.astype(_F32)
     with jax.default_matmul_precision("highest"):
-        gu = x32 @ wsgu
+        gu = rnd(x32 @ wsgu)
         h, dg, du = swiglu_backward(gu[:, :s_inter], gu[:, s_inter:], dy32 @ wsd.T)
         dgu = rnd(jnp.concatenate([dg, du], axis=1))
         return dgu @ wsgu.T, (x32.T @ dgu).astype(dtype), (rnd(h).T @ dy32).astype(dtype)

@@ -6,7 +6,8 @@
 // multiple of 128; row r holds slot s = src_slot[r] (-1: a padding row) and slot (t, j) sits at row
 // pos[t, j] (outside [0, M): a masked slot). Per row r of expert e, token t = s / k, fp32 accumulation:
 //   x_e[r], dy_e[r], w_e[r] = x[t], dy[t], topk_weight[t, j]           gathered; zeros for padding rows
-//   g, u     = x_e[r] @ gate_up[e]                          in fp32: recomputed, or the forward's kept copy (gu_in)
+//   g, u     = bf16(x_e[r] @ gate_up[e])                    fp32 accumulation, stored in bf16: recomputed, or the
+//                                                             forward's kept copy (gu_in), rounded the same way
 //   dh'      = dy_e[r] @ down[e]^T
 //   dw_e[r]  = <dh', silu(g) * u>                           = <dy_t, expert_e(x_t)>: the router-weight gradient
 //   dgu[r]   = bf16(SwiGLU backward of w_e[r] * dh')        (mok/gemm/swiglu_backward.cuh)
@@ -17,7 +18,7 @@
 // (0 for a masked slot).
 //
 // With a shared expert (shared_gate_up [H, 2Is], shared_down [Is, H]; Is = 0: none) the same items run its
-// backward over the T tokens' own rows (x and dy, no gather; its weight is 1): gus = x @ shared_gate_up in fp32,
+// backward over the T tokens' own rows (x and dy, no gather; its weight is 1): gus = bf16(x @ shared_gate_up),
 // dh' = dy @ shared_down^T, dgus = bf16(SwiGLU backward of dh'), hws = bf16(h), dxs = dgus @ shared_gate_up^T in
 // fp32, d_shared_down = bf16(hws^T dy), d_shared_gate_up = bf16(x^T dgus) (K = T), and the slot sum adds dxs[t]
 // after the slots: dx[t] = (sum_j dx_e[pos[t, j]]) + dxs[t], in fp32.
@@ -32,7 +33,7 @@
 //                                                                    after every peer's previous call (kBwdDone)
 //   GATHER(m)      x_e, dy_e, w_e of m-block m (128 rows); one warp per row, 16-byte copies
 //                  (expert parallel: a remote token's rows from its rank's bwd_x, bwd_dy)  after kBwdSigX
-//   GU(m, n)       gu = x_e @ gate_up, fp32 out                      after GATHER(m); none when g, u are kept
+//   GU(m, n)       gu = x_e @ gate_up, bf16 out                      after GATHER(m); none when g, u are kept
 //                  (a no-op in a block of part-kept g, u: its GATHER copied them)
 //   DH(m, n)       dh' = dy_e @ down^T, K-major B, SwiGLU backward epilogue -> dgu, hw, dw partials
 //                                                                    after GATHER(m) and every GU(m, .)
@@ -56,13 +57,13 @@
 // Every output element is reduced by one thread or CTA in a fixed order: bitwise reproducible, and the same
 // for any num_sms. No float atomics. Out-of-range pos or src_slot values read nothing out of bounds.
 //
-// Kept g, u (gu_kept): f32 [M, 2I] in this row layout, row r = x_e[r] @ gate_up[e] as the forward's fp32
+// Kept g, u (gu_kept): bf16 [M, 2I] in this row layout, row r = bf16(x_e[r] @ gate_up[e]) of the forward's fp32
 // accumulators; rows that hold no slot may hold anything: GATHER zeroes the padding rows inside the groups
 // (what the recompute gives them), and rows past the groups are never read. The outputs are then the bits the
 // op gives when its own recompute equals the kept rows: DH reads the same values, nothing else changes.
 //
-// Part of them kept (gu_part, MoEConfig(keep="ring")): gu_part f32 [R, 2I] holds some rows' g | u, row r's at
-// gu_part_row[r] (outside [0, R): none), and gu_block[m] (s32 [ceil(M / 128)]) is 1 when every slot row of
+// Part of them kept (gu_part, MoEConfig(keep="ring" | "balanced")): gu_part bf16 [R, 2I] holds some rows' g | u, row
+// r's at gu_part_row[r] (outside [0, R): none), and gu_block[m] (s32 [ceil(M / 128)]) is 1 when every slot row of
 // m-block m has one. Such a block's GATHER also copies its rows' g | u from gu_part into gu (zeros for a row
 // without one: a padding row) and its GU items run no GEMM; every other block is recomputed, all its rows. So
 // again the outputs are the bits of the recompute when gu_part equals it on those rows.
@@ -106,8 +107,8 @@ struct ExpertsBackwardParams {
   const int32_t* group_sizes;  // s32 [E], device
   const void* gate_up;         // bf16 [E, H, 2I]
   const void* down;            // bf16 [E, I, H]
-  float* gu_kept;              // f32 [M, 2I]: the forward's kept g | u (== gu), or nullptr (GU recomputes)
-  const float* gu_part;        // f32 [gu_part_rows, 2I]: some rows' kept g | u, or nullptr (not with gu_kept)
+  void* gu_kept;               // bf16 [M, 2I]: the forward's kept g | u (== gu), or nullptr (GU recomputes)
+  const void* gu_part;         // bf16 [gu_part_rows, 2I]: some rows' kept g | u, or nullptr (not with gu_kept)
   const int32_t* gu_part_row;  // s32 [M]: row r's row of gu_part (outside [0, gu_part_rows): none)
   const int32_t* gu_block;     // s32 [ceil(M / 128)]: 1 = every slot row of the m-block is in gu_part
   int64_t gu_part_rows;
@@ -119,7 +120,7 @@ struct ExpertsBackwardParams {
   void* x_e;                   // scratch bf16 [M, H]
   void* dy_e;                  // scratch bf16 [M, H]
   float* w_e;                  // scratch f32 [M]
-  void* gu;                    // scratch f32 [M, 2I]: the recompute, or the kept g | u
+  void* gu;                    // scratch bf16 [M, 2I]: the recompute, or the kept g | u
   void* dgu;                   // scratch bf16 [M, 2I]
   void* hw;                    // scratch bf16 [M, I]
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]
@@ -130,7 +131,7 @@ struct ExpertsBackwardParams {
   const void* shared_down;     // bf16 [Is, H]
   void* d_shared_gate_up;      // bf16 [H, 2Is]
   void* d_shared_down;         // bf16 [Is, H]
-  float* gus;                  // scratch f32 [T, 2Is]: the shared expert's g | u
+  void* gus;                   // scratch bf16 [T, 2Is]: the shared expert's g | u
   void* dgus;                  // scratch bf16 [T, 2Is]
   void* hws;                   // scratch bf16 [T, Is]
   float* dxs;                  // scratch f32 [T, H]: the shared expert's dx

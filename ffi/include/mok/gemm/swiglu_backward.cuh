@@ -2,9 +2,10 @@
 //
 // The tile's accumulator holds dh'[r, c] = sum_h dy[r, h] * down[e][c, h] for 256 columns c of I (the
 // gradient of the expert's output before the router weight). With g, u = the gate/up pre-activations of
-// the same row (recomputed in fp32, as the forward's epilogue has them), w = the slot's router weight and
-// s = sigmoid(g):
-//   h        = silu(g) * u                            (fp32; the forward rounds it to bf16 only after)
+// the same row (the fp32 accumulators of the forward's epilogue, or of the recompute, rounded to bf16 when
+// they were stored: the backward's one rounding of them, the same whichever produced them), w = the slot's
+// router weight and s = sigmoid(g):
+//   h        = silu(g) * u                            (fp32 from the bf16 g, u)
 //   dw_part  = sum_c dh'[r, c] * h[r, c]              the router-weight gradient's share of this tile
 //   dh       = w * dh'
 //   dg       = dh * u * s * (1 + g * (1 - s)),   du = dh * silu(g)      -> dgu[r] = bf16([dg | du])
@@ -12,12 +13,13 @@
 // The router-weight gradient needs no division by w, so a zero weight still gets its gradient.
 //
 // g, u reach the epilogue through the tile's stage ring, not by loads from its registers: the producer follows
-// the tile's k-tiles with up to 8 chunk stages (load_gu_chunks), each the tile's 128 rows of 32 g columns (in the
-// stage's A bytes) and of the 32 matching u columns (the first 16 KB of its B bytes), f32 rows of 128 bytes,
+// the tile's k-tiles with up to 4 chunk stages (load_gu_chunks), each the tile's 128 rows of 64 g columns (in the
+// stage's A bytes) and of the 64 matching u columns (the first 16 KB of its B bytes), bf16 rows of 128 bytes,
 // 128B-swizzled, by TMA. Loaded by each thread itself (64 loads of 8 bytes, a few in flight: more spill with the
 // 128-value accumulator), the epilogue waited on memory latency ~32 times per tile: kimi-k2's DH items took
 // 1.10 ms per SM where a plain GEMM of their FLOPs takes 0.73. The chunks' loads now run while the tile's last
-// k-tiles and the previous chunks are computed.
+// k-tiles and the previous chunks are computed. In bf16 a tile's g, u are half the bytes of fp32 (and of the
+// forward's kept buffer): 4 chunk stages where fp32 took 8.
 //
 // dw_part is summed over a thread's columns in ascending order (chunk by chunk), then over the 4 lanes that share
 // a row by an xor butterfly (a + b == b + a in floating point, so every lane holds the same bits); the caller
@@ -39,7 +41,7 @@
 namespace mok::gemm {
 
 struct SwigluBackwardOut {
-  const float* gu;          // [M, 2I]: g in columns [0, I), u in [I, 2I) (read through the ring, by TMA)
+  const __nv_bfloat16* gu;  // [M, 2I]: g in columns [0, I), u in [I, 2I) (read through the ring, by TMA)
   const float* w;           // [M]: the router weight of each row's slot (0 for padding rows); unread without
                             // a router weight (kWeighted = false: the shared expert's rows, weight 1)
   __nv_bfloat16* dgu;       // [M, 2I]: dg | du
@@ -50,20 +52,23 @@ struct SwigluBackwardOut {
 };
 
 // ---- g, u chunks through the stage ring --------------------------------------------------------------
+using GuElement = cutlass::bfloat16_t;  // g, u as stored (layout-compatible with __nv_bfloat16)
 constexpr int kGuChunkRows = 128;  // the tile's rows
-constexpr int kGuChunkCols = 32;   // f32 columns per chunk: one 128-byte swizzle row
+constexpr int kGuChunkCols = 64;   // bf16 columns per chunk: one 128-byte swizzle row
 constexpr int kGuChunkElems = kGuChunkRows * kGuChunkCols;
-constexpr uint32_t kGuChunkStageBytes = 2 * kGuChunkElems * sizeof(float);  // g and u
-using GuChunkLayout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<float>{},
+constexpr uint32_t kGuChunkStageBytes = 2 * kGuChunkElems * sizeof(GuElement);  // g and u
+using GuChunkLayout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<GuElement>{},
                                                    cute::Shape<cute::Int<kGuChunkRows>, cute::Int<kGuChunkCols>>{}));
-static_assert(kGuChunkElems * sizeof(float) <= sizeof(StageRing::a) / StageRing::kStages &&
-                  kGuChunkElems * sizeof(float) <= sizeof(StageRing::b) / StageRing::kStages,
+static_assert(kGuChunkElems * sizeof(GuElement) <= sizeof(StageRing::a) / StageRing::kStages &&
+                  kGuChunkElems * sizeof(GuElement) <= sizeof(StageRing::b) / StageRing::kStages,
               "a chunk's g fits a stage's A bytes and its u a stage's B bytes");
+static_assert(sizeof(GuElement) == sizeof(__nv_bfloat16), "one bf16 element type in memory");
 
-// gu as TMA sees it: [rows, 2 inter] f32, row-major, in boxes of 128 rows x 32 columns.
-inline auto make_tma_gu(const float* gu, int rows, int inter) {
+// gu as TMA sees it: [rows, 2 inter] bf16, row-major, in boxes of 128 rows x 64 columns.
+inline auto make_tma_gu(const __nv_bfloat16* gu, int rows, int inter) {
   using namespace cute;
-  Tensor g = make_tensor(make_gmem_ptr(gu), make_shape(rows, 2 * inter), make_stride(int64_t(2) * inter, Int<1>{}));
+  Tensor g = make_tensor(make_gmem_ptr(reinterpret_cast<const GuElement*>(gu)), make_shape(rows, 2 * inter),
+                         make_stride(int64_t(2) * inter, Int<1>{}));
   return make_tma_copy(SM90_TMA_LOAD{}, g, GuChunkLayout{}, Shape<Int<kGuChunkRows>, Int<kGuChunkCols>>{}, Int<1>{});
 }
 using TmaGu = decltype(make_tma_gu(nullptr, 0, 0));
@@ -74,18 +79,19 @@ __device__ __forceinline__ int gu_chunks(int inter, int col0) {
   return left < 256 / kGuChunkCols ? left : 256 / kGuChunkCols;
 }
 
-// Where value (r, c) of a chunk sits, in floats from the chunk's start: TMA's 128-byte swizzle over the chunk's
-// 1024-byte-aligned 8-row atoms moves row r's 16-byte unit c / 4 to unit (c / 4) ^ (r % 8). (GuChunkLayout{}(r, c)
-// is not this: its swizzle functor is in bytes, meant for a swizzled smem pointer, not for float offsets.)
+// Where value (r, c) of a chunk sits, in elements from the chunk's start: TMA's 128-byte swizzle over the chunk's
+// 1024-byte-aligned 8-row atoms moves row r's 16-byte unit c / 8 (8 bf16) to unit (c / 8) ^ (r % 8).
+// (GuChunkLayout{}(r, c) is not this: its swizzle functor is in bytes, meant for a swizzled smem pointer, not for
+// element offsets.)
 __device__ __forceinline__ int gu_chunk_at(int r, int c) {
-  return kGuChunkCols * r + ((((c >> 2) ^ r) & 7) << 2) + (c & 3);
+  return kGuChunkCols * r + ((((c >> 3) ^ r) & 7) << 3) + (c & 7);
 }
 
-__device__ __forceinline__ float* gu_chunk_g(StageRing& s, int stage) {
-  return reinterpret_cast<float*>(s.a) + stage * (sizeof(StageRing::a) / StageRing::kStages / sizeof(float));
+__device__ __forceinline__ GuElement* gu_chunk_g(StageRing& s, int stage) {
+  return reinterpret_cast<GuElement*>(s.a) + stage * (sizeof(StageRing::a) / StageRing::kStages / sizeof(GuElement));
 }
-__device__ __forceinline__ float* gu_chunk_u(StageRing& s, int stage) {
-  return reinterpret_cast<float*>(s.b) + stage * (sizeof(StageRing::b) / StageRing::kStages / sizeof(float));
+__device__ __forceinline__ GuElement* gu_chunk_u(StageRing& s, int stage) {
+  return reinterpret_cast<GuElement*>(s.b) + stage * (sizeof(StageRing::b) / StageRing::kStages / sizeof(GuElement));
 }
 
 // Producer (one thread), after the tile's k-tiles: its g, u chunks, rows [row0, row0 + 128) of the rows x 2I
@@ -151,8 +157,8 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
   for (int j = 0; j < 256 / kGuChunkCols; ++j) {
     if (j == n) break;
     if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
-    const float* sg = gu_chunk_g(s, pos.stage);
-    const float* su = gu_chunk_u(s, pos.stage);
+    const auto* sg = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_g(s, pos.stage));
+    const auto* su = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_u(s, pos.stage));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = r_local + 8 * hh;
@@ -164,8 +170,8 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
         const int col = col0 + 8 * q + c_lane;
         // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too
         const int at = gu_chunk_at(r, 8 * qq + c_lane);
-        const float2 g2 = *reinterpret_cast<const float2*>(sg + at);
-        const float2 u2 = *reinterpret_cast<const float2*>(su + at);
+        const float2 g2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at));
+        const float2 u2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at));
         const SwigluGrad a = swiglu_grad(acc(i), g2.x, u2.x, w[hh]);
         const SwigluGrad b = swiglu_grad(acc(i + 1), g2.y, u2.y, w[hh]);
         // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly past

@@ -86,11 +86,11 @@ struct ForwardRank {
   int32_t* status;               // int32[4]: {error code, op, rank that saw it, peer or token}; 0s when fine
   void* scratch;                 // forward_scratch_layout(...).total bytes, 256-byte aligned
   // Kept g, u for the backward (nullptr: none kept). keep_pos[(s T + t) k + j]: the row of slot (s, t, j) (source
-  // rank s, its token t, slot j) in keep_gu, or any value outside [0, keep_rows) for none; keep_gu: f32
-  // [keep_rows][2I], the fp32 gate/up accumulators of every kept slot (g | u); rows no slot names are not written
-  // (the backward op zeroes the padding rows it reads).
+  // rank s, its token t, slot j) in keep_gu, or any value outside [0, keep_rows) for none; keep_gu: bf16
+  // [keep_rows][2I], the fp32 gate/up accumulators of every kept slot (g | u) rounded to bf16, as the backward's
+  // recompute stores them; rows no slot names are not written (the backward op zeroes the padding rows it reads).
   const int32_t* keep_pos;       // [ep T k]
-  float* keep_gu;
+  void* keep_gu;
   int32_t keep_rows;
 };
 

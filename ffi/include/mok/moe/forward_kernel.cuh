@@ -126,7 +126,7 @@ struct RankParams {
   int32_t* sync;         // Plan::sync_words
   int32_t* row_slot;        // [M][slot_rows]: the slot (s T + t) k + j of each ring row (written with keep only)
   const int32_t* keep_pos;  // ForwardRank::keep_pos (nullptr: nothing kept)
-  float* keep_gu;           // [keep_rows][2I]
+  __nv_bfloat16* keep_gu;   // [keep_rows][2I]
   int32_t keep_rows;
   // FP8 routed experts (Plan::fp8; then h holds E4M3 values)
   const float* b_gu_scale;  // [L][2I/128][H/128]
@@ -857,10 +857,11 @@ __device__ inline int tile_k(const Plan& p, int kind) {
   return kind == kGu || kind == kSharedGu ? p.H : kind == kDn ? p.I : p.Is;
 }
 
-// Kept g, u (ForwardRank::keep_gu): the gate/up tile's fp32 accumulators of its rows, each to its slot's row of
-// keep_gu (g in columns [0, I), u in [I, 2I)), straight from registers (8-byte stores; a row's 4 lanes write
-// 32 contiguous bytes). Value i of thread t: row 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4)
-// + i%2 of the 256 MMA columns, whose first 128 are gate columns and last 128 the matching up columns.
+// Kept g, u (ForwardRank::keep_gu): the gate/up tile's fp32 accumulators of its rows rounded to bf16 (round to
+// nearest even, as the backward's recompute stores them), each to its slot's row of keep_gu (g in columns [0, I),
+// u in [I, 2I)), straight from registers (4-byte stores; a row's 4 lanes write 16 contiguous bytes). Value i of
+// thread t: row 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2 of the 256 MMA columns, whose
+// first 128 are gate columns and last 128 the matching up columns.
 __device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const Tile::Accumulator& acc, const Item& it,
                                      int wg, int t) {
   const int lane = t % 32, warp = t / 32;
@@ -877,15 +878,15 @@ __device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const T
       if (d >= 0 && d < R.keep_rows) dst = d;
     }
     if (dst < 0) continue;
-    float* g = R.keep_gu + int64_t(dst) * 2 * p.I;
+    __nv_bfloat16* g = R.keep_gu + int64_t(dst) * 2 * p.I;
     CUTE_UNROLL
     for (int q = 0; q < kGuCols / 8; ++q) {
       const int i = 4 * q + 2 * hh;
       const int col = c_base + 8 * q;
       if (col < p.I) {  // volatile: issued in order, so the compiler does not hold 64 addresses at once
-        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(g + col), "f"(acc(i)), "f"(acc(i + 1)));
-        asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(g + p.I + col), "f"(acc(i + 64)),
-                     "f"(acc(i + 65)));
+        asm volatile("st.global.b32 [%0], %1;" ::"l"(g + col), "r"(Tile::pack_bf16x2(acc(i), acc(i + 1))));
+        asm volatile("st.global.b32 [%0], %1;" ::"l"(g + p.I + col),
+                     "r"(Tile::pack_bf16x2(acc(i + 64), acc(i + 65))));
       }
     }
   }
