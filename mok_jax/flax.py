@@ -70,6 +70,8 @@ class MoELayer(nnx.Module):
         quantised from the parameters in every call, which is once per optimizer step without accumulation).
     max_tokens: "mok" only: the most tokens one call takes (x's leading dimensions flattened, over the
         whole mesh); given, the workspace is set up here, at construction (module docstring).
+    checkify_ids: report an invalid expert id through jax.experimental.checkify (MoEConfig.checkify_ids); False to
+        export the layer with jax.export, which cannot serialize the check's effect.
     dtype: compute dtype of x and the expert weights (bf16 or f32); param_dtype: storage dtype.
     use_selection_bias: add a RouterBias (auxiliary-loss-free balancing) to expert selection.
     """
@@ -86,6 +88,7 @@ class MoELayer(nnx.Module):
         keep: str | None = None,
         precision: str = "bf16",
         max_tokens: int | None = None,
+        checkify_ids: bool = True,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
         use_selection_bias: bool = False,
@@ -101,7 +104,7 @@ class MoELayer(nnx.Module):
                 raise ValueError(f"shape.num_experts ({shape.num_experts}) must be divisible by the size of mesh "
                                  f"axis {ep_axis!r} ({mesh.shape[ep_axis]})")
         self.config = MoEConfig(implementation=implementation, ep_axis=ep_axis if mesh is not None else None,
-                                kernel=kernel, keep=keep, precision=precision)
+                                kernel=kernel, keep=keep, precision=precision, checkify_ids=checkify_ids)
         E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
         self.router = _param(rngs, (H, E), H, param_dtype, (None, None), mesh)
         self.gate_up = _param(rngs, (E, H, 2 * I), H, param_dtype, (ep_axis, None, None), mesh)
@@ -232,6 +235,7 @@ class LinenMoELayer(linen.Module):
     keep: str | None = None
     precision: str = "bf16"
     max_tokens: int | None = None
+    checkify_ids: bool = True
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     use_selection_bias: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+from jax import export
 
 __all__ = ["MoEWeights"]
 
@@ -41,3 +42,7 @@ class MoEWeights(NamedTuple):
     @property
     def has_shared(self) -> bool:
         return self.shared_gate_up is not None
+
+
+# So that a function exported with jax.export may take or return one (its name is part of the serialized form).
+export.register_namedtuple_serialization(MoEWeights, serialized_name="mok_jax.MoEWeights")

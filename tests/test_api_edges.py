@@ -5,6 +5,7 @@ shadowed by an attribute of its package."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -177,7 +178,7 @@ def test_linen_forwards_every_argument(cpu_devices, monkeypatch):
     mesh = jax.make_mesh((2, 4), ("dp", "expert"))
     values = dict(mesh=mesh, ep_axis="expert", token_axes=("expert",), implementation="mok",
                   kernel=mj.KernelConfig(granularity=1024), keep="everything", precision="fp8", max_tokens=64,
-                  dtype=jnp.float32, param_dtype=jnp.bfloat16, use_selection_bias=True)
+                  checkify_ids=False, dtype=jnp.float32, param_dtype=jnp.bfloat16, use_selection_bias=True)
     assert set(values) == {p.name for p in _nnx_init_args()} - {"shape"}
     seen = {}
 
@@ -346,18 +347,25 @@ def test_no_tokens_under_jit(cpu_devices, path):
     assert nnx.jit(lambda m, x: m(x))(layer, jnp.zeros((2, 0, SHAPE.hidden_size))).shape == (2, 0, SHAPE.hidden_size)
 
 
-def test_checkify_ids_off_lets_jax_export_serialize_the_layer():
+@pytest.mark.parametrize("path", ["single", "auto", "explicit"])
+def test_checkify_ids_off_lets_jax_export_serialize_the_layer(cpu_devices, path):
     """checkify's debug_check leaves an effect jax.export cannot serialize; MoEConfig(checkify_ids=False) leaves it
-    out, and the bad id still gives its NaN row."""
-    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    out, the weights go in as a MoEWeights (registered for serialization), and the bad id still gives its NaN row:
+    on one device and expert-parallel on Auto and Explicit meshes."""
     from jax import export
 
     x, idx, w, W = random_problem(SHAPE, 16, seed=35)
-    layer = lambda cfg: jax.jit(lambda x, i, w, *W_: mj.moe(x, i, w, mj.MoEWeights(*W_), config=cfg))  # noqa: E731
+    if path == "single":
+        layer = lambda cfg: jax.jit(functools.partial(mj.moe, config=cfg))  # noqa: E731
+    else:
+        mesh = _mesh(path)
+        layer = lambda cfg: jax.jit(functools.partial(mj.expert_parallel_moe, mesh=mesh, config=cfg))  # noqa: E731
+    ep = None if path == "single" else "ep"
     with pytest.raises(NotImplementedError, match="serializ"):
-        export.export(layer(mj.MoEConfig()))(x, idx, w, *W).serialize()
-    blob = export.export(layer(mj.MoEConfig(checkify_ids=False)))(x, idx, w, *W).serialize()
-    y = np.asarray(export.deserialize(blob).call(x, idx.at[3, 1].set(16), w, *W))
+        export.export(layer(mj.MoEConfig(ep_axis=ep)))(x, idx, w, W).serialize()
+    blob = export.export(layer(mj.MoEConfig(ep_axis=ep, checkify_ids=False)))(x, idx, w, W).serialize()
+    with contextlib.nullcontext() if path == "single" else jax.set_mesh(mesh):  # called on the exported devices
+        y = np.asarray(export.deserialize(blob).call(x, idx.at[3, 1].set(16), w, W))
     assert np.flatnonzero(np.isnan(y).any(axis=1)).tolist() == [3]
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import linen, nnx
 from jax.experimental import checkify
 from jax.sharding import AxisType, PartitionSpec as P
 
@@ -118,3 +118,29 @@ def test_checkify_of_the_jitted_layer(cpu_devices, kind):
     assert err.get() is None
     err.throw()
     np.testing.assert_array_equal(np.asarray(y), np.asarray(f(state, x)))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_export_of_the_layer(cpu_devices, kind):
+    """jax.export of the NNX module (a function of its parameters as a pure dict) and of the Linen one (its apply, of
+    the variables unboxed), made with checkify_ids=False, on either kind of mesh: the deserialized program, called on
+    the mesh's devices, gives the layer's output. With the default checkify_ids the export refuses the check's
+    effect."""
+    from jax import export
+
+    shape = mj.load_model("ci")
+    mesh = _mesh((2, 4), kind)
+    x = jax.random.normal(jax.random.key(1), (16, shape.hidden_size))
+    graphdef, state = nnx.split(MoELayer(shape, mesh=mesh, checkify_ids=False, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    linen_layer = LinenMoELayer(shape, mesh=mesh, checkify_ids=False, dtype=jnp.float32)
+    variables = linen.unbox(jax.jit(linen_layer.init)(jax.random.key(0), x))  # arrays, not the bridge's boxes
+    for f, args in ((lambda params, x: nnx.merge(graphdef, params)(x), (nnx.to_pure_dict(state), x)),
+                    (linen_layer.apply, (variables, x))):
+        f = jax.jit(f)
+        blob = export.export(f)(*args).serialize()
+        with jax.set_mesh(mesh):
+            y = export.deserialize(blob).call(*args)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(f(*args)))
+    checked = LinenMoELayer(shape, mesh=mesh, dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match="serializ"):
+        export.export(jax.jit(checked.apply))(variables, x).serialize()
