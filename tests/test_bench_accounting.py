@@ -228,7 +228,7 @@ def test_mok_memory_per_rank():
                                                        num_experts=12).workspace_bytes()
     assert m["scratch_bytes_per_rank"] == scratch_bytes(tokens=2048, hidden=7168, inter=2048, shared_inter=2048,
                                                         top_k=8, local_experts=6, ep=2, kernel=k)
-    assert m["residual_bytes_per_rank"] == 0
+    assert m["residual_bytes_per_rank"] == (2048 * 8 + 128 * 6) * 2 * 2048 * 2  # the default keep ("balanced")
     # the two bf16 staging buffers, 2 * ep * T * H * 2 bytes, are most of the workspace
     assert m["workspace_bytes_per_rank"] >= 2 * 2 * 2048 * 7168 * 2
     # a third ring slot costs scratch
@@ -241,22 +241,25 @@ def test_mok_memory_per_rank():
     assert fp8["workspace_bytes_per_rank"] == m["workspace_bytes_per_rank"]
 
 
-def test_mok_keep_residuals_are_the_kept_fp32_gate_up_rows():
-    """mok-keep (MoEConfig(keep="everything")) keeps f32 [ep T k + 128 L, 2I] per rank; mok keeps nothing."""
+def test_mok_keep_residuals_are_the_kept_bf16_gate_up_rows():
+    """mok-keep (MoEConfig(keep="everything")) keeps bf16 [ep T k + 128 L, 2I] per rank, the default ("balanced")
+    bf16 [T k + 128 L, 2I] whatever the EP size, keep="nothing" none."""
     s = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
     T = 2048
     kept = acc.mok_memory_per_rank(s, T, KernelConfig(), keep="everything")["residual_bytes_per_rank"]
-    assert kept == (2 * T * 8 + 128 * s.experts_per_gpu) * 2 * 2048 * 4
-    assert acc.mok_memory_per_rank(s, T, KernelConfig())["residual_bytes_per_rank"] == 0
+    assert kept == (2 * T * 8 + 128 * s.experts_per_gpu) * 2 * 2048 * 2
+    balanced = acc.mok_memory_per_rank(s, T, KernelConfig(), keep="balanced")["residual_bytes_per_rank"]
+    assert balanced == (T * 8 + 128 * s.experts_per_gpu) * 2 * 2048 * 2
+    assert acc.mok_memory_per_rank(s, T, KernelConfig(), keep="nothing")["residual_bytes_per_rank"] == 0
 
 
 def test_mok_ring_residuals_are_the_ring_tokens_rows():
-    """mok-ring (MoEConfig(keep="ring")) keeps f32 [ep T' k, 2I] for the ring's T' tokens per rank: with 8192
+    """mok-ring (MoEConfig(keep="ring")) keeps bf16 [ep T' k, 2I] for the ring's T' tokens per rank: with 8192
     tokens in microbatches of 2048 and 3 ring slots the last 6144; when every token fits, what mok-keep keeps."""
     s = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
     ring = lambda T, g, slots: acc.mok_memory_per_rank(  # noqa: E731
         s, T, KernelConfig(granularity=g, ring_slots=slots), keep="ring")["residual_bytes_per_rank"]
-    assert ring(8192, 2048, 3) == 2 * 6144 * 8 * 2 * 2048 * 4
+    assert ring(8192, 2048, 3) == 2 * 6144 * 8 * 2 * 2048 * 2
     assert ring(2048, 2048, 3) == acc.mok_memory_per_rank(s, 2048, KernelConfig(), keep="everything")[
         "residual_bytes_per_rank"]
 

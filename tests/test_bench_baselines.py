@@ -213,7 +213,7 @@ def test_capacity_drop_count_one_expert(cpu_devices):
 def test_build_and_errors(cpu_devices):
     mesh = _mesh(2)
     assert set(baselines.IMPLEMENTATIONS) == {"xla", "xla-capacity", "ragged", "tokamax", "reference", "mok",
-                                              "mok-ring", "mok-keep", "mok-fp8"}
+                                              "mok-recompute", "mok-ring", "mok-keep", "mok-fp8"}
     # the CLI names them without importing this module (jax) at its own import: the same names, in one order, and
     # dense (mok_jax.bench.dense: its own inputs, built by the runner, not here)
     from mok_jax.bench import options
@@ -269,17 +269,19 @@ def test_mok_variants_set_keep_and_precision(cpu_devices, monkeypatch):
 
     monkeypatch.setattr(sharding, "expert_parallel_moe", fake_ep_moe)
     x, idx, w, W = random_problem(mj.load_model("ci"), 8, seed=91)
-    for name in ("mok", "mok-ring", "mok-keep", "mok-fp8"):
+    for name in ("mok", "mok-recompute", "mok-ring", "mok-keep", "mok-fp8"):
         baselines.build(name, _mesh(2))(x, idx, w, W)
     from mok_jax.fp8 import Fp8ExpertWeights
 
     W8 = Fp8ExpertWeights(*[jnp.zeros((16, 1))] * 4)  # any arrays: the fake reads their shape
     baselines.build("mok-fp8", _mesh(2))(x, idx, w, W, fp8_weights=W8)
-    assert seen == [("nothing", "bf16", None), ("ring", "bf16", None), ("everything", "bf16", None),
-                    ("nothing", "fp8", None), ("nothing", "fp8", (16, 1))]
+    # mok is the default MoEConfig (keep="balanced"; fp8's default keeps nothing)
+    assert seen == [("balanced", "bf16", None), ("nothing", "bf16", None), ("ring", "bf16", None),
+                    ("everything", "bf16", None), ("nothing", "fp8", None), ("nothing", "fp8", (16, 1))]
     assert {n: v._asdict() for n, v in baselines.MOK_IMPLEMENTATIONS.items()} == {
-        "mok": {"keep": "nothing", "precision": "bf16"}, "mok-ring": {"keep": "ring", "precision": "bf16"},
-        "mok-keep": {"keep": "everything", "precision": "bf16"}, "mok-fp8": {"keep": "nothing", "precision": "fp8"}}
+        "mok": {"keep": None, "precision": "bf16"}, "mok-recompute": {"keep": "nothing", "precision": "bf16"},
+        "mok-ring": {"keep": "ring", "precision": "bf16"}, "mok-keep": {"keep": "everything", "precision": "bf16"},
+        "mok-fp8": {"keep": None, "precision": "fp8"}}
 
 
 def test_quantize_weights_per_rank_equals_the_global_quantisation(cpu_devices):

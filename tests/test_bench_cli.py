@@ -520,7 +520,10 @@ def test_mok_rows_kernel_memory_and_unsupported_backward(tmp_path, cpu_devices, 
             k = KernelConfig(**r["kernel"])
             assert {f: r[f] for f in ("workspace_bytes_per_rank", "scratch_bytes_per_rank", "residual_bytes_per_rank",
                                       "fp8_weight_bytes_per_rank")} == acc.mok_memory_per_rank(shape, 16, k)
-            assert r["residual_bytes_per_rank"] == 0
+            # the default keep ("balanced"): bf16 g, u of T k + 128 L rows at ci's I = 64, 16 tokens per rank
+            ci = load_model("ci")
+            rows = 16 * ci.top_k + 128 * shape.experts_per_gpu
+            assert r["residual_bytes_per_rank"] == rows * 2 * ci.intermediate_size * 2
         else:
             assert "no backward" in r["error"] and r["median_ms"] is None
             assert r["workspace_bytes_per_rank"] is None  # the backward's memory is not known
@@ -557,7 +560,8 @@ def test_table_and_memory_lines():
     assert "scratch 100.0 MB..369.2 MB over 2 kernel settings" in lines[0] and "residuals 0 B" in lines[0]
     assert "T=4096" in lines[1] and "scratch 5.0 kB" in lines[1]
     assert report.format_memory([{**rows[0], "impl": "xla", "kernel": None}]) == ""
-    for impl, kept in (("mok-ring", "the forward's fp32 g, u of the ring's tokens"), ("mok-keep", "the forward's fp32")):
+    for impl, kept in (("mok-ring", "the forward's bf16 g, u of the ring's tokens"), ("mok-keep", "the forward's bf16"),
+                       ("mok", "the forward's bf16 g, u of the rows a balanced routing fills")):
         line = report.format_memory([{**rows[0], "impl": impl, "residual_bytes_per_rank": 805_306_368}])
         assert line.startswith(f"{impl} memory per rank") and f"residuals 805.3 MB ({kept}" in line, line
     table = report.format_table(rows)

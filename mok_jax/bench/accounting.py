@@ -51,6 +51,7 @@ PASSES = ("fwd", "fwd+bwd")
 SLICE_EP = 64  # the expert-parallel degree ep64-slice imitates
 PRECISIONS = ("bf16", "fp8")  # of the routed experts' forward (MoEConfig.precision)
 FP8_BLOCK = 128  # E4M3 scale blocks: 1 x 128 for a row, 128 x 128 for a weight matrix (mok_jax.fp8.BLOCK)
+KEPT_GU_BYTES = 2  # bytes of a kept g or u value (mok_jax.validation.KEPT_GU_DTYPE, bf16)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -303,7 +304,7 @@ def fp8_weight_bytes_per_rank(shape: BenchShape) -> int:
     return shape.experts_per_gpu * per_expert
 
 
-def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "nothing",
+def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str | None = None,
                         precision: str = "bf16") -> dict[str, int | None]:
     """Device memory of one mok forward call per rank, in bytes (None where the native library that sizes it
     is missing or the kernel does not support the call):
@@ -313,24 +314,28 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str = "not
     scratch_bytes_per_rank: the per-call scratch XLA allocates for the kernel (mok_jax.ops.moe_forward.scratch_bytes:
         the ring of kernel.ring_slots microbatches dominates); freed when the call ends.
     residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs: 0 with
-        MoEConfig(keep="nothing") (implementation "mok": its custom_vjp saves only x, the routing and the
-        weights, and its backward recomputes the experts from them); with keep="everything" ("mok-keep") the
-        fp32 g, u in the backward's rows, f32 [ep T k + 128 L, 2I] (the dropless bound of that layout); with
-        keep="ring" ("mok-ring") those of the ring's tokens only (mok_jax.layer.kept_rows).
+        MoEConfig(keep="nothing") (its custom_vjp saves only x, the routing and the weights, and its backward
+        recomputes the experts from them); with keep="everything" ("mok-keep") the g, u in the backward's rows, bf16
+        [ep T k + 128 L, 2I] (the dropless bound of that layout); with keep="balanced" (the default, "mok") the
+        first T k + 128 L of them; with keep="ring" ("mok-ring") those of the ring's tokens only
+        (mok_jax.layer.kept_rows).
     fp8_weight_bytes_per_rank: with precision "fp8" ("mok-fp8") the E4M3 routed weights its forward reads
         (fp8_weight_bytes_per_rank): a copy beside the bf16 ones, made by the caller once per optimizer step;
         None for bf16. The scratch is then the FP8 ring's (E4M3 rows and their scales).
     """
+    from mok_jax.config import MoEConfig
     from mok_jax.layer import kept_rows
     from mok_jax.ops.moe_forward import scratch_bytes
     from mok_jax.workspace import CommConfig
 
+    _check_precision(precision)
+    keep = MoEConfig(implementation="mok", keep=keep, precision=precision).keep  # None: the default
+
     rows = kept_rows(keep, kernel, tokens=tokens, top_k=shape.top_k, local_experts=shape.experts_per_gpu,
                      ep=shape.num_gpus)
-    _check_precision(precision)
     fp8 = precision == "fp8"
     out: dict[str, int | None] = {"workspace_bytes_per_rank": None, "scratch_bytes_per_rank": None,
-                                  "residual_bytes_per_rank": rows * 2 * shape.intermediate_size * 4,
+                                  "residual_bytes_per_rank": rows * 2 * shape.intermediate_size * KEPT_GU_BYTES,
                                   "fp8_weight_bytes_per_rank": fp8_weight_bytes_per_rank(shape) if fp8 else None}
     try:
         out["workspace_bytes_per_rank"] = CommConfig(

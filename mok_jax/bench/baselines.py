@@ -37,10 +37,13 @@ its numbers are in git history and in the README's older tables.)
   (``implementation="mosaic"``, no fallback: a row times that kernel or says why it failed), each expert's rows
   padded to a multiple of ``TOKAMAX_ROW_ALIGN`` with zero rows. The grouped GEMM a JAX user would pick today.
 - ``reference``: ``mok_jax.expert_parallel_moe`` with implementation="xla" (dense; small shapes only).
-- ``mok``: the same with implementation="mok" and ``kernel`` (a KernelConfig, or None: mok_jax.tuning picks);
-  differentiable at every EP size (at EP > 1 the backward's communication runs over XLA collectives).
-- ``mok-keep``: ``mok`` with MoEConfig(keep="everything"): the forward keeps its fp32 g, u for the backward,
-  which then skips its gate/up recompute (the same outputs and gradients; fwd+bwd is where it differs).
+- ``mok``: the same with implementation="mok" and ``kernel`` (a KernelConfig, or None: mok_jax.tuning picks) and
+  every other MoEConfig field its default (keep="balanced": the forward keeps the g, u of the rows a balanced
+  routing fills, every slot at EP 1); differentiable at every EP size.
+- ``mok-recompute``: ``mok`` with MoEConfig(keep="nothing"): the backward recomputes the gate/up GEMM.
+- ``mok-keep``: ``mok`` with MoEConfig(keep="everything"): the forward keeps every slot's g, u (bf16) for the
+  backward, which then skips its gate/up recompute (the same outputs and gradients; fwd+bwd is where it differs;
+  at EP 1 the same as ``mok``).
 - ``mok-ring``: ``mok`` with MoEConfig(keep="ring"): only the g, u of the tokens still in the forward's ring (the
   last ring_slots microbatches) are kept, the rest recomputed; the same as ``mok-keep`` when every token fits.
 - ``mok-fp8``: ``mok`` with MoEConfig(precision="fp8"): the forward's routed experts in E4M3 with DeepSeek-V3 block
@@ -121,8 +124,11 @@ def _finish(y_routed: jax.Array, x: jax.Array, weights: MoEWeights) -> jax.Array
     return y_routed.astype(x.dtype)
 
 
-def _ep_callable(body: Callable, mesh: Mesh, axis: str, name: str, stat_names: tuple[str, ...] = ()) -> MoEFn:
-    """jit(shard_map(body)) over ``axis``; body(x, topk_idx, topk_weight, weights) -> (y, stats) per rank."""
+def _ep_callable(body: Callable, mesh: Mesh, axis: str, name: str, stat_names: tuple[str, ...] = (),
+                 check_vma: bool = True) -> MoEFn:
+    """jit(shard_map(body)) over ``axis``; body(x, topk_idx, topk_weight, weights) -> (y, stats) per rank.
+    ``check_vma``: shard_map's tracking of the axes each value varies over (off for a body whose custom VJPs do
+    not carry it)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
@@ -148,7 +154,7 @@ def _ep_callable(body: Callable, mesh: Mesh, axis: str, name: str, stat_names: t
         args = jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), args, specs)
         with jax.named_scope(name):
             return jax.shard_map(functools.partial(body, axis=axis), mesh=mesh, in_specs=specs,
-                                 out_specs=(tok, {s: P() for s in stat_names}))(*args)
+                                 out_specs=(tok, {s: P() for s in stat_names}), check_vma=check_vma)(*args)
 
     fn.__name__ = fn.__qualname__ = name.replace("-", "_") + "_moe"
     return jax.jit(fn)
@@ -273,19 +279,21 @@ def _ragged_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str, do
     T, H = x.shape
     k = topk_idx.shape[1]
     pad_rows = num_local * (row_align - 1)  # the most zero rows that padding the local experts' groups adds
+    rows_of = lambda n: -(-n // row_align) * row_align  # noqa: E731  (tokamax: the whole buffer too, not only groups)
     with jax.named_scope("dispatch"):
         flat_e = topk_idx.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)  # slots grouped by (dest rank, local expert)
         counts = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)  # slice i = (dest, local expert)
         if ep == 1:
             row_of_slot, group_sizes = _local_rows(flat_e, order, counts, row_align)
-            token_of_row = jnp.full(T * k + pad_rows, T, jnp.int32).at[row_of_slot].set(
+            token_of_row = jnp.full(rows_of(T * k + pad_rows), T, jnp.int32).at[row_of_slot].set(
                 jnp.arange(T * k, dtype=jnp.int32) // k, unique_indices=True)
             recv = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])[token_of_row]  # row T: a padding row
         else:
             a2a = functools.partial(_ragged_all_to_all_emulated if emulate_collective else lax.ragged_all_to_all,
                                     axis_name=axis)
-            worst_rows = ep * T * min(k, num_local) + pad_rows  # a source sends a token at most min(k, E_local) times
+            # a source sends a token at most min(k, E_local) times
+            worst_rows = rows_of(ep * T * min(k, num_local) + pad_rows)
             xs = x[order // k]  # [T*k, H]
             in_off = jnp.cumsum(counts) - counts
             all_counts = lax.all_gather(counts, axis).reshape(ep, ep, num_local)  # [src, dest, local expert]
@@ -347,16 +355,20 @@ def tokamax(mesh: Mesh, *, axis: str = "ep", implementation: str | Callable = TO
     dot = functools.partial(tk.ragged_dot, implementation=implementation)
     body = functools.partial(_ragged_body, dot=dot, row_align=TOKAMAX_ROW_ALIGN,
                              emulate_collective=emulate_collective)
-    return _ep_callable(body, mesh, axis, "tokamax")
+    # tokamax's Mosaic GPU ragged_dot has a custom VJP whose weight cotangent does not carry shard_map's varying
+    # axes (on the H200: "the bwd rule produced an output of type bfloat16[16,768,2048] corresponding to an input"
+    # of another type), so its shard_map does not track them
+    return _ep_callable(body, mesh, axis, "tokamax", check_vma=False)
 
 
 # ----------------------------------------------------------------------------- the library's own paths
 
 
 class MokVariant(NamedTuple):
-    """The MoEConfig fields a mok implementation sets besides implementation="mok" and the kernel."""
+    """The MoEConfig fields a mok implementation sets besides implementation="mok" and the kernel (keep None: the
+    MoEConfig default)."""
 
-    keep: str = "nothing"
+    keep: str | None = None
     precision: str = "bf16"
 
 
@@ -405,8 +417,9 @@ def quantize_weights(weights: MoEWeights, mesh: Mesh, *, axis: str = "ep") -> Fp
 BASELINES: dict[str, Callable[..., MoEFn]] = {
     "xla": xla_dropless, "xla-capacity": xla_capacity, "ragged": ragged, "tokamax": tokamax, "reference": reference,
 }
-MOK_IMPLEMENTATIONS = {"mok": MokVariant(), "mok-ring": MokVariant(keep="ring"),
-                       "mok-keep": MokVariant(keep="everything"), "mok-fp8": MokVariant(precision="fp8")}
+MOK_IMPLEMENTATIONS = {"mok": MokVariant(), "mok-recompute": MokVariant(keep="nothing"),
+                       "mok-ring": MokVariant(keep="ring"), "mok-keep": MokVariant(keep="everything"),
+                       "mok-fp8": MokVariant(precision="fp8")}
 IMPLEMENTATIONS = (*BASELINES, *MOK_IMPLEMENTATIONS)
 
 

@@ -36,11 +36,11 @@ CPU_DEFAULTS = {"model": "ci", "tokens": 32, "ep_mode": "full", "impls": ("refer
 # (XLA's CPU rendezvous times out waiting for threads the queued calls hold).
 TARGET_SAMPLE_MS = {"gpu": 100.0, "cpu": 20.0}
 MAX_CALLS_PER_SAMPLE = {"gpu": 64, "cpu": 16}
-IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "tokamax", "reference", DENSE, "mok", "mok-ring", "mok-keep",
-                   "mok-fp8")
-# the megakernel: kernel knobs apply (mok-ring: MoEConfig(keep="ring"), mok-keep: MoEConfig(keep="everything"),
-# mok-fp8: MoEConfig(precision="fp8"))
-MOK_IMPLS = ("mok", "mok-ring", "mok-keep", "mok-fp8")
+IMPLEMENTATIONS = ("xla", "xla-capacity", "ragged", "tokamax", "reference", DENSE, "mok", "mok-recompute", "mok-ring",
+                   "mok-keep", "mok-fp8")
+# the megakernel: kernel knobs apply (mok: the default MoEConfig, keep="balanced"; mok-recompute: keep="nothing",
+# mok-ring: keep="ring", mok-keep: keep="everything", mok-fp8: precision="fp8")
+MOK_IMPLS = ("mok", "mok-recompute", "mok-ring", "mok-keep", "mok-fp8")
 DTYPES = ("bf16", "fp8")
 PLOT_FORMATS = ("png", "pdf", "svg")  # --plot: matplotlib writes each of these with any backend
 FP8_IMPL, FP8_REFERENCE = "mok-fp8", "mok"  # --dtype fp8: the FP8 layer, and the bf16 layer it is compared with

@@ -321,9 +321,10 @@ def format_bytes(n: int | None) -> str:
 
 
 _KEPT = {  # what each mok implementation's residuals are
-    "mok": "the forward keeps only its inputs",
-    "mok-ring": "the forward's fp32 g, u of the ring's tokens, per layer",
-    "mok-keep": "the forward's fp32 g, u, per layer",
+    "mok": "the forward's bf16 g, u of the rows a balanced routing fills, per layer",
+    "mok-recompute": "the forward keeps only its inputs",
+    "mok-ring": "the forward's bf16 g, u of the ring's tokens, per layer",
+    "mok-keep": "the forward's bf16 g, u, per layer",
     "mok-fp8": "the forward keeps only its inputs",
 }
 
