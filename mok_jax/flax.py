@@ -11,7 +11,8 @@ from f32 x and router weights, f32 topk_weight). The output is in ``dtype``.
 Workspace (``implementation="mok"`` only): the megakernel's symmetric workspace is set up outside jit,
 at construction when ``max_tokens`` is given, else by ``setup_workspace(max_tokens)`` or by the first
 call made outside jit. A jitted call of a layer without one (or with one too small for the call) raises
-a ValueError saying so; it never allocates device memory while tracing. ``implementation="xla"`` never
+a ValueError saying so; it never allocates device memory while tracing. Where the kernels cannot run (no GPU, or
+no native library), every call, jitted or not, raises NativeLibraryUnavailable saying why. ``implementation="xla"`` never
 needs or creates a workspace.
 """
 
@@ -156,6 +157,9 @@ class MoELayer(nnx.Module):
         if not tracing:
             self.setup_workspace(num_tokens)
             return
+        from mok_jax._native import require_native
+
+        require_native("MoELayer(implementation='mok')")  # where the kernels cannot run, no workspace would help
         ws = self.config.workspace
         if ws is None:
             why = "has no workspace"
