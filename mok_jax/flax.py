@@ -12,8 +12,8 @@ Workspace (``implementation="mok"`` only): the megakernel's symmetric workspace 
 at construction when ``max_tokens`` is given, else by ``setup_workspace(max_tokens)`` or by the first
 call made outside jit. A jitted call of a layer without one (or with one too small for the call) raises
 a ValueError saying so; it never allocates device memory while tracing. Where the kernels cannot run (no GPU, or
-no native library), every call, jitted or not, raises NativeLibraryUnavailable saying why. ``implementation="xla"`` never
-needs or creates a workspace.
+no native library), every call, jitted or not, raises NativeLibraryUnavailable saying why.
+``implementation="xla"`` never needs or creates a workspace.
 """
 
 from __future__ import annotations
