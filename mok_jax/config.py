@@ -8,6 +8,8 @@ benchmarks and the Flax module share one source of truth.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import pathlib
 import tomllib
 from typing import Literal
@@ -42,18 +44,33 @@ class ModelShape:
     tags: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for f in ("num_experts", "top_k", "hidden_size", "intermediate_size"):
-            v = getattr(self, f)
-            _require(isinstance(v, int) and v > 0, f"ModelShape.{f} must be a positive int, got {v!r}")
+        _require(isinstance(self.name, str) and self.name, f"ModelShape.name must be a non-empty str, got "
+                 f"{self.name!r}", TypeError)
+        for f in ("num_experts", "top_k", "hidden_size", "intermediate_size", "num_shared_experts",
+                  "shared_intermediate_size"):
+            v = getattr(self, f)  # a bool is an int to Python, not a size
+            _require(isinstance(v, int) and not isinstance(v, bool), f"ModelShape.{f} must be an int, got {v!r}",
+                     TypeError)
+            least = 0 if f.startswith(("num_shared", "shared")) else 1
+            _require(v >= least, f"ModelShape.{f} must be a {'non-negative' if least == 0 else 'positive'} int, "
+                     f"got {v!r}")
         _require(
             self.top_k <= self.num_experts,
             f"ModelShape.top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})",
         )
-        _require(self.num_shared_experts >= 0, "ModelShape.num_shared_experts must be >= 0")
         if self.num_shared_experts:
             _require(self.shared_intermediate_size > 0, "ModelShape.shared_intermediate_size must be > 0")
         _require(self.score_func in ("softmax", "sigmoid"), f"ModelShape.score_func must be 'softmax' or "
                  f"'sigmoid', got {self.score_func!r}")
+        _require(isinstance(self.norm_topk_prob, bool), f"ModelShape.norm_topk_prob must be a bool, got "
+                 f"{self.norm_topk_prob!r}", TypeError)
+        scale = self.routed_scaling_factor
+        _require(isinstance(scale, (int, float)) and not isinstance(scale, bool), f"ModelShape.routed_scaling_factor "
+                 f"must be a number, got {scale!r}", TypeError)
+        _require(math.isfinite(scale) and scale > 0, f"ModelShape.routed_scaling_factor must be finite and > 0, got "
+                 f"{scale!r}")
+        _require(isinstance(self.tags, tuple) and all(isinstance(t, str) for t in self.tags),
+                 f"ModelShape.tags must be a tuple of str, got {self.tags!r}", TypeError)
 
     @property
     def shared_size(self) -> int:
@@ -79,22 +96,49 @@ def list_models(tag: str | None = None) -> list[str]:
     return sorted(names)
 
 
+def _shipped(name: str) -> list[pathlib.Path]:
+    """The shipped model files of that name (configs/models/<name>.toml)."""
+    return [d / f"{name}.toml" for d in _config_dirs() if (d / f"{name}.toml").is_file()]
+
+
 def load_model(name_or_path: str | pathlib.Path) -> ModelShape:
-    """A ModelShape from a model name (``configs/models/<name>.toml``) or a path to a TOML file."""
+    """A ModelShape from a shipped model's name (``configs/models/<name>.toml``: "kimi-k2", "ci", ...) or from a
+    TOML file: anything ending in ".toml" is a path (a relative one from the working directory). A name never reads
+    a file of the working directory, and a path never falls back to a shipped model: a path that is no file raises
+    FileNotFoundError, naming the shipped model of that name if there is one. Errors about a file's contents name
+    the file."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"load_model takes a model name or a path to a TOML file, got {type(name_or_path).__name__}")
     path = pathlib.Path(name_or_path)
-    if not path.suffix == ".toml":
-        found = [d / f"{name_or_path}.toml" for d in _config_dirs() if (d / f"{name_or_path}.toml").is_file()]
+    if path.suffix != ".toml":
+        found = _shipped(str(name_or_path))
         if not found:
             known = sorted({f.stem for d in _config_dirs() for f in d.glob("*.toml")})
-            raise ValueError(f"unknown model {name_or_path!r}; known models: {', '.join(known)}")
+            raise ValueError(f"unknown model {str(name_or_path)!r}; known models: {', '.join(known)} (or a path to a "
+                             f"TOML file, ending in .toml)")
         path = found[0]
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    fields = {f.name for f in dataclasses.fields(ModelShape)}
-    unknown = set(raw) - fields
+    elif not path.is_file():
+        hint = f"; the shipped model {path.stem!r} is load_model({path.stem!r})" if _shipped(path.stem) else ""
+        raise FileNotFoundError(f"load_model: no file {str(path)!r} (a name ending in .toml is a path; a relative one "
+                                f"is read from the working directory, {os.getcwd()}){hint}")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    fields = {f.name: f for f in dataclasses.fields(ModelShape)}
+    unknown = set(raw) - set(fields)
     _require(not unknown, f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(fields)}")
-    raw["tags"] = tuple(raw.get("tags", ()))
-    return ModelShape(**raw)
+    required = sorted(n for n, f in fields.items() if f.default is dataclasses.MISSING)
+    missing = [n for n in required if n not in raw]
+    _require(not missing, f"{path}: missing keys {missing}; required: {required}")
+    tags = raw.get("tags", [])
+    _require(isinstance(tags, list), f'{path}: tags must be a list of strings, such as ["ci"], got {tags!r}',
+             TypeError)
+    try:
+        return ModelShape(**{**raw, "tags": tuple(tags)})
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {e}") from None
 
 
 MAX_RING_SLOTS = 8  # kMaxRingSlots in ffi/include/mok/moe/forward.cuh

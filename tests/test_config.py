@@ -1,6 +1,7 @@
 """Model shapes from configs/models and the static config dataclasses."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -42,6 +43,54 @@ def test_load_from_path_and_bad_keys(tmp_path):
     with pytest.raises(ValueError, match=r"unknown keys \['experts'\]"):
         mj.load_model(bad)
 
+
+_SMALL = {"name": '"m"', "num_experts": "4", "top_k": "2", "hidden_size": "8", "intermediate_size": "4",
+          "num_shared_experts": "1", "shared_intermediate_size": "4", "norm_topk_prob": "true",
+          "routed_scaling_factor": "1.0", "tags": '["ci"]'}
+
+
+def _toml(path, **lines):
+    """A model TOML file at ``path``: _SMALL with ``lines`` (key: TOML value, None to leave the key out)."""
+    items = {**_SMALL, **lines}
+    path.write_text("".join(f"{k} = {v}\n" for k, v in items.items() if v is not None))
+    return path
+
+
+@pytest.mark.parametrize("key,value,exc,match", [
+    ("top_k", "true", TypeError, "ModelShape.top_k must be an int, got True"),
+    ("num_shared_experts", "1.5", TypeError, "ModelShape.num_shared_experts must be an int, got 1.5"),
+    ("tags", '"ci"', TypeError, re.escape("""tags must be a list of strings, such as ["ci"], got 'ci'""")),
+    ("tags", "[1]", TypeError, r"ModelShape.tags must be a tuple of str, got \(1,\)"),
+    ("norm_topk_prob", "1", TypeError, "ModelShape.norm_topk_prob must be a bool, got 1"),
+    ("routed_scaling_factor", "0", ValueError, "ModelShape.routed_scaling_factor must be finite and > 0, got 0"),
+    ("hidden_size", None, ValueError, r"missing keys \['hidden_size'\]; required: \['hidden_size'"),
+    ("name", "1", TypeError, "ModelShape.name must be a non-empty str, got 1"),
+])
+def test_load_model_refuses_a_bad_file_naming_it(tmp_path, key, value, exc, match):
+    """A value of the wrong type (a bool where an int belongs: Python's bool is an int; a float; a string where
+    a list of tags belongs, which became ('c', 'i')), or a missing key: the error names the file and the key."""
+    path = _toml(tmp_path / "m.toml", **{key: value})
+    with pytest.raises(exc, match=re.escape(str(path)) + ": .*" + match):
+        mj.load_model(path)
+
+
+def test_load_model_names_and_paths(tmp_path, monkeypatch):
+    """A name is a shipped model, never a file of the working directory; anything ending in .toml is a path, never
+    a shipped model: "ci.toml" reads ./ci.toml when there is one, and else says so, naming load_model("ci")."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no file 'ci.toml' .* the shipped model 'ci' is load_model\('ci'\)"):
+        mj.load_model("ci.toml")
+    with pytest.raises(FileNotFoundError, match=r"no file 'nope.toml' \(a name ending in .toml is a path; .*\)$"):
+        mj.load_model("nope.toml")
+    _toml(tmp_path / "ci.toml", num_experts="8")
+    assert mj.load_model("ci.toml").num_experts == 8 and mj.load_model("ci").num_experts == 16
+    (tmp_path / "broken.toml").write_text("name = \n")
+    with pytest.raises(ValueError, match="broken.toml: not valid TOML"):
+        mj.load_model("broken.toml")
+    with pytest.raises(ValueError, match="unknown model 'cii'; known models: .*ci"):
+        mj.load_model("cii")
+    with pytest.raises(TypeError, match="load_model takes a model name or a path to a TOML file, got int"):
+        mj.load_model(3)
 
 def test_shape_validation():
     s = mj.load_model("ci")
