@@ -144,3 +144,20 @@ def test_export_of_the_layer(cpu_devices, kind):
     checked = LinenMoELayer(shape, mesh=mesh, dtype=jnp.float32)
     with pytest.raises(NotImplementedError, match="serializ"):
         export.export(jax.jit(checked.apply))(variables, x).serialize()
+
+
+def test_eager_gradients_on_an_explicit_mesh(cpu_devices):
+    """An eager gradient of a layer on a mesh of Explicit axes (jax.make_mesh's default) runs under
+    jax.set_mesh(mesh), as JAX asks of any eager gradient of arrays on such a mesh (without it JAX raises its
+    device-assignment error, which the README names), and gives the jitted one. Eager calls are slow (each op of
+    the shard_map body dispatched alone), so only this case runs here, on a smaller shape."""
+    shape = mj.load_model("ci").replace(num_experts=8, top_k=2, num_shared_experts=0, shared_intermediate_size=0)
+    mesh = _mesh((2, 4), "explicit")
+    model = MoELayer(shape, mesh=mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (16, shape.hidden_size))
+    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+    with jax.set_mesh(mesh):
+        eager = nnx.grad(loss)(model)
+    jitted = nnx.jit(nnx.grad(loss))(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(eager, nnx.Param)), jax.tree.leaves(nnx.state(jitted, nnx.Param))):
+        assert rel_err(a, b) < TOL_F32_REORDER
