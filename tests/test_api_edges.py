@@ -293,6 +293,18 @@ def test_dtype_and_hidden_size_errors_name_the_argument(make, exc, match):
         jax.jit(mj.moe)(*args)
 
 
+
+def test_forward_mode_autodiff_is_refused_and_reverse_mode_works():
+    """The layer is a jax.custom_vjp: jax.jvp and jax.jacfwd raise JAX's TypeError saying so (what the README and
+    docs/errors.md name), and jax.jacrev works."""
+    x, idx, w, W = random_problem(SHAPE, 4, seed=38)
+    f = lambda x: mj.moe(x, idx, w, W)  # noqa: E731
+    for forward_mode in (lambda: jax.jvp(f, (x,), (x,)), lambda: jax.jacfwd(f)(x)):
+        with pytest.raises(TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"):
+            forward_mode()
+    row = np.asarray(jax.jit(jax.jacrev(lambda x: f(x)[1, 3]))(x))
+    assert row.shape == x.shape and row[1].any() and not row[[0, 2, 3]].any()  # y[1] depends on x[1] alone
+
 # ----------------------------------------------------------------------------- 5e, 5f: bad values inside jit
 
 
