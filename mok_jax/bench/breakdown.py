@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 

@@ -23,13 +23,23 @@ gus, dgus, hws, dxs (their rows: T with a shared expert, else none).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mok_jax._native import require_native
+from mok_jax.backward_types import (  # noqa: F401  (re-exported: the op's contract, shared with its reference)
+    EXPERTS_BACKWARD_GROUP_ALIGN,
+    EXPERTS_BACKWARD_MAX_EMULATED_RANKS,
+    EXPERTS_BACKWARD_MAX_EXPERTS,
+    EXPERTS_BACKWARD_MAX_TOP_K,
+    EXPERTS_BACKWARD_STATUS_COMM,
+    EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
+    EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
+    EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
+    ExpertsBackwardEpOutput,
+    ExpertsBackwardOutput,
+)
 from mok_jax.expert_layout import kept_blocks
 from mok_jax.validation import (KEPT_GU_DTYPE, check_experts_backward_args, check_kept_gu, check_num_sms,
                                  check_workspace_call)
@@ -39,14 +49,6 @@ __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPE
            "EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW", "EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP", "ExpertsBackwardEpOutput",
            "ExpertsBackwardOutput", "experts_backward", "experts_backward_ep"]
 
-EXPERTS_BACKWARD_GROUP_ALIGN = 128  # every group size is a multiple of this (the kernel's M tile)
-EXPERTS_BACKWARD_MAX_EXPERTS = 1024  # as mok_grouped_ffn (GROUPED_FFN_MAX_EXPERTS)
-EXPERTS_BACKWARD_MAX_TOP_K = 32  # the handler's limit on k (ffi/src/experts_backward.cu, the slot sum)
-EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP = 1  # status bit: some group size < 0
-EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
-EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is not a multiple of 128
-EXPERTS_BACKWARD_STATUS_COMM = 8  # status bit (experts_backward_ep): a wait for a peer failed; workspace poisoned
-EXPERTS_BACKWARD_MAX_EMULATED_RANKS = 8  # ranks one emulated call of experts_backward_ep carries
 
 _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate columns
 _DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
@@ -98,24 +100,6 @@ def _kept_operands(gu, gu_part, gu_part_row, src_slot, inter: int, slots: int, r
     gu_block = blocks(src_slot, gu_part_row, gu_part) if ranks is None else \
         jnp.stack([blocks(src_slot[r], gu_part_row[r], gu_part[r]) for r in range(ranks)])
     return gu_in, gu_part, gu_part_row, gu_block
-
-
-class ExpertsBackwardOutput(NamedTuple):
-    """dx: f32[T, H] (the routed experts' part of d loss / d x); dw: f32[T, k] (d loss / d topk_weight, 0 for a
-    slot without a row); d_gate_up: bf16[E, H, 2I]; d_down: bf16[E, I, H]; status: int32[] (0, or a bit mask of
-    EXPERTS_BACKWARD_STATUS_*); dx_rows: bf16[M, H], each row's dx_r before the per-token sum (zeros past
-    sum(group_sizes) and for padding rows): what the expert-parallel backward sends back to the tokens' ranks.
-    d_shared_gate_up: bf16[H, 2Is], d_shared_down: bf16[Is, H]: the shared expert's weight gradients when the
-    call was given its weights (dx then holds its part too), else None."""
-
-    dx: jax.Array
-    dw: jax.Array
-    d_gate_up: jax.Array
-    d_down: jax.Array
-    status: jax.Array
-    dx_rows: jax.Array
-    d_shared_gate_up: jax.Array | None = None
-    d_shared_down: jax.Array | None = None
 
 
 def experts_backward(
@@ -250,18 +234,6 @@ def _u64_as_f32(words: jax.Array) -> jax.Array:
     lo = words[..., 0].astype(jnp.uint32).astype(jnp.float32)
     hi = words[..., 1].astype(jnp.uint32).astype(jnp.float32)
     return hi * jnp.float32(2.0**32) + lo
-
-
-class ExpertsBackwardEpOutput(NamedTuple):
-    """experts_backward_ep's results, each with the leading rank axis R: dx: f32[R, T, H] (the routed experts'
-    part of each rank's own tokens' d loss / d x); dw: f32[R, T, k]; d_gate_up: bf16[R, L, H, 2I]; d_down:
-    bf16[R, L, I, H] (each rank's experts); status: int32[R] (0, or EXPERTS_BACKWARD_STATUS_* bits)."""
-
-    dx: jax.Array
-    dw: jax.Array
-    d_gate_up: jax.Array
-    d_down: jax.Array
-    status: jax.Array
 
 
 def experts_backward_ep(

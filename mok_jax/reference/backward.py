@@ -32,15 +32,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mok_jax.expert_layout import gather_rows, kept_blocks
-from mok_jax.reference.experts import swiglu_backward
-from mok_jax.ops.moe_backward import (
+from mok_jax.backward_types import (
     EXPERTS_BACKWARD_GROUP_ALIGN,
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
     EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP,
+    ExpertsBackwardEpOutput,
     ExpertsBackwardOutput,
 )
+from mok_jax.expert_layout import gather_rows, kept_blocks
+from mok_jax.reference.experts import swiglu_backward
 from mok_jax.validation import check_experts_backward_args
 
 __all__ = ["experts_backward_ep_reference", "experts_backward_reference"]
@@ -182,7 +183,6 @@ def experts_backward_ep_reference(
     token's k slot rows are summed in slot order in f32, a slot adding something only when its id is in
     [0, num_experts) (default: P L) -- the op's semantics.
     """
-    from mok_jax.ops.moe_backward import ExpertsBackwardEpOutput
 
     R, T, H = x.shape
     k = topk_idx.shape[2]
