@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import linen, nnx
 from jax.experimental import checkify
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import mok_jax as mj
 import mok_jax.flax as mflax

@@ -2,9 +2,8 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import mok_jax as mj
 from helpers import TOL_BF16_REORDER, TOL_F32_REORDER, random_problem, rel_err
@@ -86,8 +85,6 @@ def test_moe_without_an_ep_axis_on_sharded_arguments(cpu_devices, auto, tokens):
     sharded over "ep", on an Explicit or an Auto mesh: the single-device forward and gradients, y in x's sharding on
     Explicit axes (where it raised ShardingTypeError: the gather of a slot's row, or experts and tokens both split
     over "ep")."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     shape = mj.load_model("ci")
     x, idx, w, W = random_problem(shape, 32, seed=18)
     dy = jax.random.normal(jax.random.key(19), x.shape)
