@@ -4,12 +4,14 @@
 
 ``implementation="xla"`` runs the pure-JAX reference (``mok_jax.reference``); its backward is the
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
-(``mok_jax.ops.moe_forward``). Its backward recomputes from the forward's inputs: a padded expert-major layout of the slots
-(``mok_jax.expert_layout``) goes to one native op (``mok_jax.ops.experts_backward``), which gathers the slots'
-rows, gives the routed experts' gradients and sums each token's slot rows of dx in f32 in slot order; the shared
-expert's backward is bf16 matmuls (f32 accumulation) in XLA, its dx added in f32. At EP size > 1 the backward's
-communication runs over XLA collectives on the mesh axis around the same op (``_backward_mok``); its routed
-gradients are the bits of EP size 1. mok never falls back to another implementation.
+(``mok_jax.ops.moe_forward``), which also keeps the gate/up accumulators g | u of the slots MoEConfig.keep names
+(bf16; by default those a balanced routing fills). Its backward works on a padded expert-major layout of the slots
+(``mok_jax.expert_layout``) in one native op (``mok_jax.ops.experts_backward``), which gathers the slots' rows,
+recomputes the g | u that were not kept, gives the routed experts' gradients and sums each token's slot rows of
+dx in f32 in slot order; the shared expert's backward is bf16 matmuls (f32 accumulation) in XLA, its dx added in
+f32. At EP size > 1 the fused op (``mok_jax.ops.experts_backward_ep``) moves the rows over NVLink inside its
+kernel (``_backward_mok``); its routed gradients are the bits of EP size 1. mok never falls back to another
+implementation.
 
 Dtypes (checked at trace time, errors name the argument, the expected and the given dtype):
 
@@ -58,11 +60,11 @@ __all__ = ["kept_rows", "moe", "report_invalid_ids"]
 
 
 class KeptGateUp(NamedTuple):
-    """What implementation='mok' keeps with MoEConfig(keep="everything"), and "balanced" at EP 1: gu f32[M, 2I],
-    the forward's fp32 gate/up accumulators (g | u) of every slot of this rank's experts, in the rows of ``layout``
-    (the padded expert-major layout its backward runs on; rows no slot takes are not written: the backward op
-    zeroes the padding rows it reads). With keep="ring" and tokens past the ring, gu is f32[ep T' k, 2I], those of
-    the slots of the ring's T' tokens per rank; with "balanced" at EP > 1, f32[T k + 128 L, 2I], the layout's first
+    """What implementation='mok' keeps with MoEConfig(keep="everything"), and "balanced" at EP 1: gu bf16[M, 2I],
+    the forward's fp32 gate/up accumulators (g | u), rounded to bf16, of every slot of this rank's experts, in the
+    rows of ``layout`` (the padded expert-major layout its backward runs on; rows no slot takes are not written: the
+    backward op zeroes the padding rows it reads). With keep="ring" and tokens past the ring, gu is bf16[ep T' k, 2I], those of
+    the slots of the ring's T' tokens per rank; with "balanced" at EP > 1, bf16[T k + 128 L, 2I], the layout's first
     rows; then ``row`` int32[M] gives each layout row's row of gu (-1: none, the backward recomputes it); else row
     is None."""
 
@@ -175,7 +177,7 @@ def _workspace(config: MoEConfig, x, topk_idx, weights: MoEWeights):
 def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig,
                  keep: tuple[jax.Array, int] | None = None, fp8_weights: Fp8ExpertWeights | None = None):
     """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
-    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: f32[rows, 2I]). With
+    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: bf16[rows, 2I]). With
     config.precision "fp8" the routed experts run in E4M3: ``fp8_weights``, else the weights quantised here."""
     from mok_jax import ops
 
@@ -211,7 +213,7 @@ def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
 
 
 def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int, ep: int = 1) -> int:
-    """Rows of the f32 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
+    """Rows of the bf16 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
     MoEConfig(keep=keep) and the resolved knobs ``kernel`` (a KernelConfig; "ring" reads granularity and ring_slots)
     for ``tokens`` per rank: 0 for "nothing"; M = ep T k + 128 L for "everything" (the dropless layout's bound), and
     for "ring" when every token fits in the ring; else ep (T - t0) k for the ring's tokens [t0, T); T k + 128 L
