@@ -51,9 +51,12 @@ def load_balancing_loss(probs: jax.Array, topk_idx: jax.Array, num_experts: int)
 
 
 def _param(rngs: nnx.Rngs, shape, fan_in: int, dtype, names, mesh: Mesh | None) -> nnx.Param:
+    # One jitted init with or without a mesh: XLA may fuse the scaling into the normal's arithmetic, so an eager
+    # init and a jitted one can differ in the last bit (seen on an H200: a layer on a 1-device mesh routed 2% of y's
+    # elements an ulp away from the same layer without one).
     init = lambda key: jax.random.normal(key, shape, dtype) * (fan_in ** -0.5)  # noqa: E731
     if mesh is None:
-        return nnx.Param(init(rngs.params()), out_sharding=names, eager_sharding=False)
+        return nnx.Param(jax.jit(init)(rngs.params()), out_sharding=names, eager_sharding=False)
     value = jax.jit(init, out_shardings=NamedSharding(mesh, P(*names)))(rngs.params())
     return nnx.Param(value, out_sharding=names, mesh=mesh)
 
