@@ -229,6 +229,13 @@ def test_mok_memory_per_rank():
     assert m["scratch_bytes_per_rank"] == scratch_bytes(tokens=2048, hidden=7168, inter=2048, shared_inter=2048,
                                                         top_k=8, local_experts=6, ep=2, kernel=k)
     assert m["residual_bytes_per_rank"] == (2048 * 8 + 128 * 6) * 2 * 2048 * 2  # the default keep ("balanced")
+    # the backward op's scratch over M = ep T k + 128 L rows: x, dy and dx rows (bf16 H each), g | u and dgu (bf16
+    # 2I each), w h (bf16 I), the router weight and its gradient (f32), the dw partials (f32 per 256 columns of I),
+    # then 4 bytes each of 4 * ceil((40 time words + 4 (m-blocks + L) + 2 (L + 1) + 5) / 4) flag words
+    rows = 2 * 2048 * 8 + 128 * 6
+    per_row = 3 * 7168 * 2 + 2 * 2 * 2048 * 2 + 2048 * 2 + 2 * 4 + 2048 // 256 * 4
+    flags = 4 * -(-(40 + 4 * (-(-rows // 128) + 6) + 2 * 7 + 5) // 4) * 4
+    assert m["backward_scratch_bytes_per_rank"] == rows * per_row + flags == 2_130_479_536
     # the two bf16 staging buffers, 2 * ep * T * H * 2 bytes, are most of the workspace
     assert m["workspace_bytes_per_rank"] >= 2 * 2 * 2048 * 7168 * 2
     # a third ring slot costs scratch
@@ -251,6 +258,23 @@ def test_mok_keep_residuals_are_the_kept_bf16_gate_up_rows():
     balanced = acc.mok_memory_per_rank(s, T, KernelConfig(), keep="balanced")["residual_bytes_per_rank"]
     assert balanced == (T * 8 + 128 * s.experts_per_gpu) * 2 * 2048 * 2
     assert acc.mok_memory_per_rank(s, T, KernelConfig(), keep="nothing")["residual_bytes_per_rank"] == 0
+
+
+def test_mok_backward_scratch_takes_the_kept_gate_up_as_its_own():
+    """At EP 1 keep="everything" and the default hand the backward op the kept g, u as its g, u scratch (XLA aliases
+    them): bf16 [M, 2I] less than keep="nothing"; at EP 2 the default keeps only the first T k + 128 L rows, so the op
+    has its own; the forward's knobs do not change it (M is the layout's)."""
+    one = acc.bench_shape(load_model("kimi-k2"), 1, "ep64-slice", experts_per_gpu="E/32")  # 12 experts, EP 1
+    backward = lambda s, keep, k=KernelConfig(): acc.mok_memory_per_rank(  # noqa: E731
+        s, 2048, k, keep=keep)["backward_scratch_bytes_per_rank"]
+    gu = (2048 * 8 + 128 * 12) * 2 * 2048 * 2
+    assert backward(one, "nothing") - backward(one, "everything") == gu
+    assert backward(one, "balanced") == backward(one, "everything")
+    two = acc.bench_shape(load_model("kimi-k2"), 2, "ep64-slice")
+    assert backward(two, "balanced") == backward(two, "nothing") > backward(two, "everything")
+    assert backward(two, "balanced", KernelConfig(granularity=512, ring_slots=3)) == backward(two, "balanced")
+    assert acc.mok_memory_per_rank(two, 2048, KernelConfig(), precision="fp8")["backward_scratch_bytes_per_rank"] == (
+        backward(two, "nothing"))  # the FP8 layer's backward is the bf16 one, recomputing
 
 
 def test_mok_ring_residuals_are_the_ring_tokens_rows():

@@ -518,7 +518,8 @@ def test_mok_rows_kernel_memory_and_unsupported_backward(tmp_path, cpu_devices, 
         assert r["kernel_source"] == "explicit" and r["kernel"]["ring_slots"] == 3
         if r["pass"] == "fwd":
             k = KernelConfig(**r["kernel"])
-            assert {f: r[f] for f in ("workspace_bytes_per_rank", "scratch_bytes_per_rank", "residual_bytes_per_rank",
+            assert {f: r[f] for f in ("workspace_bytes_per_rank", "scratch_bytes_per_rank",
+                                      "backward_scratch_bytes_per_rank", "residual_bytes_per_rank",
                                       "fp8_weight_bytes_per_rank")} == acc.mok_memory_per_rank(shape, 16, k)
             # the default keep ("balanced"): bf16 g, u of T k + 128 L rows at ci's I = 64, 16 tokens per rank
             ci = load_model("ci")
@@ -548,7 +549,8 @@ def test_table_and_memory_lines():
 
     base = dict.fromkeys(RESULT_KEYS)
     base.update(model="kimi-k2", ep_mode="E/32", tokens_per_gpu=2048, impl="mok", status="skipped", error="budget",
-                comm_floor_ms=0.3, workspace_bytes_per_rank=117_707_776, residual_bytes_per_rank=0)
+                comm_floor_ms=0.3, workspace_bytes_per_rank=117_707_776, backward_scratch_bytes_per_rank=991_623_840,
+                residual_bytes_per_rank=0)
     base["pass"] = "fwd"
     kernel = dict(granularity=512, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push", ring_slots=2)
     rows = [{**base, "kernel": kernel, "scratch_bytes_per_rank": 100_000_000},
@@ -558,7 +560,11 @@ def test_table_and_memory_lines():
     assert len(lines) == 2  # one per (model, tokens)
     assert "kimi-k2 E/32 T=2048" in lines[0] and "workspace 117.7 MB" in lines[0]
     assert "scratch 100.0 MB..369.2 MB over 2 kernel settings" in lines[0] and "residuals 0 B" in lines[0]
+    assert "backward scratch 991.6 MB (per call)" in lines[0]  # the same for both settings: one figure
     assert "T=4096" in lines[1] and "scratch 5.0 kB" in lines[1]
+    # mok-ring's settings can differ in whether the backward takes the kept g, u as its own scratch
+    ring = [{**rows[0], "impl": "mok-ring"}, {**rows[1], "impl": "mok-ring", "backward_scratch_bytes_per_rank": 5_000}]
+    assert "backward scratch 5.0 kB..991.6 MB over 2 kernel settings (per call)" in report.format_memory(ring)
     assert report.format_memory([{**rows[0], "impl": "xla", "kernel": None}]) == ""
     for impl, kept in (("mok-ring", "the forward's bf16 g, u of the ring's tokens"), ("mok-keep", "the forward's bf16"),
                        ("mok", "the forward's bf16 g, u of the rows a balanced routing fills")):

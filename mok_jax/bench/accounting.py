@@ -306,13 +306,17 @@ def fp8_weight_bytes_per_rank(shape: BenchShape) -> int:
 
 def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str | None = None,
                         precision: str = "bf16") -> dict[str, int | None]:
-    """Device memory of one mok forward call per rank, in bytes (None where the native library that sizes it
-    is missing or the kernel does not support the call):
+    """Device memory of one mok layer per rank, in bytes (None where the native library that sizes it is missing
+    or the kernel does not support the call):
 
     workspace_bytes_per_rank: the symmetric workspace (mok_jax.workspace.CommConfig.workspace_bytes) of a layer
         sized for this call (max_tokens = tokens); it lives as long as the layer.
     scratch_bytes_per_rank: the per-call scratch XLA allocates for the kernel (mok_jax.ops.moe_forward.scratch_bytes:
         the ring of kernel.ring_slots microbatches dominates); freed when the call ends.
+    backward_scratch_bytes_per_rank: the scratch of its backward's experts op per call (mok_jax.memory's "backward"
+        terms: the op's row buffers over M = ep T k + 128 L rows, its g, u scratch none where XLA hands it the kept
+        buffer); freed when the call ends. From the formulas (tests/test_memory_formula.py checks them against the
+        op), so known without the native library.
     residual_bytes_per_rank: what the forward keeps for a backward pass beyond its inputs: 0 with
         MoEConfig(keep="nothing") (its custom_vjp saves only x, the routing and the weights, and its backward
         recomputes the experts from them); with keep="everything" ("mok-keep") the g, u in the backward's rows, bf16
@@ -323,6 +327,7 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str | None
         (fp8_weight_bytes_per_rank): a copy beside the bf16 ones, made by the caller once per optimizer step;
         None for bf16. The scratch is then the FP8 ring's (E4M3 rows and their scales).
     """
+    from mok_jax import memory
     from mok_jax.config import MoEConfig
     from mok_jax.layer import kept_rows
     from mok_jax.ops.moe_forward import scratch_bytes
@@ -334,7 +339,12 @@ def mok_memory_per_rank(shape: BenchShape, tokens: int, kernel, keep: str | None
     rows = kept_rows(keep, kernel, tokens=tokens, top_k=shape.top_k, local_experts=shape.experts_per_gpu,
                      ep=shape.num_gpus)
     fp8 = precision == "fp8"
+    terms = memory.layer_memory_per_rank(ep=shape.num_gpus, tokens=tokens, hidden=shape.hidden_size,
+                                         inter=shape.intermediate_size, shared_inter=shape.shared_size,
+                                         top_k=shape.top_k, local_experts=shape.experts_per_gpu, kernel=kernel,
+                                         keep=keep)
     out: dict[str, int | None] = {"workspace_bytes_per_rank": None, "scratch_bytes_per_rank": None,
+                                  "backward_scratch_bytes_per_rank": memory.group_totals(terms)["backward"],
                                   "residual_bytes_per_rank": rows * 2 * shape.intermediate_size * KEPT_GU_BYTES,
                                   "fp8_weight_bytes_per_rank": fp8_weight_bytes_per_rank(shape) if fp8 else None}
     try:

@@ -64,8 +64,8 @@ RESULT_KEYS = (
     # capacity baseline
     "capacity", "dropped_slots", "dropped_fraction",
     # the megakernel (mok rows): its KernelConfig, where that came from, and its memory per rank in bytes
-    "kernel", "kernel_source", "workspace_bytes_per_rank", "scratch_bytes_per_rank", "residual_bytes_per_rank",
-    "fp8_weight_bytes_per_rank",
+    "kernel", "kernel_source", "workspace_bytes_per_rank", "scratch_bytes_per_rank", "backward_scratch_bytes_per_rank",
+    "residual_bytes_per_rank", "fp8_weight_bytes_per_rank",
     # the FP8 layer (mok-fp8 rows, --dtype fp8) against the bf16 mok measured in the same process
     "bf16_median_ms", "speedup_vs_bf16",
 )
@@ -329,27 +329,33 @@ _KEPT = {  # what each mok implementation's residuals are
 }
 
 
+def _bytes_over_settings(rs: list[dict], key: str) -> str:
+    """``key``'s bytes in the mok rows ``rs`` of one problem: one figure, or the range over their kernel settings (the
+    ring, ring_slots x one microbatch, sets the forward's scratch; with keep="ring" the settings also decide whether
+    the backward takes the kept g, u as its own scratch)."""
+    values = {r.get(key) for r in rs}
+    if len(values) == 1:
+        return format_bytes(next(iter(values)))
+    known = sorted(v for v in values if v is not None)
+    return f"{format_bytes(known[0])}..{format_bytes(known[-1])} over {len(rs)} kernel settings" if known else "?"
+
+
 def format_memory(results: Iterable[dict]) -> str:
-    """One line per (model, tokens) of the mok forward's device memory per rank (from the mok fwd rows)."""
+    """One line per (model, tokens) of a mok layer's device memory per rank (from the mok fwd rows)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         if r["impl"] in _KEPT and r.get("workspace_bytes_per_rank") is not None:
             groups.setdefault((r["model"], r["ep_mode"], r["tokens_per_gpu"], r["impl"]), []).append(r)
     lines = []
     for (model, mode, tokens, impl), rs in groups.items():
-        scratch = {r["scratch_bytes_per_rank"] for r in rs}
-        if len(scratch) == 1:
-            scratch_txt = format_bytes(next(iter(scratch)))
-        else:  # several kernel settings: the ring (ring_slots x one microbatch) sets the scratch
-            known = sorted(v for v in scratch if v is not None)
-            scratch_txt = (f"{format_bytes(known[0])}..{format_bytes(known[-1])} over {len(rs)} kernel settings"
-                           if known else "?")
         workspace = format_bytes(rs[0]["workspace_bytes_per_rank"])
         kept = _KEPT[impl]
         fp8 = rs[0].get("fp8_weight_bytes_per_rank")
         fp8_txt = "" if fp8 is None else f", E4M3 weights {format_bytes(fp8)} (beside the bf16 ones, per layer)"
+        scratch = _bytes_over_settings(rs, "scratch_bytes_per_rank")
+        backward = _bytes_over_settings(rs, "backward_scratch_bytes_per_rank")
         lines.append(f"{impl} memory per rank, {model} {mode} T={tokens}: workspace {workspace} (symmetric, per "
-                     f"layer), scratch {scratch_txt} (per call), residuals "
+                     f"layer), scratch {scratch} (per call), backward scratch {backward} (per call), residuals "
                      f"{format_bytes(rs[0]['residual_bytes_per_rank'])} ({kept}){fp8_txt}")
     return "\n".join(lines)
 
