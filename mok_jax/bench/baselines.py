@@ -58,6 +58,7 @@ Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``,
 from __future__ import annotations
 
 import functools
+import math
 import importlib
 from typing import Callable, NamedTuple
 
@@ -73,8 +74,8 @@ from mok_jax.fp8 import Fp8ExpertWeights, quantize_expert_weights
 from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
 
-__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "TOKAMAX_IMPLEMENTATION", "TOKAMAX_ROW_ALIGN",
-           "MokVariant", "build", "mok", "quantize_weights", "ragged", "reference", "tokamax", "xla_capacity",
+__all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "TOKAMAX_BUFFER_ALIGN", "TOKAMAX_IMPLEMENTATION",
+           "TOKAMAX_ROW_ALIGN", "MokVariant", "build", "mok", "quantize_weights", "ragged", "reference", "tokamax", "xla_capacity",
            "xla_dropless"]
 
 _F32 = jnp.float32
@@ -85,6 +86,9 @@ TOKAMAX_IMPLEMENTATION = "mosaic"
 # and HARDWARE.md records it failing ("rows not a multiple of 8") on kimi-k2's groups of about 2731 rows. The zero
 # rows add at most 7 rows per local expert.
 TOKAMAX_ROW_ALIGN = 8
+# ... and the whole row buffer to a multiple of 64: its backward's kernel tiles the rows by 64 (on the H200:
+# "dimension 1 must have size smaller or a multiple of its tiling 64, but got 16472" for kimi-k2's fwd+bwd).
+TOKAMAX_BUFFER_ALIGN = 64
 MoEFn = Callable[..., tuple[jax.Array, dict]]
 
 
@@ -270,16 +274,18 @@ def _local_rows(flat_e: jax.Array, order: jax.Array, counts: jax.Array, row_alig
 
 
 def _ragged_body(x, topk_idx, topk_weight, weights: MoEWeights, *, axis: str, dot: Callable, row_align: int,
-                 emulate_collective: bool):
+                 emulate_collective: bool, buffer_align: int = 1):
     """Slots sorted by (rank, local expert), each expert's rows padded to a multiple of ``row_align`` (zero rows),
-    ``dot(rows, w, group_sizes)`` (a ragged_dot) for gate_up and down. At EP 1 a gather lays out the rows and
+    the row buffer to a multiple of ``buffer_align`` too, ``dot(rows, w, group_sizes)`` (a ragged_dot) for gate_up
+    and down. At EP 1 a gather lays out the rows and
     another brings them back (no collective); at EP > 1 ragged_all_to_all does."""
     ep, me, num_local = lax.axis_size(axis), lax.axis_index(axis), weights.num_local_experts
     num_experts = ep * num_local
     T, H = x.shape
     k = topk_idx.shape[1]
     pad_rows = num_local * (row_align - 1)  # the most zero rows that padding the local experts' groups adds
-    rows_of = lambda n: -(-n // row_align) * row_align  # noqa: E731  (tokamax: the whole buffer too, not only groups)
+    align = math.lcm(row_align, buffer_align)  # the row buffer's size: a multiple of both (tokamax's kernels)
+    rows_of = lambda n: -(-n // align) * align  # noqa: E731
     with jax.named_scope("dispatch"):
         flat_e = topk_idx.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)  # slots grouped by (dest rank, local expert)
@@ -353,7 +359,7 @@ def tokamax(mesh: Mesh, *, axis: str = "ep", implementation: str | Callable = TO
     callable. Raises ImportError (saying how to install it) when tokamax is not installed."""
     tk = _import_tokamax()
     dot = functools.partial(tk.ragged_dot, implementation=implementation)
-    body = functools.partial(_ragged_body, dot=dot, row_align=TOKAMAX_ROW_ALIGN,
+    body = functools.partial(_ragged_body, dot=dot, row_align=TOKAMAX_ROW_ALIGN, buffer_align=TOKAMAX_BUFFER_ALIGN,
                              emulate_collective=emulate_collective)
     # tokamax's Mosaic GPU ragged_dot has a custom VJP whose weight cotangent does not carry shard_map's varying
     # axes (on the H200: "the bwd rule produced an output of type bfloat16[16,768,2048] corresponding to an input"
