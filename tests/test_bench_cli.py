@@ -297,7 +297,7 @@ def test_a_model_toml_that_cannot_be_read_is_a_usage_error(tmp_path, cpu_devices
     missing = tmp_path / "nope.toml"
     assert cli.main([str(missing), *FAST]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert f"model {str(missing)!r}: " in line and "No such file" in line
+    assert f"model {str(missing)!r}: " in line and "no file" in line
     bad = tmp_path / "bad.toml"
     bad.write_text("name = \"bad\"\nnum_experts = = 8\n")
     assert cli.main([str(bad), *FAST]) == 2
