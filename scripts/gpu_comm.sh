@@ -18,13 +18,13 @@ nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv 2>&1 | tee 
 $PY -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tail -1
 
 echo "== GPU tests (one process, 2 GPUs)"
-timeout -k 10 "$T_TESTS" $PY -m pytest -q -rs -p no:cacheprovider tests/test_comm_gpu.py --timeout=150 \
+timeout -k 10 "$T_TESTS" $PY -m pytest -q -rs -p no:cacheprovider tests/test_comm_multigpu.py --timeout=150 \
   >"$OUT/test_comm_gpu.log" 2>&1
 rc_gpu=$?
 tail -n 40 "$OUT/test_comm_gpu.log"
 
 echo "== multi-process test (2 processes, 1 GPU each)"
-timeout -k 10 "$T_MP" $PY -m pytest -q -rs -p no:cacheprovider tests/test_comm_multiprocess_gpu.py \
+timeout -k 10 "$T_MP" $PY -m pytest -q -rs -p no:cacheprovider tests/test_comm_multiprocess_multigpu.py \
   >"$OUT/test_comm_mp.log" 2>&1
 rc_mp=$?
 tail -n 25 "$OUT/test_comm_mp.log"

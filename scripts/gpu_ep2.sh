@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # EP 2 over real NVLink (issue 13) on the 2-GPU H200 machine (device kind nvidia-h200-x2), in one command:
 #   env        GPUs, NVLink topology, JAX's devices, the native library (carried as build/native)
-#   tests      the fused layer at EP 2 in one process and in one process per GPU (tests/test_moe_multigpu_gpu.py;
+#   tests      the fused layer at EP 2 in one process and in one process per GPU (tests/test_moe_multigpu.py;
 #              its backward over collectives and through the fused EP op), the communication ops on both GPUs (one
 #              process, one process per GPU), the emulated-EP forward tests and the fused EP backward's
 #   fwd        mok-bench, ep64-slice, 2048 tokens per GPU, the four bench models, mok against xla and xla-capacity
@@ -27,8 +27,8 @@ step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import jax, mok_
 for s in ${EP2_STEPS-tests fwd fwd+bwd gran comm_sms comm}; do
   case $s in
     tests) step tests ${TEST_LIMIT:-300} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_COMM_PROCS=2 \
-             $PY -m pytest -q -rs --timeout=200 -p no:cacheprovider tests/test_moe_multigpu_gpu.py tests/test_comm_gpu.py \
-             tests/test_comm_multiprocess_gpu.py tests/test_moe_gpu.py tests/test_moe_backward_gpu.py \
+             $PY -m pytest -q -rs --timeout=200 -p no:cacheprovider tests/test_moe_multigpu.py tests/test_comm_multigpu.py \
+             tests/test_comm_multiprocess_multigpu.py tests/test_moe_gpu.py tests/test_moe_backward_gpu.py \
              -k "multigpu or one_process or comm or emulated_data or emulated_math or emulated_rank or fused" ;;
     fwd) step fwd ${BENCH_BUDGET:-100} "${BENCH[@]}" --model "$MODELS" --impl xla,xla-capacity,mok --pass fwd \
            --time-budget 85 --json "$LOGS/fwd.json" ;;

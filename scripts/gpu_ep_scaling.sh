@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # EP 4 / EP 8 run (issue 5) on the 4- or 8-GPU H200 machine, in one command, under 9 minutes:
 #   1. environment  GPUs, NVLink topology, JAX's devices, the native library (carried as build/native)
-#   2. tests_sp     tests/test_comm_gpu.py, one process driving the GPUs, at every EP size > 2 present
+#   2. tests_sp     tests/test_comm_multigpu.py, one process driving the GPUs, at every EP size > 2 present
 #                   (8 and 4 on 8 GPUs; largest first)
-#   3. tests_mp     tests/test_comm_multiprocess_gpu.py, one process per GPU, same EP sizes
+#   3. tests_mp     tests/test_comm_multiprocess_multigpu.py, one process per GPU, same EP sizes
 #   4. comm_bench   dispatch/combine alone (python -m mok_jax.bench.comm) at every EP size present (2 too),
 #                   2048 tokens/GPU, H 7168, k 8, 6 experts per GPU (kimi-k2 in ep64-slice: 384/64),
 #                   uniform routing, 24 and 32 communication SMs
@@ -86,9 +86,9 @@ print(\"native library:\", native_status())
 '"
 if [[ -n $BIG_SIZES ]]; then
   step tests_sp 180 env MOK_COMM_EP="$BIG_SIZES" XLA_FLAGS=--xla_gpu_autotune_level=0 \
-    "${PYTEST[@]}" tests/test_comm_gpu.py
+    "${PYTEST[@]}" tests/test_comm_multigpu.py
   step tests_mp 100 env MOK_COMM_PROCS="$BIG_SIZES" MOK_COMM_MP_TIMEOUT_S=75 XLA_FLAGS=--xla_gpu_autotune_level=0 \
-    "${PYTEST[@]}" tests/test_comm_multiprocess_gpu.py
+    "${PYTEST[@]}" tests/test_comm_multiprocess_multigpu.py
 fi
 # The benchmarks' own budgets (--budget-s, --time-budget) stop new measurements; what each needs beyond
 # them (start-up, the measurement in flight, writing JSON) is what separates them from the step's limit.
@@ -105,7 +105,7 @@ step layer_bench 150 bash -c 'out=$1; shift; exec "$@" >"$out"' _ "$WORK/layer_b
   --time-budget $((cap > 65 ? cap - 45 : 20)) --json "$WORK/layer_bench.json"
 if [[ ,$MOK_EP_SIZES, == *,2,* ]]; then
   step tests_ep2 120 env MOK_COMM_EP=2 MOK_COMM_PROCS=2 XLA_FLAGS=--xla_gpu_autotune_level=0 \
-    "${PYTEST[@]}" tests/test_comm_gpu.py tests/test_comm_multiprocess_gpu.py
+    "${PYTEST[@]}" tests/test_comm_multigpu.py tests/test_comm_multiprocess_multigpu.py
 fi
 
 # --- summary: step verdicts, test counts per EP size, dispatch/combine per EP size, the layer table ------

@@ -180,10 +180,10 @@ def test_comm_bench_ranks_and_experts():
 
 
 def test_gpu_test_ep_sizes_and_process_counts():
-    """The EP sizes that tests/test_comm_gpu.py and the process counts that
-    tests/test_comm_multiprocess_gpu.py parametrize over (largest first)."""
-    from test_comm_gpu import ep_sizes
-    from test_comm_multiprocess_gpu import proc_counts
+    """The EP sizes that tests/test_comm_multigpu.py and the process counts that
+    tests/test_comm_multiprocess_multigpu.py parametrize over (largest first)."""
+    from test_comm_multigpu import ep_sizes
+    from test_comm_multiprocess_multigpu import proc_counts
 
     assert ep_sizes("", 0) == [8, 4, 2]  # sizes above the GPU count are collected, then skipped
     assert ep_sizes("", 2) == [8, 4, 2] and ep_sizes("", 8) == [8, 4, 2] and ep_sizes("", 16) == [16, 8, 4, 2]

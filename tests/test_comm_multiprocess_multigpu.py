@@ -1,7 +1,7 @@
 """Multi-process backend of the comm workspace: N processes with 1 GPU each under jax.distributed
 (local coordinator), the workspace regions shared through CUDA IPC handles that Workspace.create
 exchanges with process_allgather. Each process checks its own rank's outputs bitwise against the
-numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_gpu.py PID PORT [N]``.
+numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_multigpu.py PID PORT [N]``.
 
 N (the EP size): ``MOK_COMM_PROCS`` (comma-separated, largest run first; ``all`` = the GPU count),
 default 2; a count above the GPU count is skipped with the reason. scripts/gpu_ep_scaling.sh sets it

@@ -7,7 +7,7 @@ backward over XLA collectives against emulated_moe_backward, which runs the same
 collectives replaced by what they compute) the router weights' and the routed experts' weights', bit for bit.
 The shared expert's backward is XLA matmuls, which XLA may compile differently in the two programs: dx (which
 adds the shared expert's) and the shared weights' gradients are compared per row within bf16 roundings.
-The same file is the worker of the one-process-per-GPU case: ``python tests/test_moe_multigpu_gpu.py PID PORT``.
+The same file is the worker of the one-process-per-GPU case: ``python tests/test_moe_multigpu.py PID PORT``.
 """
 
 from __future__ import annotations
