@@ -1,4 +1,5 @@
-"""Test setup: 8 host devices for the multi-device CPU tests, and GPU markers that skip with a reason."""
+"""Test setup: 8 host devices for the multi-device CPU tests, GPU markers that skip with a reason, and seeds that a
+failing test's report names (MOK_TEST_SEED)."""
 
 import os
 
@@ -70,6 +71,57 @@ def gpu_kernels():
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
+
+
+# Seeds (tests/helpers.py, "Seeds a failed GPU run can reproduce"): the base seed and the seeds a test drew through
+# the ``seed`` fixture, kept on its item for the failure report.
+_SEEDS_DRAWN = pytest.StashKey[tuple]()
+
+
+@pytest.fixture
+def seed(request):
+    """``seed(today)``: the seed a test written with the fixed seed ``today`` draws its inputs from: ``today`` itself
+    unless MOK_TEST_SEED is set, else helpers.derived_seed's mix of it with the test's name. A failing test's report
+    names the base seed and what was drawn; JUnit XML carries the base as a property."""
+    from helpers import SEED_ENV, base_seed, derived_seed
+
+    base, drawn = request.node.stash.setdefault(_SEEDS_DRAWN, (base_seed(), {}))
+    request.node.user_properties.append((SEED_ENV, base))
+
+    def draw(today: int) -> int:
+        drawn[today] = derived_seed(request.node.name, today, base)
+        return drawn[today]
+
+    return draw
+
+
+def _seed_report(item) -> str | None:
+    """The failure report's line on seeds: the MOK_TEST_SEED value that draws the test's inputs again, or None for a
+    test that drew none through helpers' seeds."""
+    import sys
+
+    helpers = sys.modules.get("helpers")  # not imported: no test drew a seed through it
+    if helpers is None:
+        return None
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if module in helpers.MODULE_SEEDS:
+        value, what = helpers.MODULE_SEEDS[module], f"the seed of {module}'s inputs"
+    elif _SEEDS_DRAWN in item.stash:
+        value, drawn = item.stash[_SEEDS_DRAWN]
+        pairs = ", ".join(f"{today} -> {s}" for today, s in drawn.items()) or "none yet"
+        what = f"the base of the test's fixed seeds (drawn: {pairs})"
+    else:
+        return None
+    env = helpers.SEED_ENV
+    return f"{env}={value}: {what}. Again: {env}={value} python -m pytest '{item.nodeid}'"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and (line := _seed_report(item)):
+        report.sections.append(("MOK_TEST_SEED", line))
+    return report
 
 
 @pytest.fixture

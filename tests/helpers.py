@@ -92,8 +92,63 @@ def readme_api_names(ep: int = 4) -> dict:
                 weights=type(weights)(*map(bf16, weights)), dy=bf16(dy))
 
 
+# Seeds a failed GPU run can reproduce (issue 35, item 5). One base seed, $MOK_TEST_SEED, reaches every random input
+# of the GPU tests, and a failing test's report names the value that draws its inputs again (conftest.py):
+#     MOK_TEST_SEED=<n> python -m pytest 'tests/<file>::<test>'
+# - A test written with fixed seeds (seed=7, default_rng(tokens)) asks conftest.py's ``seed`` fixture for each:
+#   seed(7) is 7 itself at the base seed 0 (MOK_TEST_SEED unset: the inputs it always drew), else derived_seed's mix
+#   of the base, the test's name and 7.
+# - A module whose cases draw fresh inputs every run takes _SEED = module_seed(__name__): MOK_TEST_SEED when set,
+#   else a fresh seed, as before. Its fixed seeds (nnx.Rngs(0)) stay as written: fixed under any MOK_TEST_SEED, they
+#   reproduce as they are.
+SEED_ENV = "MOK_TEST_SEED"
+MODULE_SEEDS: dict[str, int] = {}  # module name -> the seed module_seed gave it, for the failure report
+
+
+def base_seed() -> int:
+    """$MOK_TEST_SEED, an int in [0, 2^32) (decimal or 0x...), else 0: the base at which every test draws the fixed
+    seeds it was written with."""
+    import os
+
+    text = os.environ.get(SEED_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        seed = int(text, 0)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV}={text!r} is not an integer seed") from None
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"{SEED_ENV}={seed} is outside [0, 2^32)")
+    return seed
+
+
+def derived_seed(name: str, today: int, base: int | None = None) -> int:
+    """The seed that test ``name`` (its own name, parameters included: moving it to another file keeps its seeds)
+    draws where it was written with the fixed seed ``today``: ``today`` itself at the base seed 0, else a 31-bit mix
+    of the base (default: base_seed()), the name and ``today``, so that each test and each of its seeds gets its own
+    and two draws written with the same seed stay equal."""
+    import zlib
+
+    base = base_seed() if base is None else base
+    if base == 0:
+        return today
+    return zlib.crc32(f"{base}/{name}/{today}".encode()) & 0x7FFFFFFF
+
+
+def module_seed(module: str) -> int:
+    """The seed of test module ``module`` whose cases draw fresh random inputs every run: $MOK_TEST_SEED when it is
+    set (a failed run's seed: the same inputs again), else a fresh 32-bit seed. Printed, and named in the report of
+    a failing test of the module (conftest.py)."""
+    import os
+
+    seed = base_seed() if os.environ.get(SEED_ENV, "").strip() else int.from_bytes(os.urandom(4), "little")
+    MODULE_SEEDS[module] = seed
+    print(f"{module}: seed {seed}")
+    return seed
+
+
 def seeded_key(seed: int, tag: str):
-    """A JAX key for case ``tag`` of a run seeded with ``seed`` (the seed is printed by the test module)."""
+    """A JAX key for case ``tag`` of a run seeded with ``seed`` (a module's module_seed)."""
     import zlib
 
     return jax.random.fold_in(jax.random.key(seed), zlib.crc32(tag.encode()) % (2**31))
