@@ -18,11 +18,11 @@ import sys
 import textwrap
 
 import pytest
+from helpers import module_seed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
-_SEED = int.from_bytes(os.urandom(4), "little") % 100000
-print(f"test_command_buffers_gpu: seed {_SEED}")
+_SEED = module_seed(__name__) % 100000  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 
 _STEPS = 5
 

@@ -16,6 +16,7 @@ two runs, and runs on different numbers of SMs, give the same bits; a run throug
 outputs poisoned with NaN bytes writes every byte and matches the XLA run. Set MOK_TEST_METRICS=path to
 append one JSON line of errors per case. Run with XLA_FLAGS=--xla_gpu_autotune_level=0 (the reference's
 dots otherwise autotune for a long time).
+MOK_TEST_SEED=<seed> draws a run's inputs again: a failing test's report names its seed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import record_metrics, seeded_key
+from helpers import module_seed, record_metrics, seeded_key
 
 from mok_jax import _native, fp8, reference
 from mok_jax.config import load_model
@@ -64,8 +65,7 @@ TOL_Y_SAME_PIPELINE = 2.0**-6
 # core's accumulation, in sigma through TC_ACC_REL, and bf16 rounding, ~0.2% against ~6%).
 ROW_SIGMA_FACTOR = 1.0
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_fp8_grouped_ffn_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 
 
 def _record(case: str, **metrics):

@@ -7,6 +7,7 @@ Padding rows must be exactly zero, nothing may be NaN, and status must be 0 unle
 Set MOK_TEST_METRICS=path to append one JSON line of errors per case. Run with
 XLA_FLAGS=--xla_gpu_autotune_level=0 (scripts/gpu_grouped_ffn.sh does): with XLA's GEMM autotuning of the
 reference's dots, each case took ~20 s on an H200 instead of 1-6 s.
+MOK_TEST_SEED=<seed> draws a run's inputs again: a failing test's report names its seed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import record_metrics, seeded_key
+from helpers import module_seed, record_metrics, seeded_key
 
 from mok_jax import _native, reference
 from mok_jax.config import load_model
@@ -39,8 +40,7 @@ ERR_VS_NAIVE_BF16 = 2.0
 # error happens to be small; far below the ~1e-3 that a single wrong row of a group would cause.
 ERR_FLOOR = 1e-4
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_grouped_ffn_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 
 
 def _record(case: str, **metrics):

@@ -13,20 +13,20 @@ token, k = 10, no shared expert) and I not a multiple of the kernel's 256-column
 and three SM counts give the same bits; jax.checkpoint around the layer gives the bits of the plain gradient.
 Before the op gathered its rows itself, the file ran in ~41 s on one H200 (XLA_FLAGS=--xla_gpu_autotune_level=0),
 the worst case at 0.4 of its bound. Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
+MOK_TEST_SEED=<seed> draws a run's inputs again: a failing test's report names its seed.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_NAMES, record_metrics, seeded_key, used_kept_blocks
+from helpers import GRAD_NAMES, module_seed, record_metrics, seeded_key, used_kept_blocks
 
 import mok_jax as mj
 from mok_jax import ops
@@ -72,8 +72,7 @@ ERR_ROW = 4 * 2.0**-8
 # the whole bound; a wrong slot or row is O(1) of the rms.
 ERR_FLOOR = 4 * 2.0**-8
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_moe_backward_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
 

@@ -18,7 +18,6 @@ Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 
 import jax
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import layer_problem, layer_shape, record_metrics, seeded_key
+from helpers import layer_problem, layer_shape, module_seed, record_metrics, seeded_key
 
 import mok_jax as mj
 from mok_jax import fp8, reference
@@ -49,8 +48,7 @@ ROW_BF16_FLOOR = 2.0**-7
 # each by one E4M3 step, within the quantisation error sigma already counts): half a sigma bounds those.
 REF_SIGMA_FACTOR = 0.5
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_moe_fp8_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 
 
 def _record(case: str, **metrics):

@@ -10,20 +10,20 @@ and 8 emulated on one GPU, for every tuning knob. Determinism: the knobs and 1,0
 bitwise-identical outputs. Errors: bad expert ids give NaN rows and InvalidRoutingError, a rank that skips a
 call gives CommTimeoutError; the process survives.
 Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
+MOK_TEST_SEED=<seed> draws a run's inputs again: a failing test's report names its seed.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import (GRAD_NAMES, layer_problem, layer_shape, readme_api_calls, readme_api_names, record_metrics,
-                     seeded_key)
+from helpers import (GRAD_NAMES, layer_problem, layer_shape, module_seed, readme_api_calls, readme_api_names,
+                     record_metrics, seeded_key)
 
 import mok_jax as mj
 from mok_jax import reference
@@ -42,8 +42,7 @@ ERR_VS_NAIVE_BF16 = 2.0
 # small by chance; a wrong 16-byte chunk of a row moves the row's error by ~sqrt(8 / H), 10x more at H 7168.
 ERR_FLOOR = 2.0**-8
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_moe_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 
 
 def _record(case: str, **metrics):

@@ -9,21 +9,19 @@ arguments, and ``jax.jit`` callers on meshes of Auto and of Explicit axes. Gradi
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import program_problem, seeded_key
+from helpers import module_seed, program_problem, seeded_key
 
 import mok_jax as mj
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_programs_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
 
 

@@ -16,13 +16,12 @@ tests/test_moe_backward_gpu.py.
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_NAMES, TOL_F32_REORDER, program_problem, seeded_key
+from helpers import GRAD_NAMES, TOL_F32_REORDER, module_seed, program_problem, seeded_key
 from jax.ad_checkpoint import checkpoint_name
 
 import mok_jax as mj
@@ -52,8 +51,7 @@ REMAT_GRAD_TOL = 4 * 2.0**-8
 # on the H200 it came within 1.1x of 2e-5 (f32 reordering alone) per row: 2^-12 leaves room, a wrong row is O(1).
 REMAT_ROUTER_TOL = 2.0**-12
 
-_SEED = int.from_bytes(os.urandom(4), "little")
-print(f"test_programs_grad_gpu: seed {_SEED}")
+_SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
 MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
