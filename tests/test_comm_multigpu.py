@@ -7,7 +7,9 @@ rank and token) against two oracles: the numpy loops and the pure-JAX reference
 ``[ep4]``, ``[ep8]``): by default 8, 4, 2 and the GPU count, largest first (so a run cut short loses
 the EP 2 cases, which the 2-GPU machine already covers); sizes above the GPU count are skipped with
 the reason. ``MOK_COMM_EP=4,2`` (or ``all`` = the GPU count) picks the sizes. Run on the 2-GPU machine
-by scripts/gpu_comm.sh, on the 4- and 8-GPU machines by scripts/gpu_ep_scaling.sh.
+by scripts/gpu_comm.sh, on the 4- and 8-GPU machines by scripts/gpu_ep_scaling.sh. Each test's routing and
+rows come from the seeds it was written with, through conftest.py's ``seed`` fixture: others of its own under
+MOK_TEST_SEED=<n>, which a failing test's report names.
 """
 
 from __future__ import annotations
@@ -194,41 +196,41 @@ CASES = [  # (routing kind, tokens, top_k)
 
 
 @pytest.mark.parametrize("kind,tokens,k", CASES)
-def test_dispatch_combine_bitwise(ws, kind, tokens, k):
+def test_dispatch_combine_bitwise(ws, kind, tokens, k, seed):
     ep = ws.config.ep
-    idx, w = routing_case(kind, ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens)
-    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=tokens)
+    idx, w = routing_case(kind, ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=seed(tokens))
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(tokens))
     layout, y = expected(x, idx, w)
     check(run(ws, x, idx, w), layout, y, f"{kind} T={tokens} k={k}")
 
 
-def test_full_hidden_size_and_few_sms(mesh):
+def test_full_hidden_size_and_few_sms(mesh, seed):
     """H = 7168 (the benchmark's rows), uniform k = 8, and 3 communication blocks."""
     tokens, k, ep = 256, 8, mesh.devices.size
     with _create(mesh, hidden=7168, max_tokens=tokens, top_k=k) as big:
-        idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=7)
-        x = self_identifying_tokens(ep, tokens, 7168, seed=7)
+        idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=seed(7))
+        x = self_identifying_tokens(ep, tokens, 7168, seed=seed(7))
         layout, y = expected(x, idx, w)
         check(run(big, x, idx, w, num_sms=3), layout, y, "H=7168")
 
 
-def test_workspace_kernel_config_sets_the_defaults(mesh):
+def test_workspace_kernel_config_sets_the_defaults(mesh, seed):
     """Calls that name no mode and no SM count run the workspace's KernelConfig (here push dispatch, pull
     combine, 3 communication blocks: none of them the defaults), bitwise as the oracles say."""
     tokens, k, ep = 200, 8, mesh.devices.size
     kernel = KernelConfig(comm_sms_fwd=3, dispatch="push", combine="pull")
     with _create(mesh, kernel=kernel) as tuned:
         assert (tuned.config.num_sms, tuned.config.dispatch_mode, tuned.config.combine_mode) == (3, "push", "pull")
-        idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=11)
-        x = self_identifying_tokens(ep, tokens, HIDDEN, seed=11)
+        idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=seed(11))
+        x = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(11))
         layout, y = expected(x, idx, w)
         check(run(tuned, x, idx, w, modes=((None, None),)), layout, y, "workspace kernel config")
 
 
-def test_thousand_calls_back_to_back(ws):
+def test_thousand_calls_back_to_back(ws, seed):
     tokens, k, ep = 64, 8, ws.config.ep
-    idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=3)
-    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=3)
+    idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=seed(3))
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(3))
     _, y_ref = expected(x, idx, w)
     f = comm_fn(ws, modes=(("pull", "push"),))
     args = (jnp.asarray(_flat(x)), jnp.asarray(_flat(idx)), jnp.asarray(_flat(w)))
@@ -250,13 +252,13 @@ def test_thousand_calls_back_to_back(ws):
         assert after[r]["combine_epoch"] - before[r]["combine_epoch"] == 1000
 
 
-def test_two_workspaces_in_one_jit(mesh):
+def test_two_workspaces_in_one_jit(mesh, seed):
     tokens, ep = 96, mesh.devices.size
     with _create(mesh) as a, _create(mesh) as b:
-        xa = self_identifying_tokens(ep, tokens, HIDDEN, seed=11)
-        xb = self_identifying_tokens(ep, tokens, HIDDEN, seed=12)
-        ia, wa = routing_case("uniform", ep=ep, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=11)
-        ib, wb = routing_case("zipf", ep=ep, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=12)
+        xa = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(11))
+        xb = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(12))
+        ia, wa = routing_case("uniform", ep=ep, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=seed(11))
+        ib, wb = routing_case("zipf", ep=ep, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=seed(12))
 
         def body(x1, i1, w1, x2, i2, w2):
             r1, l1 = ops.dispatch(a, x1, i1, w1)
@@ -275,12 +277,12 @@ def test_two_workspaces_in_one_jit(mesh):
         b.check()
 
 
-def test_setup_teardown_setup_and_rank_order(mesh):
+def test_setup_teardown_setup_and_rank_order(mesh, seed):
     """Close frees everything and a new workspace works; EP rank follows the mesh, not the CUDA
     ordinal (the second mesh lists the GPUs in reverse order: GPU ep-1 is rank 0)."""
     tokens, ep = 50, mesh.devices.size
-    idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=5)
-    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=5)
+    idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=8, num_experts=EXPERTS, seed=seed(5))
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(5))
     layout, y = expected(x, idx, w)
     first = _create(mesh)
     check(run(first, x, idx, w), layout, y, "first workspace")
@@ -293,7 +295,7 @@ def test_setup_teardown_setup_and_rank_order(mesh):
         check(run(second, x, idx, w), layout, y, "second workspace, reversed mesh")
 
 
-def test_timeout_when_a_rank_skips_the_call(mesh, ws):
+def test_timeout_when_a_rank_skips_the_call(mesh, ws, seed):
     """Rank 0 skips dispatch: every other rank times out (no hang, no crash), its status names the op,
     the rank that detected it and the awaited peer, check() raises, and the next call fails in the
     handler with the reason.
@@ -303,8 +305,8 @@ def test_timeout_when_a_rank_skips_the_call(mesh, ws):
     is some rank in [1, ep), the same in a rank's status and in check()'s message, and the awaited
     peer is always rank 0 (every rank waits for its peers in rank order and rank 0 never comes)."""
     tokens, ep = 32, mesh.devices.size
-    idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=9)
-    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=9)
+    idx, w = routing_case("uniform", ep=ep, tokens=tokens, top_k=4, num_experts=EXPERTS, seed=seed(9))
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(9))
     args = (jnp.asarray(_flat(x)), jnp.asarray(_flat(idx)), jnp.asarray(_flat(w)))
     short = _create(mesh, timeout_s=0.25)
     try:
@@ -341,13 +343,13 @@ def test_timeout_when_a_rank_skips_the_call(mesh, ws):
     finally:
         short.close()
     # the other workspace is untouched
-    idx2, w2 = routing_case("uniform", ep=ep, tokens=40, top_k=8, num_experts=EXPERTS, seed=10)
-    x2 = self_identifying_tokens(ep, 40, HIDDEN, seed=10)
+    idx2, w2 = routing_case("uniform", ep=ep, tokens=40, top_k=8, num_experts=EXPERTS, seed=seed(10))
+    x2 = self_identifying_tokens(ep, 40, HIDDEN, seed=seed(10))
     layout, y = expected(x2, idx2, w2)
     check(run(ws, x2, idx2, w2), layout, y, "after another workspace timed out")
 
 
-def test_two_ep_groups_on_a_dp_axis(mesh):
+def test_two_ep_groups_on_a_dp_axis(mesh, seed):
     """Mesh ("dp", "ep") = (2, ep/2): two EP groups (of one rank each at EP 2), each with its own
     peer table; the ops of one group never see the other's tokens (rows name their global rank)."""
     tokens, k, experts = 60, 4, 8
@@ -357,8 +359,8 @@ def test_two_ep_groups_on_a_dp_axis(mesh):
         pytest.skip(f"{n} GPUs do not split into 2 EP groups over {experts} experts (not a pass)")
     dp_mesh = Mesh(np.array(list(mesh.devices.flat)).reshape(2, group), ("dp", "ep"))
     spec = P(("dp", "ep"))
-    idx, w = routing_case("zipf", ep=n, tokens=tokens, top_k=k, num_experts=experts, seed=31)
-    x = self_identifying_tokens(n, tokens, HIDDEN, seed=31)
+    idx, w = routing_case("zipf", ep=n, tokens=tokens, top_k=k, num_experts=experts, seed=seed(31))
+    x = self_identifying_tokens(n, tokens, HIDDEN, seed=seed(31))
     with Workspace.create(dp_mesh, "ep", max_tokens=tokens, hidden_size=HIDDEN, top_k=k, num_experts=experts,
                           timeout_s=TIMEOUT_S) as one:
         assert one.config.ep == group
@@ -385,13 +387,13 @@ def test_two_ep_groups_on_a_dp_axis(mesh):
 
 @pytest.mark.parametrize("kind,tokens,k,dmode", [("uniform", 300, 8, "pull"), ("zipf", 257, 8, "push"),
                                                  ("with-invalid", 100, 6, "pull")])
-def test_token_major_dispatch(ws, kind, tokens, k, dmode):
+def test_token_major_dispatch(ws, kind, tokens, k, dmode, seed):
     """token_major: one row per (source rank, token) at s*T + t (zeros where this rank holds none of
     its experts); gathering it by row_source gives the expert-major rows, and combine on those rows
     gives the same bits as the reference."""
     ep = ws.config.ep
-    idx, w = routing_case(kind, ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=tokens + 1)
-    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=tokens + 1)
+    idx, w = routing_case(kind, ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=seed(tokens + 1))
+    x = self_identifying_tokens(ep, tokens, HIDDEN, seed=seed(tokens + 1))
     layout, y_ref = expected(x, idx, w)
 
     def body(xs, i, ww):

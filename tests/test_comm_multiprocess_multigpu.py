@@ -1,7 +1,8 @@
 """Multi-process backend of the comm workspace: N processes with 1 GPU each under jax.distributed
 (local coordinator), the workspace regions shared through CUDA IPC handles that Workspace.create
 exchanges with process_allgather. Each process checks its own rank's outputs bitwise against the
-numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_multigpu.py PID PORT [N]``.
+numpy oracles. The same file is the worker: ``python tests/test_comm_multiprocess_multigpu.py PID PORT [N [SEED]]``
+(SEED: of the routing and rows, default 21; the test passes its ``seed`` fixture's draw of 21).
 
 N (the EP size): ``MOK_COMM_PROCS`` (comma-separated, largest run first; ``all`` = the GPU count),
 default 2; a count above the GPU count is skipped with the reason. scripts/gpu_ep_scaling.sh sets it
@@ -43,7 +44,7 @@ def proc_counts(env: str | None = None, num_gpus: int | None = None) -> list[int
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("num_procs", proc_counts(), ids=lambda n: f"{n}procs")
-def test_processes_one_gpu_each(num_procs):
+def test_processes_one_gpu_each(num_procs, seed):
     from mok_jax._native import library, native_status
 
     if num_procs < 2:
@@ -59,14 +60,15 @@ def test_processes_one_gpu_each(num_procs):
     port = free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    runs = run_processes([[sys.executable, __file__, str(i), str(port), str(num_procs)] for i in range(num_procs)],
-                         env=env, cwd=REPO, timeout=WORKER_TIMEOUT_S)
+    argv = [str(port), str(num_procs), str(seed(21))]
+    runs = run_processes([[sys.executable, __file__, str(i), *argv] for i in range(num_procs)], env=env, cwd=REPO,
+                         timeout=WORKER_TIMEOUT_S)
     for i, (rc, out) in enumerate(runs):
         assert rc == 0, f"process {i} failed (rc {rc}):\n{out[-4000:]}"
         assert f"MP_OK process {i}" in out, out[-4000:]
 
 
-def _worker(pid: int, port: int, num_procs: int) -> None:
+def _worker(pid: int, port: int, num_procs: int, data_seed: int) -> None:
     import jax
 
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_procs, process_id=pid,
@@ -85,8 +87,8 @@ def _worker(pid: int, port: int, num_procs: int) -> None:
     mesh = Mesh(np.array(devices), ("ep",))
     rank = list(mesh.devices.flat).index(jax.local_devices()[0])
     ep, tokens, k, experts, hidden = num_procs, 200, 8, EXPERTS, 264
-    idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=experts, seed=21)
-    x = self_identifying_tokens(ep, tokens, hidden, seed=21)
+    idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=experts, seed=data_seed)
+    x = self_identifying_tokens(ep, tokens, hidden, seed=data_seed)
     layout = dispatch_layout_numpy(x, idx, w, experts)[rank]
     y_ref = dispatch_combine_identity_numpy(x, idx, w, experts)[rank]
     sharding = NamedSharding(mesh, P("ep"))
@@ -124,4 +126,5 @@ def _worker(pid: int, port: int, num_procs: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2,
+            int(sys.argv[4]) if len(sys.argv) > 4 else 21)

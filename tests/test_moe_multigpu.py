@@ -7,7 +7,8 @@ backward over XLA collectives against emulated_moe_backward, which runs the same
 collectives replaced by what they compute) the router weights' and the routed experts' weights', bit for bit.
 The shared expert's backward is XLA matmuls, which XLA may compile differently in the two programs: dx (which
 adds the shared expert's) and the shared weights' gradients are compared per row within bf16 roundings.
-The same file is the worker of the one-process-per-GPU case: ``python tests/test_moe_multigpu.py PID PORT``.
+The same file is the worker of the one-process-per-GPU case: ``python tests/test_moe_multigpu.py PID PORT [SEED]``
+(SEED: of the problem, default 2; the test passes its ``seed`` fixture's draw of 2).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _compare(y, grads, y_ref, grads_ref, rows=slice(None)):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_ep2_one_process_driving_both_gpus(two_gpus, monkeypatch, fused):
+def test_ep2_one_process_driving_both_gpus(two_gpus, monkeypatch, fused, seed):
     """Both GPUs from one process: the layer's y and gradients against the emulation's. fused: the layer's
     backward through the fused EP op (its rows over NVLink inside the kernel) rather than XLA collectives; the
     same bits either way."""
@@ -128,7 +129,7 @@ def test_ep2_one_process_driving_both_gpus(two_gpus, monkeypatch, fused):
     import jax
 
     monkeypatch.setattr(importlib.import_module("mok_jax.layer"), "_FUSED_EP_BACKWARD", fused)
-    x, idx, w, W, dy = _problem(seed=1)
+    x, idx, w, W, dy = _problem(seed=seed(1))
     gpus = _gpus()[:EP]
     y_ref, g_ref = _emulated(x, idx, w, W, dy, gpus[0])
     mesh = jax.make_mesh((EP,), ("ep",), devices=gpus)
@@ -138,26 +139,26 @@ def test_ep2_one_process_driving_both_gpus(two_gpus, monkeypatch, fused):
     _compare(y, grads, y_ref, g_ref)
 
 
-def test_ep2_one_process_per_gpu(two_gpus):
+def test_ep2_one_process_per_gpu(two_gpus, seed):
     from helpers import free_port, run_processes  # not at the top: the workers import this file before JAX starts
 
     port = free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", NCCL_NVLS_ENABLE="0",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    runs = run_processes([[sys.executable, __file__, str(i), str(port)] for i in range(EP)], env=env, cwd=REPO,
-                         timeout=WORKER_TIMEOUT_S)
+    runs = run_processes([[sys.executable, __file__, str(i), str(port), str(seed(2))] for i in range(EP)], env=env,
+                         cwd=REPO, timeout=WORKER_TIMEOUT_S)
     for i, (rc, out) in enumerate(runs):
         assert rc == 0 and f"MOK_EP2_OK process {i}" in out, f"process {i} (rc {rc}):\n{out[-4000:]}"
 
 
-def _worker(pid: int, port: int) -> None:
+def _worker(pid: int, port: int, data_seed: int) -> None:
     import jax
 
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=EP, process_id=pid, local_device_ids=[pid],
                                initialization_timeout=120)
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    x, idx, w, W, dy = _problem(seed=2)
+    x, idx, w, W, dy = _problem(seed=data_seed)
     mesh = jax.make_mesh((EP,), ("ep",), devices=jax.devices())
     rank = list(mesh.devices.flat).index(jax.local_devices()[0])
     y_ref, g_ref = _emulated(x, idx, w, W, dy, jax.local_devices()[0])  # both ranks on this process's GPU
@@ -183,4 +184,4 @@ def _worker(pid: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)

@@ -13,9 +13,9 @@ TOL_GPU_VS_CPU_F32 = 1e-4
 
 
 @pytest.mark.gpu
-def test_reference_layer_on_gpu_matches_cpu():
+def test_reference_layer_on_gpu_matches_cpu(seed):
     shape = mj.load_model("ci")
-    x, idx, w, W = random_problem(shape, 256, seed=30)
+    x, idx, w, W = random_problem(shape, 256, seed=seed(30))
     with jax.default_matmul_precision("highest"):
         y_gpu = jax.device_get(jax.jit(mj.moe)(*jax.device_put((x, idx, w, W), jax.devices("gpu")[0])))
         y_cpu = jax.device_get(jax.jit(mj.moe)(*jax.device_put((x, idx, w, W), jax.devices("cpu")[0])))

@@ -10,9 +10,9 @@ from helpers import random_problem, rel_err
 
 
 @pytest.mark.multigpu
-def test_expert_parallel_reference_on_two_gpus():
+def test_expert_parallel_reference_on_two_gpus(seed):
     shape = mj.load_model("ci")
-    x, idx, w, W = random_problem(shape, 128, dtype=jnp.bfloat16, seed=31)
+    x, idx, w, W = random_problem(shape, 128, dtype=jnp.bfloat16, seed=seed(31))
     mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("gpu")[:2])
     host = jax.tree.map(np.asarray, (x, idx, w, W))  # uncommitted inputs: expert_parallel_moe lays them out
     got = jax.jit(lambda *a: mj.expert_parallel_moe(*a, mesh=mesh))(*host)

@@ -2,7 +2,8 @@
 with its own environment: the layer and a large workspace work under JAX's default preallocation; a workspace larger
 than what XLA left raises WorkspaceMemoryError and the process goes on; a program compiled against a closed
 workspace, against an id this process never created, or exported from another process is refused by its handler
-with that message. The same file is the GPU worker: ``python tests/test_workspace_lifetime_gpu.py CASE [ARGS]``.
+with that message. The same file is the GPU worker: ``python tests/test_workspace_lifetime_gpu.py CASE SEED [ARGS]``
+(SEED: of the layer's problem; each test passes its ``seed`` fixture's draw of 3).
 The CPU side (ids, the native registry, create / close against a fake library): tests/test_workspace_lifetime.py.
 """
 
@@ -25,38 +26,38 @@ LAYER_REL_TOL = 5e-2
 # --- GPU: run in subprocesses, each with JAX's default memory settings unless the case sets one ---------------
 
 
-def _gpu_case(case: str, *args: str, **env) -> str:
+def _gpu_case(case: str, data_seed: int, *args: str, **env) -> str:
     from helpers import gpu_skip_reason
 
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    r = _run([__file__, case, *args], **env)
+    r = _run([__file__, case, str(data_seed), *args], **env)
     assert r.returncode == 0 and f"CASE_OK {case}" in r.stdout, (r.returncode, r.stdout[-3000:], r.stderr[-5000:])
     return r.stdout
 
 
 @pytest.mark.gpu
-def test_gpu_default_preallocation_layer_and_workspace_memory():
-    _gpu_case("preallocated")
+def test_gpu_default_preallocation_layer_and_workspace_memory(seed):
+    _gpu_case("preallocated", seed(3))
 
 
 @pytest.mark.gpu
-def test_gpu_closed_and_unknown_ids_refused_by_the_handler():
-    _gpu_case("refused")
+def test_gpu_closed_and_unknown_ids_refused_by_the_handler(seed):
+    _gpu_case("refused", seed(3))
 
 
 @pytest.mark.gpu
-def test_gpu_program_exported_from_another_process_is_refused(tmp_path):
+def test_gpu_program_exported_from_another_process_is_refused(tmp_path, seed):
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers (not a pass)")
     blob = tmp_path / "moe.jax_export"
-    out = _gpu_case("export", str(blob))
+    out = _gpu_case("export", seed(3), str(blob))
     exported_id = int(next(line for line in out.splitlines() if line.startswith("WS_ID")).split()[1])
-    out = _gpu_case("replay", str(blob), str(exported_id))
+    out = _gpu_case("replay", seed(3), str(blob), str(exported_id))
     assert "REFUSED" in out
 
 
-def _layer_problem():
+def _layer_problem(data_seed: int):
     import jax.numpy as jnp
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -66,7 +67,7 @@ def _layer_problem():
 
     shape = ModelShape(name="t", num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
                        num_shared_experts=0, shared_intermediate_size=0)
-    return random_problem(shape, 64, dtype=jnp.bfloat16, seed=3)
+    return random_problem(shape, 64, dtype=jnp.bfloat16, seed=data_seed)
 
 
 def _check_layer(y, problem):
@@ -90,13 +91,13 @@ def _layer_fn(**config):
     return jax.jit(lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg))
 
 
-def _worker(case: str, args: list[str]) -> None:
+def _worker(case: str, data_seed: int, args: list[str]) -> None:
     import jax
 
     import mok_jax as mj
     from mok_jax import workspace as w
 
-    problem = _layer_problem()
+    problem = _layer_problem(data_seed)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("ep",))
     if case == "preallocated":
         assert not any(os.environ.get(k) for k in XLA_MEMORY_ENV), "must run with JAX's default preallocation"
@@ -173,4 +174,4 @@ def _worker(case: str, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2:])
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
