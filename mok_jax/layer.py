@@ -63,10 +63,10 @@ class KeptGateUp(NamedTuple):
     """What implementation='mok' keeps with MoEConfig(keep="everything"), and "balanced" at EP 1: gu bf16[M, 2I],
     the forward's fp32 gate/up accumulators (g | u), rounded to bf16, of every slot of this rank's experts, in the
     rows of ``layout`` (the padded expert-major layout its backward runs on; rows no slot takes are not written: the
-    backward op zeroes the padding rows it reads). With keep="ring" and tokens past the ring, gu is bf16[ep T' k, 2I], those of
-    the slots of the ring's T' tokens per rank; with "balanced" at EP > 1, bf16[T k + 128 L, 2I], the layout's first
-    rows; then ``row`` int32[M] gives each layout row's row of gu (-1: none, the backward recomputes it); else row
-    is None."""
+    backward op zeroes the padding rows it reads). With keep="ring" and tokens past the ring, gu is bf16[ep T' k,
+    2I], those of the slots of the ring's T' tokens per rank; with "balanced" at EP > 1, bf16[T k + 128 L, 2I], the
+    layout's first rows; then ``row`` int32[M] gives each layout row's row of gu (-1: none, the backward recomputes
+    it); else row is None."""
 
     gu: jax.Array
     layout: PaddedLayout

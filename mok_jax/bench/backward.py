@@ -212,7 +212,8 @@ def table(res: dict) -> str:
                      f"{c['fwd']['ms'] / df:>7.3f}x {dfb:>9.3f} {fb:>8.3f} {fb / dfb:>7.3f}x {rc:>9.3f} "
                      f"{rc / dfb:>7.3f}x {fb - c['fwd']['ms']:>7.3f} {c['experts op']['ms']:>7.3f} "
                      f"{c['op_flops'] / c['experts op']['ms'] / 1e9:>8.0f} {c['fwd+bwd keep']['ms']:>8.3f} "
-                     f"{c['kept_bytes'] / 1e6:>8.0f} {c['fwd+bwd ring']['ms']:>8.3f} {c['ring_kept_bytes'] / 1e6:>8.0f}")
+                     f"{c['kept_bytes'] / 1e6:>8.0f} {c['fwd+bwd ring']['ms']:>8.3f} "
+                     f"{c['ring_kept_bytes'] / 1e6:>8.0f}")
         for label in ("items", "items kept"):
             if c.get(label):
                 parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}" for n, v in c[label].items()

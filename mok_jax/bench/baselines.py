@@ -75,8 +75,8 @@ from mok_jax.sharding import place
 from mok_jax.weights import MoEWeights
 
 __all__ = ["BASELINES", "IMPLEMENTATIONS", "MOK_IMPLEMENTATIONS", "TOKAMAX_BUFFER_ALIGN", "TOKAMAX_IMPLEMENTATION",
-           "TOKAMAX_ROW_ALIGN", "MokVariant", "build", "mok", "quantize_weights", "ragged", "reference", "tokamax", "xla_capacity",
-           "xla_dropless"]
+           "TOKAMAX_ROW_ALIGN", "MokVariant", "build", "mok", "quantize_weights", "ragged", "reference", "tokamax",
+           "xla_capacity", "xla_dropless"]
 
 _F32 = jnp.float32
 # tokamax's kernel: its Pallas Mosaic GPU ragged_dot (the sm90 kernel on an H200), asked for by name so that it

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 __all__ = ["DenseProblem", "dense_ffn", "dense_groups", "dense_problem", "dense_step"]
 
 
-def dense_groups(tokens: int, top_k: int, intermediate: int, shared_intermediate: int = 0) -> tuple[tuple[int, int], ...]:
+def dense_groups(tokens: int, top_k: int, intermediate: int,
+                 shared_intermediate: int = 0) -> tuple[tuple[int, int], ...]:
     """The dense FFNs of a rank's forward FLOPs: ((rows, intermediate size), ...). One FFN over T k (+ T) rows when
     the shared expert (if any) has the routed intermediate size, else a second one over the T tokens."""
     if min(tokens, top_k, intermediate) <= 0 or shared_intermediate < 0:
