@@ -248,6 +248,15 @@ def test_mok_memory_per_rank():
     assert fp8["workspace_bytes_per_rank"] == m["workspace_bytes_per_rank"]
 
 
+def test_kept_gu_bytes_are_the_kernels_dtype():
+    """accounting counts the kept g, u in the dtype the kernels store them in (it imports no jax at its own import)."""
+    import jax.numpy as jnp
+
+    from mok_jax.validation import KEPT_GU_DTYPE
+
+    assert acc.KEPT_GU_BYTES == jnp.dtype(KEPT_GU_DTYPE).itemsize
+
+
 def test_mok_keep_residuals_are_the_kept_bf16_gate_up_rows():
     """mok-keep (MoEConfig(keep="everything")) keeps bf16 [ep T k + 128 L, 2I] per rank, the default ("balanced")
     bf16 [T k + 128 L, 2I] whatever the EP size, keep="nothing" none."""

@@ -54,6 +54,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     import jax.numpy as jnp
 
     from mok_jax import ops, tuning
+    from mok_jax.bench.accounting import KEPT_GU_BYTES
     from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
     from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
     from mok_jax.config import MoEConfig
@@ -105,9 +106,9 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
            "fwd+bwd ring": _timed(grad_ring, (x, idx, w, W, dy), timing_kw),
            "shared_in_op": bool(default),
            "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
-           "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * 2,
+           "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES,
            "ring_tokens": tokens - t0,
-           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * 2,
+           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES,
            "experts op": _timed(op, op_args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
     _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*op_args)
