@@ -1,4 +1,4 @@
-"""Workspace ids, memory and teardown (mok_jax/workspace.py, ffi/src/workspace.cu).
+"""Workspace ids, memory and teardown (mok_jax/workspace/, ffi/src/workspace.cu).
 
 CPU: ids are positive int64, unique in a process and across processes (fresh interpreters, and two
 jax.distributed processes that agree on process 0's id for a workspace spanning them); the native registry
@@ -21,6 +21,9 @@ import numpy as np
 import pytest
 from helpers import free_port, run_processes
 
+from mok_jax import workspace as w
+from mok_jax.workspace import cache as wcache, core as wcore, native as wnative
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SUBPROCESS_TIMEOUT_S = 240
 INT64_MAX = 2**63 - 1
@@ -42,68 +45,62 @@ def _run(args: list[str], **env) -> subprocess.CompletedProcess:
 
 
 def _tag(ws_id: int) -> int:
-    from mok_jax import workspace as w
 
-    return ws_id >> w._ID_COUNTER_BITS
+    return ws_id >> wcore._ID_COUNTER_BITS
 
 
 # --- ids ---------------------------------------------------------------------------------------------------
 
 
 def test_ids_are_positive_int64_increasing_with_one_tag():
-    from mok_jax import workspace as w
 
-    ids = [w._new_id() for _ in range(1000)]
+    ids = [wcore._new_id() for _ in range(1000)]
     assert all(0 < i <= INT64_MAX for i in ids)
     assert ids == sorted(set(ids)), "ids must be strictly increasing: never reused"
-    assert {_tag(i) for i in ids} == {w._id_tag} and w._id_tag > 0
+    assert {_tag(i) for i in ids} == {wcore._id_tag} and wcore._id_tag > 0
     assert np.asarray(ids, np.int64).tolist() == ids  # what the custom call attribute carries
 
 
 def test_id_range_bounds():
-    from mok_jax import workspace as w
 
-    assert w._ID_TAG_BITS + w._ID_COUNTER_BITS == 63
-    largest = (((1 << w._ID_TAG_BITS) - 1) << w._ID_COUNTER_BITS) | ((1 << w._ID_COUNTER_BITS) - 1)
+    assert wcore._ID_TAG_BITS + wcore._ID_COUNTER_BITS == 63
+    largest = (((1 << wcore._ID_TAG_BITS) - 1) << wcore._ID_COUNTER_BITS) | ((1 << wcore._ID_COUNTER_BITS) - 1)
     assert largest == INT64_MAX
-    assert all(1 <= w._draw_tag() < 1 << w._ID_TAG_BITS for _ in range(1000))
+    assert all(1 <= wcore._draw_tag() < 1 << wcore._ID_TAG_BITS for _ in range(1000))
 
 
 def test_id_counter_exhaustion_raises(monkeypatch):
-    from mok_jax import workspace as w
 
-    monkeypatch.setattr(w, "_id_counter", itertools.count((1 << w._ID_COUNTER_BITS) - 1))
-    assert w._new_id() & ((1 << w._ID_COUNTER_BITS) - 1) == (1 << w._ID_COUNTER_BITS) - 1
+    monkeypatch.setattr(wcore, "_id_counter", itertools.count((1 << wcore._ID_COUNTER_BITS) - 1))
+    assert wcore._new_id() & ((1 << wcore._ID_COUNTER_BITS) - 1) == (1 << wcore._ID_COUNTER_BITS) - 1
     with pytest.raises(w.CommError, match="workspaces, the most its ids can tell apart"):
-        w._new_id()
+        wcore._new_id()
 
 
 def test_forked_child_draws_a_new_tag(monkeypatch):
-    from mok_jax import workspace as w
 
-    before = w._new_id()
+    before = wcore._new_id()
     for name in ("_id_tag", "_id_counter", "_id_lock"):  # restored after the test
-        monkeypatch.setattr(w, name, getattr(w, name))
-    w._reseed_ids_after_fork()  # what os.register_at_fork runs in a child
-    after = w._new_id()
+        monkeypatch.setattr(wcore, name, getattr(wcore, name))
+    wcore._reseed_ids_after_fork()  # what os.register_at_fork runs in a child
+    after = wcore._new_id()
     assert _tag(after) != _tag(before) and after != before
 
 
 def test_ids_differ_across_fresh_processes():
-    from mok_jax import workspace as w
 
-    code = "from mok_jax.workspace import _new_id; print(_new_id(), _new_id(), _new_id())"
+    code = "from mok_jax.workspace.core import _new_id; print(_new_id(), _new_id(), _new_id())"
     runs = [_run(["-c", code]) for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     a, b = ([int(t) for t in r.stdout.split()] for r in runs)
-    mine = [w._new_id() for _ in range(3)]
+    mine = [wcore._new_id() for _ in range(3)]
     for ids in (a, b):
         assert all(0 < i <= INT64_MAX for i in ids) and len({_tag(i) for i in ids}) == 1
     assert len({_tag(a[0]), _tag(b[0]), _tag(mine[0])}) == 3
     assert not set(a) & set(b) and not set(a) & set(mine) and not set(b) & set(mine)
     # The counters restart in every process: with a plain counter these ids would have been equal.
-    assert [i & ((1 << w._ID_COUNTER_BITS) - 1) for i in a] == [1, 2, 3]
+    assert [i & ((1 << wcore._ID_COUNTER_BITS) - 1) for i in a] == [1, 2, 3]
 
 
 _AGREE_WORKER = """
@@ -111,9 +108,9 @@ import sys, jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 pid, port = int(sys.argv[1]), int(sys.argv[2])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
-from mok_jax import workspace as w
-mine = w._new_id()
-print("IDS", mine, w._agreed_id(mine), flush=True)
+from mok_jax.workspace import core as wcore
+mine = wcore._new_id()
+print("IDS", mine, wcore._agreed_id(mine), flush=True)
 jax.distributed.shutdown()
 """
 
@@ -140,18 +137,16 @@ def test_processes_agree_on_process0_id():
 
 def _native_or_skip():
     from mok_jax import _native
-    from mok_jax import workspace as w
 
     if _native.library() is None:
         pytest.skip(f"native library unavailable (not a pass): {_native.native_status()}")
-    return w._host_lib()
+    return wnative._host_lib()
 
 
 def test_registry_refuses_an_unknown_id_naming_the_cache_and_the_remedy():
-    from mok_jax import workspace as w
 
     _native_or_skip()
-    ws_id = w._new_id()
+    ws_id = wcore._new_id()
     why = w.lookup_error(ws_id, 0)
     assert f"mok workspace {ws_id} does not exist in this process" in why
     for phrase in ("persistent compilation cache", "another process", "Create the workspace in this process first"):
@@ -159,10 +154,9 @@ def test_registry_refuses_an_unknown_id_naming_the_cache_and_the_remedy():
 
 
 def test_registry_refuses_a_closed_id_and_never_reallocates_it():
-    from mok_jax import workspace as w
 
     lib = _native_or_skip()
-    ws_id = w._new_id()
+    ws_id = wcore._new_id()
     lib.mok_comm_free(ws_id)
     why = w.lookup_error(ws_id, 3)
     assert f"mok workspace {ws_id} was closed in this process" in why and "jax.clear_caches()" in why, why
@@ -176,12 +170,12 @@ def test_registry_refuses_a_closed_id_and_never_reallocates_it():
 
 _EXIT_WORKER = """
 from mok_jax import workspace as w
-from mok_jax.workspace import CommConfig, Workspace
-lib = w._host_lib()
+from mok_jax.workspace import CommConfig, Workspace, cache as wcache, core as wcore, native as wnative
+lib = wnative._host_lib()
 cfg = CommConfig(ep=1, max_tokens=8, hidden_size=8, top_k=1, num_experts=1)
 for n in range(3):  # open (never closed) workspaces in the layer's cache at exit
-    w._cached(("exit", n), 8, lambda: Workspace(ws_id=w._new_id(), config=cfg, mesh=None, axis_name=None, local=[]))
-gone = w._new_id()
+    wcache._cached(("exit", n), 8, lambda: Workspace(ws_id=wcore._new_id(), config=cfg, mesh=None, axis_name=None, local=[]))
+gone = wcore._new_id()
 lib.mok_comm_free(gone)
 assert "closed" in w.lookup_error(gone, 0)
 print("EXIT_OK", len(w.cached_workspaces()), flush=True)
@@ -265,14 +259,13 @@ class FakeLib:
 @pytest.fixture
 def fake(monkeypatch):
     """A fake native library, a recorded drain, and an empty layer cache, all restored afterwards."""
-    from mok_jax import workspace as w
 
     lib = FakeLib()
     drained = []
-    monkeypatch.setattr(w, "_lib", lambda: lib)
-    monkeypatch.setattr(w, "_drain", lambda devices: drained.append(sorted(d.local_hardware_id for d in devices)))
-    monkeypatch.setattr(w, "_cache", {})
-    monkeypatch.setattr(w, "_superseded", [])
+    monkeypatch.setattr(wcore, "_lib", lambda: lib)
+    monkeypatch.setattr(wcore, "_drain", lambda devices: drained.append(sorted(d.local_hardware_id for d in devices)))
+    monkeypatch.setattr(wcache, "_cache", {})
+    monkeypatch.setattr(wcache, "_superseded", [])
     lib.drained = drained
     return lib
 
@@ -332,10 +325,10 @@ def _fake_processes(monkeypatch, peer_failed: bool, agreed_id: int):
     """This process is 0 of 2; the peer (process 1) holds EP rank 1, its handle bytes all 9."""
     from jax.experimental import multihost_utils
 
-    from mok_jax import workspace as w
+
 
     barriers = []
-    monkeypatch.setattr(w, "_agreed_id", lambda ws_id: agreed_id)
+    monkeypatch.setattr(wcore, "_agreed_id", lambda ws_id: agreed_id)
 
     def allgather(tree):
         handles, present, failed = tree
@@ -384,7 +377,7 @@ def test_create_emulated_out_of_memory_counts_every_rank(fake):
 
 
 def test_out_of_memory_message_reports_the_settings():
-    from mok_jax.workspace import _out_of_memory_message
+    from mok_jax.workspace.errors import _out_of_memory_message
 
     msg = _out_of_memory_message("here", 3 * 2**20, "CUDA said no", env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
     assert msg.startswith("here: the workspace needs 3145728 bytes (3.0 MiB) of GPU memory")
@@ -396,12 +389,11 @@ def test_out_of_memory_message_reports_the_settings():
 def test_layer_cache_supersedes_lists_and_closes(fake, monkeypatch, cpu_devices):
     """moe_workspace caches per key; a larger request replaces the cached one (which stays open and listed);
     closing one drops it from the cache; close_cached_workspaces closes the rest."""
-    from mok_jax import workspace as w
 
     made = []
 
     def fake_create(mesh, axis_name="ep", **kw):
-        ws = w.Workspace(ws_id=w._new_id(), config=w.CommConfig(ep=mesh.shape[axis_name], **kw), mesh=mesh,
+        ws = w.Workspace(ws_id=wcore._new_id(), config=w.CommConfig(ep=mesh.shape[axis_name], **kw), mesh=mesh,
                          axis_name=axis_name, local=[])
         made.append(ws)
         return ws
@@ -426,10 +418,9 @@ def test_layer_cache_supersedes_lists_and_closes(fake, monkeypatch, cpu_devices)
 
 
 def test_drain_runs_on_host_devices(cpu_devices):
-    from mok_jax import workspace as w
 
-    w._drain(set(cpu_devices[:3]))  # a trivial program per device, then wait; nothing to raise
-    w._drain(set())
+    wcore._drain(set(cpu_devices[:3]))  # a trivial program per device, then wait; nothing to raise
+    wcore._drain(set())
 
 
 def _packed(code: int, op: int, rank: int = 0, peer: int = 1, epoch: int = 7) -> int:
@@ -442,12 +433,11 @@ def test_error_text_tells_call_errors_from_poison():
     import ctypes
 
     from mok_jax import _native
-    from mok_jax import workspace as w
 
     lib = _native.library()
     if lib is None:
         pytest.skip("the native library is not built here (not a pass)")
-    w._declare(lib)  # the text comes from host code: no GPU needed
+    wnative._declare(lib)  # the text comes from host code: no GPU needed
 
     def describe_error(word: int) -> str:
         buf = ctypes.create_string_buffer(1024)

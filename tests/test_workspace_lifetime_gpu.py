@@ -1,4 +1,4 @@
-"""Workspace memory and teardown on the GPU (mok_jax/workspace.py, ffi/src/workspace.cu), in subprocesses, each
+"""Workspace memory and teardown on the GPU (mok_jax/workspace/, ffi/src/workspace.cu), in subprocesses, each
 with its own environment: the layer and a large workspace work under JAX's default preallocation; a workspace larger
 than what XLA left raises WorkspaceMemoryError and the process goes on; a program compiled against a closed
 workspace, against an id this process never created, or exported from another process is refused by its handler
@@ -96,6 +96,7 @@ def _worker(case: str, data_seed: int, args: list[str]) -> None:
 
     import mok_jax as mj
     from mok_jax import workspace as w
+    from mok_jax.workspace import core as wcore
 
     problem = _layer_problem(data_seed)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("ep",))
@@ -133,7 +134,7 @@ def _worker(case: str, data_seed: int, args: list[str]) -> None:
         _check_layer(layer(*problem), problem)  # retraced: a new workspace
         (ws2,) = w.cached_workspaces()
         assert ws2.id != ws.id
-        stranger = w.Workspace(ws_id=w._new_id(), config=ws2.config, mesh=ws2.mesh, axis_name=ws2.axis_name,
+        stranger = w.Workspace(ws_id=wcore._new_id(), config=ws2.config, mesh=ws2.mesh, axis_name=ws2.axis_name,
                                local=ws2._local)  # never allocated: an id this process does not hold
         f = jax.jit(lambda x, i, wt, W: mj.moe(x, i, wt, W, config=mj.MoEConfig(implementation="mok",
                                                                                workspace=stranger)))

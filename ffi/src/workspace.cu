@@ -1,7 +1,7 @@
 // Host side of the symmetric workspace (mok/comm/workspace.cuh): allocation, peer mapping, kernel
 // preloading, error reporting and teardown, as plain C functions that Python calls through ctypes.
 //
-// Life cycle, per workspace id and EP group (Python: mok_jax/workspace.py):
+// Life cycle, per workspace id and EP group (Python: mok_jax/workspace/core.py):
 //   1. mok_comm_alloc     on every local rank: cudaMalloc one region of make_layout().total_bytes,
 //                         zero it, a host-mapped pinned error word, a device peer table, preload every
 //                         comm kernel on that device (lazy loading can deadlock a kernel that spins on
@@ -22,7 +22,7 @@
 // Memory: every region is a plain cudaMalloc, outside XLA's pool, so it comes out of what XLA's
 // preallocation (by default 75% of the GPU) leaves free. A cudaErrorMemoryAllocation anywhere in
 // mok_comm_alloc / mok_comm_alloc_emulated returns kAllocOutOfMemory, the message naming the bytes asked
-// for and the device's free memory; Python adds the remedy (mok_jax/workspace.py).
+// for and the device's free memory; Python adds the remedy (mok_jax/workspace/errors.py).
 //
 // The registry is allocated once and never destroyed: XLA threads may still run a handler while the
 // process exits, after static destructors would have run.
@@ -69,7 +69,7 @@ std::mutex& g_mu = *new std::mutex;                                           //
 std::map<Key, std::unique_ptr<RankEntry>>& g_entries = *new std::map<Key, std::unique_ptr<RankEntry>>;
 std::set<int64_t>& g_closed = *new std::set<int64_t>;                         // ids freed in this process
 
-// Return codes of mok_comm_alloc / mok_comm_alloc_emulated (mok_jax/workspace.py: _ALLOC_*).
+// Return codes of mok_comm_alloc / mok_comm_alloc_emulated (mok_jax/workspace/errors.py: _ALLOC_*).
 constexpr int32_t kAllocOk = 0, kAllocFailed = 1, kAllocOutOfMemory = 2;
 
 Key key_of(const RankEntry& e) { return Key{e.ws_id, e.device, int64_t(e.rank) + int64_t(e.group) * e.shape.ep}; }

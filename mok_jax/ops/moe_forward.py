@@ -28,7 +28,7 @@ _MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks in ffi/include/mok/moe/forward.cuh
 def _lib():
     """The native library with its ctypes declarations (no GPU needed: scratch sizes are host arithmetic)."""
     from mok_jax import _native
-    from mok_jax.workspace import _declare
+    from mok_jax.workspace.native import _declare
 
     lib = _native.library()
     if lib is None:

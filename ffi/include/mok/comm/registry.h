@@ -6,7 +6,7 @@
 // handlers, which XLA may run concurrently from one thread per device, only look entries up; the
 // registry is guarded by a mutex and an entry's CommView never changes once it is connected.
 //
-// Workspace ids: the int64 that each custom call carries as its ws_id attribute. Python (mok_jax/workspace.py)
+// Workspace ids: the int64 that each custom call carries as its ws_id attribute. Python (mok_jax/workspace/core.py)
 // draws them unique across processes and runs (a random per-process tag in the high bits, a counter in the
 // low bits; always > 0) and never reuses one. A lookup of an id this process does not hold fails with a
 // message that says why: closed here (mok_comm_free remembers every id it freed), held by other devices

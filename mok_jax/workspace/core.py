@@ -1,66 +1,5 @@
-"""Symmetric communication workspaces: set up outside ``jit``, used by the comm ops inside it.
-
-A :class:`Workspace` owns, for one layer instance, one device region per EP rank, laid out at the same
-offsets on every rank (``ffi/include/mok/comm/workspace.cuh``): staging buffers, routing, flags, the
-device-side epoch counters and a poison word. Each rank gets a device table of its peers' base
-addresses. Two backends sit behind the same interface:
-
-* one process driving every GPU of the EP group: per-device ``cudaMalloc`` + peer access;
-* one process per GPU (``jax.distributed``): CUDA IPC handles, exchanged between processes with
-  ``jax.experimental.multihost_utils.process_allgather``.
-
-EP rank = position along the mesh's ``axis_name`` axis; with other mesh axes there are several EP
-groups, each with its own peer table (one workspace covers them all).
-
-Typical use::
-
-    with Workspace.create(mesh, "ep", max_tokens=4096, hidden_size=7168, top_k=8, num_experts=12) as ws:
-        f = jax.jit(jax.shard_map(lambda x, i, w: ops.combine(ws, *ops.dispatch(ws, x, i, w)), ...))
-        y, status = f(x, topk_idx, topk_weight)
-        ws.check()   # raises CommTimeoutError naming the op and the rank if a peer never came
-
-The comm ops' defaults (direction per operator, communication SMs) come from the workspace's
-:class:`mok_jax.KernelConfig` (``Workspace.create(..., kernel=KernelConfig(dispatch="push"))``; None: its
-defaults); a call's own ``mode=`` / ``num_sms=`` wins. The megakernel takes its KernelConfig per call.
-
-Calls on one workspace must happen in the same order on every rank (SPMD programs do this); a rank
-that skips a call makes its peers time out after ``timeout_s``: the op's status output says so, the
-workspace becomes poisoned, :meth:`Workspace.check` raises, and the next call's handler fails.
-
-Ids. Each custom call carries its workspace's id (``Workspace.id``) as an int64 attribute, and its handler
-finds the device regions by that id in the native registry (``ffi/include/mok/comm/registry.h``). An id is
-a random tag of this process (drawn from ``os.urandom`` at import, redrawn in a forked child) in the high
-bits and a counter in the low bits: a positive int64, never reused in the process, different in every other
-process and run (a workspace that spans processes takes process 0's id, so that its processes agree). A
-persistent compilation cache is keyed by the program text, ids included, so a new process misses it and
-compiles its own program rather than replaying another process's; a compiled program that reaches another
-process all the same (a serialized executable, ``jax.export``, a cache shared by hand) names an id that
-process does not hold, and its handler fails with an error saying so rather than binding to an unrelated
-workspace: create the workspace in that process and trace the call there.
-
-Memory. The regions are plain ``cudaMalloc`` allocations outside XLA's pool (they are exported to peer
-processes through CUDA IPC and must outlive any XLA buffer), so they come out of what XLA leaves free. With
-JAX's default preallocation (75% of each GPU at startup) that is a quarter of the GPU, more than a
-workspace needs on a data-centre GPU (2 * ep * max_tokens * hidden_size * 2 bytes per rank, plus at ep > 1
-the fused backward's (2 + top_k) * max_tokens * hidden_size * 2: 1.4 GiB at ep=8, 4096 tokens, hidden 7168,
-top_k 8). Where it does not fit, :meth:`Workspace.create` raises
-:class:`WorkspaceMemoryError` naming the bytes it needed, the device's free memory and the remedy: set
-``XLA_CLIENT_MEM_FRACTION`` (older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``) lower or
-``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX starts, or ask for a smaller workspace.
-
-Lifetime. A workspace holds its memory until :meth:`Workspace.close` (or the end of its ``with`` block);
-nothing frees it behind the caller's back, because compiled programs name it by id only (no reference
-keeps the Python object alive while they run) and closing is collective across processes. ``close``
-waits for the work already dispatched to its devices, frees the regions and removes the id from the
-native registry: a program still compiled against it then fails with an error saying the workspace was
-closed (retrace, e.g. after ``jax.clear_caches()``). The workspaces the layer sets up for itself
-(:func:`moe_workspace`, :func:`local_workspace`, :func:`emulated_workspace`) are cached per (devices,
-shape); :func:`cached_workspaces` lists them and :func:`close_cached_workspaces` closes them all when the
-layer is no longer needed (the next call creates new ones). At process exit nothing is freed from Python:
-no exit hook calls CUDA after JAX may have torn its backends down or runs a cross-process barrier that
-could hang; the CUDA driver reclaims the memory and IPC mappings with the process, and the native registry
-is never destroyed, so an XLA thread still running a handler then finds valid state.
-"""
+"""The symmetric workspace (see the package's docstring): its static shape (:class:`CommConfig`), its ids, and
+:class:`Workspace`, which allocates, connects, checks and closes the device regions."""
 
 from __future__ import annotations
 
@@ -69,7 +8,7 @@ import dataclasses
 import itertools
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -77,9 +16,11 @@ import numpy as np
 
 from mok_jax import _native
 from mok_jax.config import KernelConfig, _require
+from mok_jax.workspace.errors import (_ALLOC_OUT_OF_MEMORY, _TIMEOUT_CODES, CommError, CommTimeoutError,
+                                      InvalidRoutingError, WorkspaceMemoryError, _out_of_memory_message)
+from mok_jax.workspace.native import _declare, _lib, describe_error
 
-__all__ = ["CommConfig", "CommError", "CommTimeoutError", "InvalidRoutingError", "Workspace", "WorkspaceMemoryError",
-           "cached_workspaces", "close_cached_workspaces", "emulated_workspace", "local_workspace", "moe_workspace"]
+__all__ = ["CommConfig", "MODES", "Workspace", "ep_groups"]
 
 MODES: dict[str, int] = {"pull": 0, "push": 1}
 
@@ -87,26 +28,6 @@ MODES: dict[str, int] = {"pull": 0, "push": 1}
 MAX_TOP_K = 32
 MAX_LOCAL_EXPERTS = 2048
 MAX_RANKS = 1024
-# Error codes of the poison word (workspace.cuh ErrorCode).
-_TIMEOUT_CODES = {1, 2, 3, 6}
-
-
-class CommError(RuntimeError):
-    """A communication op failed on the device (see the message for the op and the rank)."""
-
-
-class CommTimeoutError(CommError):
-    """A rank waited longer than ``timeout_s`` for a peer (a peer skipped a call, or hung)."""
-
-
-class WorkspaceMemoryError(CommError, MemoryError):
-    """The GPU had too little free memory for a workspace (the message names the bytes and the remedy)."""
-
-
-class InvalidRoutingError(CommError, ValueError):
-    """A megakernel call met routing it cannot honour: an expert id outside [-1, num_experts) (-1 is a masked
-    slot), or one expert named twice in a token's row past what a ring slot holds. The tokens concerned got
-    NaN rows; the workspace stays usable (the error is reported once)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,48 +105,6 @@ class CommConfig:
                                                 self.num_experts))
 
 
-_declared = False
-_declare_lock = threading.Lock()
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    global _declared
-    with _declare_lock:
-        if _declared:
-            return
-        i32, i64, u64, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
-        lib.mok_comm_workspace_bytes.argtypes = [i32] * 5
-        lib.mok_comm_workspace_bytes.restype = i64
-        lib.mok_comm_ipc_handle_bytes.argtypes = []
-        lib.mok_comm_ipc_handle_bytes.restype = i32
-        lib.mok_comm_alloc.argtypes = [i64, i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_double, i32, p, p, i32]
-        lib.mok_comm_alloc.restype = i32
-        lib.mok_comm_connect.argtypes = [i64, i32, p, p, i32]
-        lib.mok_comm_connect.restype = i32
-        lib.mok_comm_release_peers.argtypes = [i64]
-        lib.mok_comm_release_peers.restype = i32
-        lib.mok_comm_free.argtypes = [i64]
-        lib.mok_comm_free.restype = i32
-        lib.mok_comm_error_word.argtypes = [i64, i32]
-        lib.mok_comm_error_word.restype = u64
-        lib.mok_comm_describe_error.argtypes = [u64, p, i32]
-        lib.mok_comm_describe_error.restype = i32
-        lib.mok_comm_lookup_error.argtypes = [i64, i32, p, i32]
-        lib.mok_comm_lookup_error.restype = i32
-        lib.mok_comm_read_state.argtypes = [i64, i32, p]
-        lib.mok_comm_read_state.restype = i32
-        lib.mok_comm_alloc_emulated.argtypes = [i64, i32, i32, i32, i32, i32, i32, ctypes.c_double, p, i32]
-        lib.mok_comm_alloc_emulated.restype = i32
-        lib.mok_moe_error_words.argtypes = [i64, i32, i32, p]
-        lib.mok_moe_error_words.restype = i32
-        lib.mok_moe_clear_call_error.argtypes = [i64, i32]
-        lib.mok_moe_clear_call_error.restype = i32
-        lib.mok_moe_scratch_bytes.argtypes = [i32] * 12
-        lib.mok_moe_scratch_bytes.restype = i64
-        lib.mok_moe_unsupported.argtypes = [i32] * 11 + [p, i32]
-        lib.mok_moe_unsupported.restype = i32
-        _declared = True
-
 
 # Tuning knobs the workspace once took one by one; KernelConfig holds them now.
 _REMOVED_KNOBS = {"num_sms": "comm_sms_fwd", "dispatch_mode": "dispatch", "combine_mode": "combine"}
@@ -245,60 +124,9 @@ def _kernel_arg(what: str, kernel, removed: dict) -> KernelConfig:
     return kernel
 
 
-def _lib() -> ctypes.CDLL:
-    _native.require_native("mok_jax.Workspace")
-    lib = _native.library()
-    assert lib is not None
-    _declare(lib)
-    return lib
 
-
-def _host_lib() -> ctypes.CDLL:
-    """The native library for the calls that touch no GPU (messages, the registry's bookkeeping)."""
-    lib = _native.library()
-    if lib is None:
-        _native.require_native("mok_jax.workspace")  # raises, naming why the library is missing
-    _declare(lib)
-    return lib
-
-
-def describe_error(word: int) -> str:
-    """The message of a packed error word (the op, the rank that detected it, the awaited peer)."""
-    lib = _lib()
-    buf = ctypes.create_string_buffer(1024)
-    lib.mok_comm_describe_error(ctypes.c_uint64(word), buf, len(buf))
-    return buf.value.decode()
-
-
-def lookup_error(ws_id: int, device_ordinal: int) -> str:
-    """What a handler would say about ``ws_id`` on CUDA device ``device_ordinal``: "" when this process holds a
-    connected workspace there, else the handler's error (an unknown or closed id). No CUDA call."""
-    lib = _host_lib()
-    buf = ctypes.create_string_buffer(2048)
-    lib.mok_comm_lookup_error(int(ws_id), int(device_ordinal), buf, len(buf))
-    return buf.value.decode()
-
-
-# Return codes of mok_comm_alloc / mok_comm_alloc_emulated (ffi/src/workspace.cu: kAlloc*).
-_ALLOC_OUT_OF_MEMORY = 2
-
-# The environment variables that decide how much GPU memory XLA takes at startup, in the order the
-# remedy names them (jaxlib's xla_client reads them; XLA_PYTHON_CLIENT_MEM_FRACTION is the older name).
-_XLA_MEMORY_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                   "XLA_PYTHON_CLIENT_ALLOCATOR")
-
-
-def _out_of_memory_message(where: str, needed_bytes: int, detail: str, env: Mapping[str, str] | None = None) -> str:
-    """The message of a :class:`WorkspaceMemoryError`: what was needed, what CUDA said, why, and what to set."""
-    env = os.environ if env is None else env
-    settings = ", ".join(f"{k}={env[k]}" if env.get(k) else f"{k} unset" for k in _XLA_MEMORY_ENV)
-    return (f"{where}: the workspace needs {needed_bytes} bytes ({needed_bytes / 2**20:.1f} MiB) of GPU memory, "
-            f"which CUDA could not give: {detail}. The workspace is allocated with cudaMalloc, outside XLA's memory "
-            f"pool, from the memory XLA leaves free, and by default JAX preallocates 75% of each GPU when it "
-            f"starts. Leave room for it: before JAX starts (the first jax call in the process), set "
-            f"XLA_CLIENT_MEM_FRACTION (older name XLA_PYTHON_CLIENT_MEM_FRACTION) lower, e.g. 0.6, or "
-            f"XLA_PYTHON_CLIENT_PREALLOCATE=false; or ask for a smaller workspace (max_tokens, hidden_size). "
-            f"This process: {settings}")
+# Called with a workspace that is being closed, before its memory is freed (the layer's cache registers one).
+_on_close: list[Callable[["Workspace"], None]] = []
 
 
 # --- workspace ids (see the module docstring) -----------------------------------------------------------
@@ -527,7 +355,8 @@ class Workspace:
         if self._closed:
             return
         self._closed = True
-        _forget(self)
+        for hook in _on_close:  # the layer's cache drops it (mok_jax.workspace.cache)
+            hook(self)
         lib = _lib()
         _drain({lr.device for lr in self._local})
         lib.mok_comm_release_peers(self.id)
@@ -615,93 +444,3 @@ class Workspace:
         return isinstance(other, Workspace) and other.id == self.id
 
 
-# --- workspaces the layer sets up for itself, once per (devices, shape) --------------------------------
-
-_cache: dict[tuple, Workspace] = {}
-_superseded: list[Workspace] = []  # replaced in _cache by a larger one, still open: compiled programs may name them
-_cache_lock = threading.RLock()  # Workspace.close (which takes it) may run while a caller holds it
-
-
-def _cached(key: tuple, max_tokens: int, make) -> Workspace:
-    """The cached workspace of ``key`` that holds at least ``max_tokens`` tokens per rank, else a new one
-    (an older, smaller one stays open, listed in :func:`cached_workspaces`: compiled programs may still name
-    it)."""
-    with _cache_lock:
-        ws = _cache.get(key)
-        if ws is None or ws.closed or ws.config.max_tokens < max_tokens:
-            new = make()
-            if ws is not None and not ws.closed:
-                _superseded.append(ws)
-            _cache[key] = ws = new
-        return ws
-
-
-def _forget(ws: Workspace) -> None:
-    """Drop ``ws`` from the layer's cache (it is being closed)."""
-    with _cache_lock:
-        for key in [k for k, v in _cache.items() if v is ws]:
-            del _cache[key]
-        _superseded[:] = [w for w in _superseded if w is not ws]
-
-
-def cached_workspaces() -> list[Workspace]:
-    """The open workspaces the layer set up for itself (:func:`moe_workspace`, :func:`local_workspace`,
-    :func:`emulated_workspace`), those still cached and those a larger one replaced, sorted by id."""
-    with _cache_lock:
-        return sorted({id(w): w for w in [*_cache.values(), *_superseded] if not w.closed}.values(),
-                      key=lambda w: w.id)
-
-
-def close_cached_workspaces() -> int:
-    """Close every workspace of :func:`cached_workspaces` (when the layer is no longer needed) and return
-    how many. The next layer call sets up new ones; a program compiled against a closed one fails with an
-    error saying so: call ``jax.clear_caches()`` too if the same jitted functions will run again.
-    Collective across processes when a workspace spans processes: every process calls it (they close in id
-    order, the same on every process for the workspaces they share: those carry process 0's ids)."""
-    victims = cached_workspaces()
-    for ws in victims:
-        ws.close()
-    return len(victims)
-
-
-def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, hidden_size: int, top_k: int,
-                  num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
-                  **removed) -> Workspace:
-    """The workspace the megakernel uses over ``mesh[axis_name]`` for this shape (created on first use,
-    outside jit: call it before tracing, as ``mok_jax.expert_parallel_moe`` does).
-
-    kernel only sets the standalone comm ops' defaults (:class:`CommConfig`): the megakernel takes its
-    resolved KernelConfig per call (``mok_jax.ops.moe_forward``), so its callers leave it None and share one
-    workspace; each other kernel config gets a workspace of its own."""
-    kernel = _kernel_arg("moe_workspace", kernel, removed)
-    key = ("mesh", tuple(d.id for d in np.asarray(mesh.devices).flat), tuple(mesh.axis_names),
-           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts, timeout_s, kernel)
-    return _cached(key, max_tokens, lambda: Workspace.create(
-        mesh, axis_name, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
-        timeout_s=timeout_s, kernel=kernel))
-
-
-def local_workspace(*, max_tokens: int, hidden_size: int, top_k: int, num_experts: int,
-                    kernel: KernelConfig | None = None, **removed) -> Workspace:
-    """An EP-1 workspace on every local GPU (each its own group): what ``mok_jax.moe`` uses without an
-    expert-parallel axis (the kernel then needs only its flags, epoch and error words). kernel: as for
-    :func:`moe_workspace`."""
-    kernel = _kernel_arg("local_workspace", kernel, removed)
-    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    if not gpus:
-        raise CommError("the megakernel needs a CUDA GPU; this JAX sees none")
-    mesh = jax.sharding.Mesh(np.asarray(gpus).reshape(len(gpus), 1), ("local", "ep"))
-    return moe_workspace(mesh, "ep", max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
-                         num_experts=num_experts, kernel=kernel)
-
-
-def emulated_workspace(device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
-                       num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
-                       **removed) -> Workspace:
-    """The cached emulated workspace of ``ep`` ranks on ``device`` for this shape. kernel: as for
-    :func:`moe_workspace` (only the megakernel runs on an emulated workspace, with its own per-call config)."""
-    kernel = _kernel_arg("emulated_workspace", kernel, removed)
-    key = ("emulated", device.id, ep, hidden_size, top_k, num_experts, timeout_s, kernel)
-    return _cached(key, max_tokens, lambda: Workspace.create_emulated(
-        device, ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
-        timeout_s=timeout_s, kernel=kernel))
