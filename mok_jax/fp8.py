@@ -72,6 +72,16 @@ def _scale_of(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, amax * jnp.float32(_INV_E4M3_MAX), 1.0).astype(_F32)
 
 
+def _weight_scale_of(blocks: jax.Array) -> jax.Array:
+    """The scale of each 128 x 128 block of blocks [..., kb, 128, nb, 128]. A block that holds a NaN or an inf gets
+    a NaN scale, so its values quantise to NaN and every product with the block is NaN, as a NaN weight makes the
+    bf16 layer's rows NaN. With _scale_of alone a NaN block quantised with scale 1 (its finite values rounded to
+    E4M3's coarse subnormals; XLA's max may drop a NaN) and an inf block flushed its finite values to 0: wrong
+    numbers, silently. Finite blocks: _scale_of's bits."""
+    finite = jnp.all(jnp.isfinite(blocks), axis=(-3, -1))
+    return jnp.where(finite, _scale_of(jnp.max(jnp.abs(blocks), axis=(-3, -1))), jnp.float32(jnp.nan))
+
+
 def _check(name: str, a, min_ndim: int) -> jax.Array:
     a = jnp.asarray(a)
     if a.ndim < min_ndim:
@@ -83,13 +93,14 @@ def _check(name: str, a, min_ndim: int) -> jax.Array:
 
 def quantize_weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """w: [..., K, N] (e.g. gate_up [E, H, 2I] or down [E, I, H]) -> (q: float8_e4m3fn [..., K, N],
-    scale: f32 [..., ceil(K/128), ceil(N/128)]) with w ~= q * scale of its 128 x 128 block."""
+    scale: f32 [..., ceil(K/128), ceil(N/128)]) with w ~= q * scale of its 128 x 128 block. A block with a NaN or
+    an inf in it comes out all NaN (scale and values): the rows that meet it are NaN, never a silent wrong value."""
     w = _check("w", w, 2)
     *lead, k, n = w.shape
     wp = _pad_to_blocks(w.astype(_F32), (w.ndim - 2, w.ndim - 1))
     kb, nb = _blocks(k), _blocks(n)
     blocks = wp.reshape(*lead, kb, BLOCK, nb, BLOCK)
-    scale = _scale_of(jnp.max(jnp.abs(blocks), axis=(-3, -1)))  # [..., kb, nb]
+    scale = _weight_scale_of(blocks)  # [..., kb, nb]
     q = jnp.clip(blocks * (1.0 / scale)[..., :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(_F8)
     return q.reshape(*lead, kb * BLOCK, nb * BLOCK)[..., :k, :n], scale
 

@@ -70,6 +70,45 @@ def test_zero_block_and_bad_inputs():
         fp8.quantize_rows(jnp.ones((4, 128), jnp.int32))
 
 
+def test_nonfinite_weight_block_quantises_to_nan():
+    """A 128 x 128 block holding a NaN, an inf or a -inf comes out all NaN (scale and values); every other block has
+    the bits of the same weights without the bad ones. (Before, a NaN block got scale 1 and an inf block its finite
+    values flushed to 0.)"""
+    w = _weights(jax.random.key(7), (256, 384))
+    bad = {(0, 0): jnp.nan, (1, 2): jnp.inf, (1, 0): -jnp.inf}  # block -> the value put at one element of it
+    w_bad = w
+    for (bk, bn), v in bad.items():
+        w_bad = w_bad.at[128 * bk + 3, 128 * bn + 5].set(v)
+    q, scale = fp8.quantize_weight_blocks(w_bad)
+    q_ref, scale_ref = fp8.quantize_weight_blocks(w)
+    q, q_ref = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+    scale, scale_ref = np.asarray(scale), np.asarray(scale_ref)
+    for bk in range(2):
+        for bn in range(3):
+            blk = (slice(128 * bk, 128 * bk + 128), slice(128 * bn, 128 * bn + 128))
+            if (bk, bn) in bad:
+                assert np.isnan(scale[bk, bn]) and np.isnan(q[blk]).all(), (bk, bn)
+            else:
+                assert scale[bk, bn].tobytes() == scale_ref[bk, bn].tobytes(), (bk, bn)
+                np.testing.assert_array_equal(q[blk], q_ref[blk])
+
+
+def test_nonfinite_expert_weight_gives_nan_rows_of_that_expert_only():
+    """Through the FP8 grouped FFN's reference: an inf in expert 1's down makes expert 1's rows NaN and leaves
+    expert 0's rows the bits of the clean weights."""
+    e, hidden, inter = 2, 128, 128
+    keys = jax.random.split(jax.random.key(8), 3)
+    gate_up = jax.random.normal(keys[0], (e, hidden, 2 * inter), jnp.float32) * hidden**-0.5
+    down = jax.random.normal(keys[1], (e, inter, hidden), jnp.float32) * inter**-0.5
+    x = jax.random.normal(keys[2], (5, hidden), jnp.float32).astype(jnp.bfloat16)
+    clean = fp8.grouped_ffn_reference(x, [2, 3], fp8.quantize_expert_weights(gate_up, down)).y
+    poisoned = fp8.grouped_ffn_reference(x, [2, 3], fp8.quantize_expert_weights(gate_up, down.at[1, 7, 9].set(jnp.inf))).y
+    clean, poisoned = np.asarray(clean), np.asarray(poisoned)
+    assert np.isnan(poisoned[2:]).all()
+    assert np.isfinite(clean).all()
+    np.testing.assert_array_equal(poisoned[:2], clean[:2])
+
+
 @pytest.mark.parametrize("shape", [(64, 512), (33, 200), (1, 7)])
 def test_rows_round_trip_within_the_e4m3_bound(shape):
     x = _weights(jax.random.key(1), shape).astype(jnp.bfloat16)
