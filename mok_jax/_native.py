@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import sys
 import threading
 import warnings
 
@@ -45,9 +46,8 @@ def _candidates() -> list[pathlib.Path]:
     the source tree's build (scripts/build_native.sh), newest first, so a rebuild is never shadowed."""
     if env := os.environ.get("MOK_JAX_LIB"):
         return [pathlib.Path(env)]
-    import mok_jax
-
-    out = [pathlib.Path(entry) / "_native" / LIBRARY_NAME for entry in getattr(mok_jax, "__path__", [])]
+    package = sys.modules.get(__package__)  # imported before this module; its path has the installed copy's folder
+    out = [pathlib.Path(entry) / "_native" / LIBRARY_NAME for entry in getattr(package, "__path__", [])]
     out.append(pathlib.Path(__file__).resolve().parent.parent / "build" / "native" / LIBRARY_NAME)
     return sorted(out, key=lambda p: p.stat().st_mtime if p.is_file() else 0.0, reverse=True)
 
