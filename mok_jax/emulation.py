@@ -104,9 +104,9 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         fp8 = dict(fp8_weights=Fp8ExpertWeights(*map(per_rank, fp8_weights)))
     layouts, kept = None, {}
     if keep:
-        from mok_jax.layer import _rank_layout
+        from mok_jax.layer import rank_layout
 
-        layouts = [_rank_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
+        layouts = [rank_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
         kept = dict(keep_pos=jnp.stack([lay.pos.reshape(-1) for lay in layouts]), keep_rows=layouts[0].num_rows)
     y, status, *gu = ops.moe_forward(
         ws, per_rank(x).astype(jnp.bfloat16), per_rank(topk_idx), per_rank(topk_weight.astype(jnp.float32)),
@@ -130,13 +130,13 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     """The gradients of implementation='mok' at EP size ``ep``, every rank on one device: (dx, d topk_weight,
     d weights) of the global arrays (shapes as ``emulated_moe``'s, dy: [ep * T, H]).
 
-    ``fused`` (default: the layer's setting, mok_jax.layer._FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
+    ``fused`` (default: the layer's setting, mok_jax.layer.FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
     backward of every rank runs in one launch of the fused expert-parallel op (mok_jax.ops.experts_backward_ep) on
     an emulated workspace (``workspace``, default cached per device, ep and shape), its communication included, as
     each rank runs it under shard_map (mok_jax.layer._routed_backward_fused); ``kernel``'s comm_sms_bwd, num_sms and
     the test mode skip_rank go to it.
 
-    Otherwise rank r's routed backward is mok_jax.layer._routed_backward_rank with ``experts_fn``
+    Otherwise rank r's routed backward is mok_jax.layer.routed_backward_rank with ``experts_fn``
     (mok_jax.ops.experts_backward when None; the tests pass its reference) over every rank's tokens (the
     all-gather's result: the global arrays) and its own experts, and the reduce-scatter becomes the sum of the
     ranks' parts (each slot has one owner: the sum adds zeros), as the layer's collectives path does.
@@ -147,7 +147,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     ``emulated_moe(..., keep=True)`` (MoEConfig(keep="everything")), or None.
     """
     from mok_jax import layer
-    from mok_jax.layer import _drop_invalid_tokens, _finish_backward, _rank_layout, _routed_backward_rank, _slot_sum
+    from mok_jax.layer import drop_invalid_tokens, finish_backward, rank_layout, routed_backward_rank, slot_sum
 
     x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
     dy = jnp.asarray(dy)
@@ -157,7 +157,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     if fused and experts_fn is not None:
         raise ValueError("fused=True runs the fused op; experts_fn replaces the op of the collectives path")
     if fused is None:
-        fused = experts_fn is None and layer._FUSED_EP_BACKWARD
+        fused = experts_fn is None and layer.FUSED_EP_BACKWARD
     if not fused and (skip_rank != -1 or workspace is not None or kernel is not None or num_sms is not None):
         raise ValueError("workspace, kernel, num_sms and skip_rank are arguments of the fused op: pass fused=True")
     if experts_fn is None:
@@ -165,13 +165,13 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         experts_fn = ops.experts_backward
     weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)
     tokens, local = x.shape[0] // ep, num_experts // ep
-    dy = _drop_invalid_tokens(dy, topk_idx, num_experts, x.dtype)
+    dy = drop_invalid_tokens(dy, topk_idx, num_experts, x.dtype)
     w32 = topk_weight.astype(jnp.float32)
     if kept is not None and len(kept) != ep:
         raise ValueError(f"kept must hold the kept g, u of each of the {ep} ranks, got {len(kept)}")
     if fused:
         ws = _emulated_workspace(workspace, device, ep, x, topk_idx, num_experts, timeout_s)
-        layouts = [_rank_layout(topk_idx, local, r) for r in range(ep)] if kept is None else [c.layout for c in kept]
+        layouts = [rank_layout(topk_idx, local, r) for r in range(ep)] if kept is None else [c.layout for c in kept]
         gu = {}
         if kept is not None:
             args = [c.op_args() for c in kept]
@@ -187,7 +187,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         failed = jnp.any(out.status != 0)
         parts = [_Part(out.d_gate_up[r], out.d_down[r]) for r in range(ep)]
     else:
-        parts = [_routed_backward_rank(x, dy, topk_idx, w32, weights.gate_up[r * local:(r + 1) * local],
+        parts = [routed_backward_rank(x, dy, topk_idx, w32, weights.gate_up[r * local:(r + 1) * local],
                                        weights.down[r * local:(r + 1) * local], r, experts_fn,
                                        None if kept is None else kept[r])
                  for r in range(ep)]
@@ -195,9 +195,9 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         for p in parts[1:]:
             dx_slots, dw = dx_slots + p.dx_slots, dw + p.dw
         failed = functools.reduce(jnp.logical_or, [p.status != 0 for p in parts])
-        dx_routed = _slot_sum(dx_slots)
+        dx_routed = slot_sum(dx_slots)
     rows = lambda a, r: a[r * tokens:(r + 1) * tokens]  # noqa: E731
-    per_rank = [_finish_backward(rows(x, r), rows(dy, r), rows(topk_weight, r), weights, rows(dx_routed, r),
+    per_rank = [finish_backward(rows(x, r), rows(dy, r), rows(topk_weight, r), weights, rows(dx_routed, r),
                                          rows(dw, r), failed, parts[r].d_gate_up, parts[r].d_down)
                 for r in range(ep)]
     dx = jnp.concatenate([g[0] for g in per_rank])

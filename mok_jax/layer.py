@@ -203,7 +203,10 @@ def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config):
     return _forward(x, topk_idx, topk_weight, weights, fp8_weights, config)
 
 
-def _rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
+# rank_layout, routed_backward_rank, slot_sum, drop_invalid_tokens, finish_backward and FUSED_EP_BACKWARD: the
+# pieces of the backward that mok_jax.emulation runs rank by rank, shared so that the emulation is the layer's
+# backward and not a copy of it.
+def rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
     """The padded layout of the slots of EP rank ``rank``'s experts [rank * L, (rank + 1) * L) among topk_idx
     (global ids of every rank's tokens, rank-major; every other slot masked): the rows its backward runs on,
     in global (t, j) order within each expert, as the EP-1 layout has them."""
@@ -266,9 +269,9 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config):
     if config.implementation == "mok" and config.keep != "nothing":  # bf16 only (MoEConfig checks)
         ep, num_local = _ep_size(config), weights.num_local_experts
         if ep == 1:
-            layout = _rank_layout(topk_idx, num_local, 0)
+            layout = rank_layout(topk_idx, num_local, 0)
         else:
-            layout = _rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
+            layout = rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
                                   jax.lax.axis_index(config.ep_axis))
         keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout)
         y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows))
@@ -328,7 +331,7 @@ def _to_varying(a: jax.Array, axes: tuple) -> jax.Array:
 
 
 class RoutedBackwardPart(NamedTuple):
-    """One EP rank's share of the routed experts' backward over every rank's tokens (``_routed_backward_rank``):
+    """One EP rank's share of the routed experts' backward over every rank's tokens (``routed_backward_rank``):
     dx_slots: bf16[N, k, H], the dx row of each slot its local experts own (zeros for the others' slots); dw:
     f32[N, k], likewise; d_gate_up, d_down: the local experts' weight gradients; status: the op's."""
 
@@ -339,14 +342,14 @@ class RoutedBackwardPart(NamedTuple):
     status: jax.Array
 
 
-def _routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, experts_fn,
+def routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, experts_fn,
                           kept: KeptGateUp | None = None) -> RoutedBackwardPart:
     """EP rank ``rank``'s routed backward: x, dy: [N, H], topk_idx (global ids): [N, k], topk_weight: f32[N, k]
     of every rank's tokens (N = ep * T, rank-major: the global token order); gate_up, down: its L local experts
-    [rank * L, (rank + 1) * L). Its layout (``_rank_layout``, or the kept one with its g, u) keeps its experts'
+    [rank * L, (rank + 1) * L). Its layout (``rank_layout``, or the kept one with its g, u) keeps its experts'
     slots in global (t, j) order, as the EP-1 layout does, so each slot's dx row and dw and each expert's weight
     gradient are the bits of EP size 1."""
-    layout = _rank_layout(topk_idx, gate_up.shape[0], rank) if kept is None else kept.layout
+    layout = rank_layout(topk_idx, gate_up.shape[0], rank) if kept is None else kept.layout
     gu = {} if kept is None else kept.op_args()
     out = experts_fn(x, dy, topk_weight, layout.pos, layout.src_slot, layout.group_sizes, gate_up, down, **gu)
     # pos is M (one past the rows) for the other ranks' slots: they pick the appended zero row
@@ -358,14 +361,14 @@ def _routed_backward_fused(ws, config: MoEConfig, x, dy, topk_idx, w32, weights:
                            kept: KeptGateUp | None = None):
     """This EP rank's routed backward inside shard_map as one fused kernel (mok_jax.ops.experts_backward_ep): the
     routing (ids and weights, P T k each) is all-gathered over the axis in XLA, each rank lays out its own experts'
-    slots over every rank's tokens as ``_routed_backward_rank`` does (or takes the forward's kept layout), and the
+    slots over every rank's tokens as ``routed_backward_rank`` does (or takes the forward's kept layout), and the
     token rows and the slots' dx rows cross NVLink inside the kernel. Returns its ExpertsBackwardEpOutput (R = 1)."""
     from mok_jax import ops
 
     axis = config.ep_axis
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
     layout = kept.layout if kept is not None else \
-        _rank_layout(gather(topk_idx), weights.num_local_experts, jax.lax.axis_index(axis))
+        rank_layout(gather(topk_idx), weights.num_local_experts, jax.lax.axis_index(axis))
     gu = {} if kept is None else {name: a[None] for name, a in kept.op_args().items()}
     kernel = resolve_kernel(ws, config.kernel, tokens=x.shape[0], hidden=x.shape[1], inter=weights.intermediate_size,
                             top_k=topk_idx.shape[1], local_experts=weights.num_local_experts)
@@ -374,7 +377,7 @@ def _routed_backward_fused(ws, config: MoEConfig, x, dy, topk_idx, w32, weights:
                                    comm_items=kernel.comm_sms_bwd, **gu)
 
 
-def _slot_sum(dx_slots: jax.Array) -> jax.Array:
+def slot_sum(dx_slots: jax.Array) -> jax.Array:
     """f32[N, H]: each token's slot rows [N, k, H] summed in f32 in slot order j = 0..k-1, as the op's slot sum."""
     dx = jnp.zeros(dx_slots.shape[::2], jnp.float32)
     for j in range(dx_slots.shape[1]):
@@ -382,14 +385,14 @@ def _slot_sum(dx_slots: jax.Array) -> jax.Array:
     return dx
 
 
-def _drop_invalid_tokens(dy, topk_idx, num_experts, dtype):
+def drop_invalid_tokens(dy, topk_idx, num_experts, dtype):
     """dy in the compute dtype, zero for a token with an invalid id (its output row is NaN and its gradient
     dropped, as the xla path's jnp.where does)."""
     bad_token = jnp.any(_invalid_ids(topk_idx, num_experts), axis=1)
     return jnp.where(bad_token[:, None], jnp.zeros((), dy.dtype), dy).astype(dtype)
 
 
-def _finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, failed, d_gate_up, d_down,
+def finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, failed, d_gate_up, d_down,
                      shared=None):
     """The gradients from the routed experts' parts: the shared expert's backward added (its dx in f32 before
     the one rounding), NaN where the op failed, every gradient in its primal's dtype. ``shared``: the shared
@@ -422,7 +425,7 @@ _SHARED_IN_OP = False
 # the fused kernel passed its tests on an H200 with every rank emulated on one GPU (emulated EP 2/4/8 the bits of
 # EP 1, with the shared expert and kept g, u; a rank that skips a call times out with its status), ninth session,
 # benchmarks/results/moe_backward_h200.md; it has not yet run over real NVLink (issue 13). Read at trace time.
-_FUSED_EP_BACKWARD = True
+FUSED_EP_BACKWARD = True
 
 
 def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
@@ -434,30 +437,30 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     EP size 1: the op gathers the rows and sums each token's slot rows of dx in f32 in slot order j = 0..k-1.
     The shared expert's backward runs in XLA (``_shared_backward``), or with ``_SHARED_IN_OP`` in the op; either
     way its dx is added in f32 before the one rounding.
-    EP size P > 1, over XLA collectives on the mesh axis (unless _FUSED_EP_BACKWARD: then the fused op,
+    EP size P > 1, over XLA collectives on the mesh axis (unless FUSED_EP_BACKWARD: then the fused op,
     ``_routed_backward_fused``, moves the rows itself and gives the same bits): every rank all-gathers the
     tokens' x, dy, ids and weights (P * T rows), runs the op
-    on the slots of its own experts (``_routed_backward_rank``), and a reduce-scatter brings each token's
+    on the slots of its own experts (``routed_backward_rank``), and a reduce-scatter brings each token's
     per-slot dx rows [T, k, H] (bf16) and router-weight gradients home; every slot has exactly one owner, so the
     sums over ranks only add zeros (exact), and the slot-order f32 sum follows there. The routed gradients are
     then the bits of EP size 1. The shared expert's backward runs per rank on its tokens in XLA
     (``_shared_backward``), its dx added in f32 before the one rounding, its weight gradients summed over the
     ranks (psum). Memory: the gathered rows (2 P T H bf16) and the slot rows (P T k H bf16) per rank.
     """
-    # EP > 1 with the kernels: the fused op (its communication inside) once _FUSED_EP_BACKWARD is on, else (and
+    # EP > 1 with the kernels: the fused op (its communication inside) once FUSED_EP_BACKWARD is on, else (and
     # with an injected experts_fn: the tests' reference) the same math over XLA collectives
     ep = _ep_size(config)
-    fused_ep = ep > 1 and experts_fn is None and _FUSED_EP_BACKWARD
+    fused_ep = ep > 1 and experts_fn is None and FUSED_EP_BACKWARD
     if experts_fn is None:
         from mok_jax import ops
 
         experts_fn = ops.experts_backward
     x, topk_idx, topk_weight, weights, kept, _ = residuals
-    dy = _drop_invalid_tokens(dy, topk_idx, weights.num_local_experts * ep, x.dtype)
+    dy = drop_invalid_tokens(dy, topk_idx, weights.num_local_experts * ep, x.dtype)
     w32 = topk_weight.astype(jnp.float32)
     if ep == 1:
         # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
-        layout = _rank_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
+        layout = rank_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
         extra = {} if kept is None else kept.op_args()
         fused_shared = weights.has_shared and _SHARED_IN_OP
         if fused_shared:
@@ -480,16 +483,16 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     else:
         axis = config.ep_axis
         gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
-        part = _routed_backward_rank(gather(x), gather(dy), gather(topk_idx), gather(w32), weights.gate_up,
+        part = routed_backward_rank(gather(x), gather(dy), gather(topk_idx), gather(w32), weights.gate_up,
                                      weights.down, jax.lax.axis_index(axis), experts_fn, kept)
         # the op's outputs differ per rank: mark them varying before the collectives sum them
         part = jax.tree.map(lambda a: _to_varying(a, (axis,)), part)
         home = lambda a: jax.lax.psum_scatter(a, axis, scatter_dimension=0, tiled=True)  # noqa: E731
-        dx_routed, dw = _slot_sum(home(part.dx_slots)), home(part.dw)
+        dx_routed, dw = slot_sum(home(part.dx_slots)), home(part.dw)
         failed = jax.lax.psum((part.status != 0).astype(jnp.int32), axis) > 0
         d_gate_up, d_down = part.d_gate_up, part.d_down
         shared = None
-    dx, d_topk_weight, d_weights = _finish_backward(x, dy, topk_weight, weights, dx_routed, dw, failed, d_gate_up,
+    dx, d_topk_weight, d_weights = finish_backward(x, dy, topk_weight, weights, dx_routed, dw, failed, d_gate_up,
                                                     d_down, shared)
     d_weights = jax.tree.map(_vary_like, d_weights, weights)
     d_idx = np.zeros(topk_idx.shape, jax.dtypes.float0)

@@ -266,7 +266,7 @@ def assert_same_bits(case: str, got, want) -> None:
 
 
 def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
-    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.layer._FUSED_EP_BACKWARD,
+    """The layer's backward at EP > 1 on CPU: with ``fused`` through the fused op (mok_jax.layer.FUSED_EP_BACKWARD,
     the layer's default), its reference standing in for the kernel (collectives over the mesh axis 'ep' where the
     kernel moves rows over NVLink) and a stand-in for the workspace this machine cannot create; without, over the
     collectives path around the EP-1 op."""
@@ -282,7 +282,7 @@ def use_fused_ep_backward(monkeypatch, ep: int, fused: bool = True) -> None:
                                                                                 axis_name="ep"))
     fake_ws = types.SimpleNamespace(config=types.SimpleNamespace(ep=ep), device_kind=None)
     monkeypatch.setattr(moe_mod, "_workspace", lambda *args: fake_ws)
-    monkeypatch.setattr(moe_mod, "_FUSED_EP_BACKWARD", fused)
+    monkeypatch.setattr(moe_mod, "FUSED_EP_BACKWARD", fused)
 
 
 def ring_part(gu, src_slot, k: int, first: int):

@@ -76,7 +76,7 @@ def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_
     if config.ep_axis is not None:
         gather = lambda a: jax.lax.all_gather(a, config.ep_axis, tiled=True)  # noqa: E731
         xs, ids, rank = gather(x), gather(topk_idx), jax.lax.axis_index(config.ep_axis)
-    layout = moe_mod._rank_layout(ids, L, rank)
+    layout = moe_mod.rank_layout(ids, L, rank)
     with HI():
         gu = _recomputed_gu(xs, weights.gate_up, layout, k)
     pos = layout.pos.reshape(-1)
@@ -162,7 +162,7 @@ def _skewed_problem(T, ep, E=8, k=3, seed=0):
 
 def test_keep_balanced_at_ep_one_is_everything():
     x, idx, w, W, dy = _problem(300)
-    layout = moe_mod._rank_layout(idx, W.num_local_experts, 0)
+    layout = moe_mod.rank_layout(idx, W.num_local_experts, 0)
     keep_pos, rows, row = moe_mod._keep_plan(MoEConfig(implementation="mok"), x, idx, W, layout)
     assert row is None and rows == layout.num_rows == 300 * 3 + 128 * W.num_local_experts
     np.testing.assert_array_equal(np.asarray(keep_pos), np.asarray(layout.pos).reshape(-1))
@@ -185,7 +185,7 @@ def test_keep_balanced_plan_is_bounded_by_the_ep_one_rows(cpu_devices, ep):
 
     def plan(x, idx):
         ids = jax.lax.all_gather(idx, "ep", tiled=True)
-        layout = moe_mod._rank_layout(ids, L, jax.lax.axis_index("ep"))
+        layout = moe_mod.rank_layout(ids, L, jax.lax.axis_index("ep"))
         keep_pos, rows, row = moe_mod._keep_plan(cfg, x, idx, local, layout)
         assert rows == bound
         return keep_pos[None], layout.pos.reshape(1, -1), row[None], layout.src_slot[None], layout.group_sizes[None]
@@ -276,7 +276,7 @@ def test_keep_ring_plan_keeps_the_ring_tokens_slots():
     layout has 128-row blocks of both kinds (copied, recomputed), so the tests below exercise both."""
     T, k, E = 1200, 3, 8
     x, idx, w, W, dy = _problem(T, E=E, k=k)
-    layout = moe_mod._rank_layout(idx, E, 0)
+    layout = moe_mod.rank_layout(idx, E, 0)
     cfg = MoEConfig(implementation="mok", keep="ring", kernel=_RING)
     keep_pos, rows, row = moe_mod._keep_plan(cfg, x, idx, W, layout)
     assert rows == (T - 512) * k < layout.num_rows
@@ -309,7 +309,7 @@ def test_keep_ring_gives_the_gradients_of_recompute(fake_kernels, T, granularity
     x, idx, w, W, dy = _problem(T, seed=ring_slots)
     kernel = mj.KernelConfig(granularity=granularity, ring_slots=ring_slots)
     copied, recomputed = _copied_and_recomputed(MoEConfig(implementation="mok", keep="ring", kernel=kernel), x, idx,
-                                                W, moe_mod._rank_layout(idx, W.num_local_experts, 0))
+                                                W, moe_mod.rank_layout(idx, W.num_local_experts, 0))
     assert copied and recomputed, (copied, recomputed)
     _assert_same(_grads("ring", x, idx, w, W, dy, kernel=kernel), _grads("nothing", x, idx, w, W, dy, kernel=kernel),
                  f"ring_slots={ring_slots}")
@@ -328,7 +328,7 @@ def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused)
 
     def plan(x, idx):
         ids = jax.lax.all_gather(idx, "ep", tiled=True)
-        layout = moe_mod._rank_layout(ids, W.num_local_experts // 2, jax.lax.axis_index("ep"))
+        layout = moe_mod.rank_layout(ids, W.num_local_experts // 2, jax.lax.axis_index("ep"))
         keep_pos, _, row = moe_mod._keep_plan(cfg, x, idx, W, layout)
         return keep_pos[None], layout.src_slot[None], row[None]
 

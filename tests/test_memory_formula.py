@@ -180,7 +180,7 @@ def _backward_call(s: dict, ep: int, m: int, keep: str, kernel: KernelConfig):
 def test_backward_terms_are_the_ops_results_and_operands(monkeypatch, name):
     """Every result the op declares is a backward or gradients term (the g, u scratch 0 where XLA aliases it to the
     kept buffer), each layout operand the layer makes a layout term, and the kept operand the kept term; M is the
-    rows of the layer's own layout (_rank_layout over every rank's ids). For kimi-k2 the op refuses EP 32 and 64
+    rows of the layer's own layout (rank_layout over every rank's ids). For kimi-k2 the op refuses EP 32 and 64
     (M H >= 2^31: its 32-bit offsets); their terms are the formula's, checked here up to EP 16."""
     monkeypatch.setattr(mb, "require_native", lambda what: None)
     s = SHAPES[name]
@@ -188,7 +188,7 @@ def test_backward_terms_are_the_ops_results_and_operands(monkeypatch, name):
     kernel = KernelConfig(granularity=512, ring_slots=2)  # kimi-k2's ring keeps the last 1024 of its 2048 tokens
     refused = set()
     for ep in EPS:
-        m = jax.eval_shape(functools.partial(layer._rank_layout, num_local=L, rank=0), sds((ep * T, k), i32)).src_slot
+        m = jax.eval_shape(functools.partial(layer.rank_layout, num_local=L, rank=0), sds((ep * T, k), i32)).src_slot
         m = m.shape[0]
         assert m == ep * T * k + 128 * L
         for keep in KEEP:

@@ -847,7 +847,7 @@ def test_cotangents_take_their_primals_manual_axes():
 
 def _ep_op_args(R=2, T=24, H=32, I=24, L=2, k=3, seed=0):
     """Arguments of mok_jax.ops.experts_backward_ep for R = EP ranks (the emulated form), each rank's layout of
-    its experts' slots over every rank's tokens (mok_jax.layer._rank_layout)."""
+    its experts' slots over every rank's tokens (mok_jax.layer.rank_layout)."""
     rng = np.random.default_rng(seed)
     E, N = R * L, R * T
     ids = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
@@ -859,7 +859,7 @@ def _ep_op_args(R=2, T=24, H=32, I=24, L=2, k=3, seed=0):
     w = jax.random.uniform(keys[2], (N, k), jnp.float32, 0.2, 1.0)
     gate_up = (jax.random.normal(keys[3], (E, H, 2 * I)) * H**-0.5).astype(jnp.bfloat16)
     down = (jax.random.normal(keys[4], (E, I, H)) * I**-0.5).astype(jnp.bfloat16)
-    layouts = [moe_mod._rank_layout(ids, L, r) for r in range(R)]
+    layouts = [moe_mod.rank_layout(ids, L, r) for r in range(R)]
     per_rank = lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:])  # noqa: E731
     args = (per_rank(x), per_rank(dy), per_rank(ids), jnp.broadcast_to(w, (R, N, k)),
             jnp.stack([lay.src_slot for lay in layouts]), jnp.stack([lay.group_sizes for lay in layouts]),

@@ -529,7 +529,7 @@ def test_keep_ring_gives_the_bits_of_recompute(case, T, granularity, ring_slots)
                        kernel=mj.KernelConfig(granularity=granularity, ring_slots=ring_slots))
     x, idx, w, W, dy = _problem(f"ring:{case}:{T}:{ring_slots}", _shape(E, H, I, k, Is), T, case)
     moe_mod = importlib.import_module("mok_jax.layer")
-    lay = moe_mod._rank_layout(idx, E, 0)
+    lay = moe_mod.rank_layout(idx, E, 0)
     _, rows, row = moe_mod._keep_plan(cfg, x, idx, W, lay)
     blocks = used_kept_blocks(lay.src_slot, row, rows, T * k, lay.group_sizes)
     assert 0 < blocks.sum() < blocks.size, f"{case}: want copied and recomputed blocks, got {blocks}"

@@ -128,7 +128,7 @@ def test_ep2_one_process_driving_both_gpus(two_gpus, monkeypatch, fused, seed):
 
     import jax
 
-    monkeypatch.setattr(importlib.import_module("mok_jax.layer"), "_FUSED_EP_BACKWARD", fused)
+    monkeypatch.setattr(importlib.import_module("mok_jax.layer"), "FUSED_EP_BACKWARD", fused)
     x, idx, w, W, dy = _problem(seed=seed(1))
     gpus = _gpus()[:EP]
     y_ref, g_ref = _emulated(x, idx, w, W, dy, gpus[0])

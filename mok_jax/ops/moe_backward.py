@@ -250,7 +250,7 @@ def experts_backward_ep(
     workspace (every rank on one GPU, one launch). Per rank: x, dy: bf16[T, H], its own tokens; topk_idx: int32[T, k],
     its own tokens' global expert ids; topk_weight: f32[P T, k], every rank's router weights in rank order (the
     all-gather); src_slot: int32[M], group_sizes: int32[L]: its padded layout of the slots of its experts
-    [r L, (r + 1) L) over the P T tokens (``mok_jax.layer._rank_layout``; slot s = t_global k + j); gate_up:
+    [r L, (r + 1) L) over the P T tokens (``mok_jax.layer.rank_layout``; slot s = t_global k + j); gate_up:
     bf16[L, H, 2I], down: bf16[L, I, H]; gu or gu_part, gu_part_row: its kept g | u in that layout, as
     experts_backward takes them (with R leading).
 
