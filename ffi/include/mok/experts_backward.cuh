@@ -76,9 +76,10 @@
 // (kBwdDone, stamped by the rank's last CTA to exit), so no row is overwritten while a peer reads it. Every
 // cross-rank wait is bounded by the workspace's timeout and stops on its poison word; a failed wait poisons the
 // workspace and sets kExpertsBackwardStatusComm | kStatusWaitTimeout, and the kernel stops early. Two limits:
-// the waits inside a rank (an item for an earlier one, the TMA stage ring) keep their own 10 s bound, so a peer
-// more than 10 s late fails the call (with kStatusWaitTimeout alone) even under a longer workspace timeout; and
-// an owner whose group sizes are bad sends no rows, so its peers' slot sums then read their buffers' previous
+// the waits inside a rank for an earlier item are bounded by max(10 s, 4 x the workspace's timeout) at EP > 1 (so
+// that a late peer is named by the peer wait first), but the TMA stage ring's waits keep their own 10 s bound, so
+// a peer more than 10 s late can fail the call (with kStatusWaitTimeout alone) under a longer workspace timeout;
+// and an owner whose group sizes are bad sends no rows, so its peers' slot sums then read their buffers' previous
 // contents: check every rank's status (the layer ORs them over the axis and gives NaN gradients).
 //
 // status (written every call: zeroed by the launcher, bits or-ed in): 0, or kGroupedFfnStatus* bits (bad
