@@ -79,3 +79,28 @@ def test_clock_samples_parse_mhz_watts_and_reasons():
     got = clk.summary()
     assert (got["sm_mhz"], got["sm_mhz_min"], got["watts"]) == (1500.0, 1215.0, 290.0)
     assert got["clock_reasons"] == ["sw power cap", "sw thermal"]
+
+
+def test_op_args_and_item_ms_as_the_bench_uses_them():
+    """The op's arguments are the layer's at EP 1 (the padded layout of the routing, f32 weights, the shared
+    expert's weights), and the counters become ms per SM."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mok_jax.bench.breakdown import _problem
+    from mok_jax.expert_layout import padded_layout
+    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
+
+    m, x, idx, w, W, _ = _problem("ci", 32, 0, 4)
+    dy = jnp.ones_like(x)
+    (xa, dya, w32, pos, src_slot, sizes, gu, dn), shared = backward.op_args(x, dy, idx, w, W)
+    lay = padded_layout(idx, 4, block=EXPERTS_BACKWARD_GROUP_ALIGN)
+    assert xa is x and dya is dy and gu is W.gate_up and dn is W.down and w32.dtype == jnp.float32
+    for got, want in ((pos, lay.pos), (src_slot, lay.src_slot), (sizes, lay.group_sizes)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert set(shared) == ({"shared_gate_up", "shared_down"} if W.has_shared else set())
+    ns = np.zeros((2, len(ITEM_KINDS)), np.uint64)
+    ns[0, 1], ns[1, 2] = 132_000_000, 264_000_000  # summed over 132 CTAs (the CPU has no core count)
+    ms = backward.item_ms(ns)
+    assert list(ms) == list(ITEM_KINDS)
+    assert ms[ITEM_KINDS[1]] == {"busy_ms": 1.0, "wait_ms": 0.0} and ms[ITEM_KINDS[2]]["wait_ms"] == 2.0

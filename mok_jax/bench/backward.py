@@ -38,7 +38,7 @@ import json
 import statistics
 import sys
 
-__all__ = ["main", "run"]
+__all__ = ["grad_of", "item_ms", "layer_config", "main", "op_args", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")  # at 2048 tokens, E/32 experts
 # (qwen3-30b-a3b's one-GPU problem, 8192 tokens and 16 of its 128 experts: --model qwen3-30b-a3b --tokens 8192
@@ -49,30 +49,72 @@ LAUNCHES = (("experts backward kernel", "experts_backward_kernel", 1),)
 _TRACED_CALLS = 5
 
 
+def layer_config(m, W, tokens: int):
+    """The default MoEConfig of implementation="mok" with the knobs the layer resolves for this one-GPU problem
+    (EP 1; model m, weights W, ``tokens`` tokens)."""
+    import jax
+
+    from mok_jax import tuning
+    from mok_jax.config import MoEConfig
+
+    key = tuning.ProblemKey(hidden=m.hidden_size, intermediate=m.intermediate_size, top_k=m.top_k,
+                            experts_per_rank=W.gate_up.shape[0], ep=1, tokens=tokens)
+    return MoEConfig(implementation="mok", kernel=tuning.resolve(None, key, jax.devices()[0].device_kind))
+
+
+def grad_of(config):
+    """The timed fwd+bwd, jitted: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight."""
+    import jax
+    import jax.numpy as jnp
+
+    from mok_jax.layer import moe
+
+    return jax.jit(jax.grad(lambda x, i, w, W, dy: jnp.sum(moe(x, i, w, W, config=config).astype(jnp.float32) * dy),
+                            argnums=(0, 2, 3)))
+
+
+def op_args(x, dy, idx, w, W):
+    """The arguments of ops.experts_backward as the layer calls it at EP 1: (positional, keywords), with the padded
+    expert-major layout of the routing and the shared expert's weights (the op runs its backward too)."""
+    import jax.numpy as jnp
+
+    from mok_jax.expert_layout import padded_layout
+    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
+
+    lay = padded_layout(idx, W.gate_up.shape[0], block=EXPERTS_BACKWARD_GROUP_ALIGN)
+    shared = dict(shared_gate_up=W.shared_gate_up, shared_down=W.shared_down) if W.has_shared else {}
+    return (x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down), shared
+
+
+def item_ms(ns) -> dict[str, dict[str, float]]:
+    """The op's per-kind counters (return_item_ns: [2, kinds] ns summed over the CTAs) as ms per SM in items and
+    waiting for their inputs (the kernel runs one CTA per SM)."""
+    import jax
+
+    from mok_jax.ops.moe_backward import ITEM_KINDS
+
+    ctas = getattr(jax.devices()[0], "core_count", None) or 132
+    ns = jax.device_get(ns)
+    return {kind: {"busy_ms": float(ns[0, q]) / ctas / 1e6, "wait_ms": float(ns[1, q]) / ctas / 1e6}
+            for q, kind in enumerate(ITEM_KINDS)}
+
+
 def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, experts: int | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from mok_jax import ops, tuning
+    from mok_jax import ops
     from mok_jax.bench.accounting import KEPT_GU_BYTES
     from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
     from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
-    from mok_jax.config import MoEConfig
-    from mok_jax.expert_layout import padded_layout
     from mok_jax.layer import kept_rows, moe
-    from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN, ITEM_KINDS
     from mok_jax.ops.moe_forward import first_ring_token
 
     m, x, idx, w, W, flops = _problem(model_name, tokens, seed, experts)
     E, H, I, k = W.gate_up.shape[0], m.hidden_size, m.intermediate_size, m.top_k
-    key = tuning.ProblemKey(hidden=H, intermediate=I, top_k=k, experts_per_rank=E, ep=1, tokens=tokens)
-    cfg = MoEConfig(implementation="mok", kernel=tuning.resolve(None, key, jax.devices()[0].device_kind))
+    cfg = layer_config(m, W, tokens)
     dy = jax.random.normal(jax.random.key(seed + 1), x.shape, jnp.float32).astype(jnp.bfloat16)
     fwd = jax.jit(lambda x, i, w, W: moe(x, i, w, W, config=cfg))
-    def grad_of(config):
-        return jax.jit(jax.grad(lambda x, i, w, W, dy: jnp.sum(moe(x, i, w, W, config=config).astype(jnp.float32)
-                                                               * dy), argnums=(0, 2, 3)))
-
     grad = grad_of(cfg)
     grad_recompute = grad_of(dataclasses.replace(cfg, keep="nothing"))
     grad_keep = grad_of(dataclasses.replace(cfg, keep="everything"))
@@ -85,18 +127,17 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
         grad_other_shared = grad_of(cfg).lower(x, idx, w, W, dy).compile()
     finally:
         moe_mod._SHARED_IN_OP = default
-    lay = padded_layout(idx, E, block=EXPERTS_BACKWARD_GROUP_ALIGN)
     # the op as the layer calls it: with the shared expert, whose backward it runs too
-    shared = dict(shared_gate_up=W.shared_gate_up, shared_down=W.shared_down) if W.has_shared else {}
     op = jax.jit(lambda a, s: ops.experts_backward(*a, **s))
-    op_args = ((x, dy, w.astype(jnp.float32), lay.pos, lay.src_slot, lay.group_sizes, W.gate_up, W.down), shared)
-    status = int(op(*op_args).status)
+    args = op_args(x, dy, idx, w, W)
+    group_sizes = args[0][5]  # the padded layout's
+    status = int(op(*args).status)
     t0 = first_ring_token(cfg.kernel, tokens)  # keep="ring" keeps the slots of tokens t0..: all when 0
     rows_of = dict(tokens=tokens, top_k=k, local_experts=E)
     dense = dense_problem(dense_groups(tokens, k, I, m.shared_size), H, seed=seed)
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "keep": cfg.keep, "E": E, "H": H,
            "I": I, "k": k, "fwd_flops": flops,
-           "rows": int(jnp.sum(lay.group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
+           "rows": int(jnp.sum(group_sizes)), "slots": int(jnp.sum(idx >= 0)), "op_status": status,
            "dense fwd": _timed(dense_step("fwd"), (dense.xs, dense.weights), timing_kw),
            "dense fwd+bwd": _timed(dense_step("fwd+bwd"), tuple(dense), timing_kw),
            "fwd": _timed(fwd, (x, idx, w, W), timing_kw),
@@ -109,26 +150,23 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
            "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES,
            "ring_tokens": tokens - t0,
            "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES,
-           "experts op": _timed(op, op_args, timing_kw)}
+           "experts op": _timed(op, args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
-    _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*op_args)
+    _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*args)
     op_kept = jax.jit(lambda a, s, gu: ops.experts_backward(*a, **s, gu=gu))
-    res["experts op kept"] = _timed(op_kept, (*op_args, gu), timing_kw)
-    ctas = getattr(jax.devices()[0], "core_count", None) or 132  # the kernel runs one CTA per SM
+    res["experts op kept"] = _timed(op_kept, (*args, gu), timing_kw)
     for label, extra in (("items", {}), ("items kept", {"gu": gu})):
-        _, ns = jax.jit(lambda a, s, kw: ops.experts_backward(*a, **s, **kw, return_item_ns=True))(*op_args, extra)
-        ns = jax.device_get(ns)
-        res[label] = {kind: {"busy_ms": float(ns[0, q]) / ctas / 1e6, "wait_ms": float(ns[1, q]) / ctas / 1e6}
-                      for q, kind in enumerate(ITEM_KINDS)}
+        _, ns = jax.jit(lambda a, s, kw: ops.experts_backward(*a, **s, **kw, return_item_ns=True))(*args, extra)
+        res[label] = item_ms(ns)
     # FLOPs the op executes (gate/up twice: the recompute and its dgrad) over the slots' rows, and the shared
     # expert's over the tokens.
     Is = W.shared_down.shape[0] if W.has_shared else 0
     res["op_flops"] = 2 * (res["slots"] * I + tokens * Is) * H * (2 + 1 + 1 + 2 + 2)
     if trace:
-        jax.block_until_ready(op(*op_args))
+        jax.block_until_ready(op(*args))
         with jax.profiler.trace(trace):
             for _ in range(_TRACED_CALLS):
-                out = op(*op_args)
+                out = op(*args)
             jax.block_until_ready(out)
         events = _trace_events(trace)  # read once for every launch
         per = {}
