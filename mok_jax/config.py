@@ -8,6 +8,7 @@ benchmarks and the Flax module share one source of truth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -189,7 +190,9 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """Static arguments of ``mok_jax.moe``.
+    """Static arguments of ``mok_jax.moe``: pure data (frozen, hashable, compared by value), no runtime resources.
+    The megakernel's symmetric workspace is a runtime resource (device memory), passed beside the config:
+    ``moe(..., workspace=)``, ``expert_parallel_moe(..., workspace=)``, ``MoELayer(..., workspace=)``.
 
     implementation: "xla" (pure JAX, runs anywhere; the correctness oracle) or "mok" (the CUDA
         megakernel: bf16; differentiable at every EP size; it never falls back to another
@@ -197,9 +200,6 @@ class MoEConfig:
     ep_axis: name of the expert-parallel mesh axis when ``moe`` runs inside ``shard_map``; None
         when it runs on one device with every expert local.
     kernel: tuning of the megakernel; None picks the tuned table or the heuristic (mok_jax.tuning).
-    workspace: the megakernel's symmetric workspace (mok_jax.workspace.moe_workspace). Needed when ``moe``
-        runs inside a caller's own shard_map with ``ep_axis`` set; ``expert_parallel_moe`` and the Flax
-        module set it up themselves, and without ``ep_axis`` a local one is used.
     checkify_ids: report an invalid expert id under jit through ``jax.experimental.checkify`` (a
         ``checkify.debug_check``, free unless the caller checkifies). Its effect cannot be serialized by
         ``jax.export``: set False to export the layer (invalid ids still give NaN rows, and the megakernel
@@ -236,7 +236,6 @@ class MoEConfig:
     implementation: Implementation = "xla"
     ep_axis: str | None = None
     kernel: KernelConfig | None = None
-    workspace: object | None = None
     checkify_ids: bool = True
     keep: str | None = None
     precision: str = "bf16"
@@ -263,9 +262,21 @@ class MoEConfig:
                  f"MoEConfig.checkify_ids must be a bool, got {self.checkify_ids!r}", TypeError)
         _require(self.kernel is None or isinstance(self.kernel, KernelConfig),
                  f"MoEConfig.kernel must be a KernelConfig or None, got {type(self.kernel).__name__}", TypeError)
-        if self.workspace is not None:
-            from mok_jax.workspace import Workspace
 
-            _require(isinstance(self.workspace, Workspace),
-                     f"MoEConfig.workspace must be a mok_jax.workspace.Workspace or None, got "
-                     f"{type(self.workspace).__name__}", TypeError)
+
+def _without_workspace(init):
+    """MoEConfig's dataclass __init__, refusing ``workspace=`` with where it went (MoEConfig held the workspace
+    until issue 35) rather than "unexpected keyword argument"; dataclasses.replace comes through here too."""
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        _require("workspace" not in kwargs,
+                 "MoEConfig has no workspace: the workspace is a runtime resource, passed beside the config as "
+                 "mok_jax.moe(..., workspace=), mok_jax.expert_parallel_moe(..., workspace=) or "
+                 "mok_jax.flax.MoELayer(..., workspace=)", TypeError)
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+MoEConfig.__init__ = _without_workspace(MoEConfig.__init__)

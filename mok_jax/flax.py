@@ -8,9 +8,10 @@ Dtypes: parameters are stored in ``param_dtype`` (f32 master weights by default)
 expert weights and x to ``dtype`` (the compute dtype, bf16 by default) and routes in f32 (f32 logits
 from f32 x and router weights, f32 topk_weight). The output is in ``dtype``.
 
-Workspace (``implementation="mok"`` only): the megakernel's symmetric workspace is set up outside jit,
-at construction when ``max_tokens`` is given, else by ``setup_workspace(max_tokens)`` or by the first
-call made outside jit. A jitted call of a layer without one (or with one too small for the call) raises
+Workspace (``implementation="mok"`` only): the megakernel's symmetric workspace, a runtime resource the module
+holds beside its static MoEConfig (``layer.workspace``), is set up outside jit, at construction when
+``max_tokens`` is given, else by ``setup_workspace(max_tokens)`` or by the first call made outside jit; or the
+caller passes its own (``workspace=``). A jitted call of a layer without one (or with one too small for the call) raises
 a ValueError saying so; it never allocates device memory while tracing. Where the kernels cannot run (no GPU, or
 no native library), every call, jitted or not, raises NativeLibraryUnavailable saying why.
 ``implementation="xla"`` never needs or creates a workspace.
@@ -18,10 +19,9 @@ no native library), every call, jitted or not, raises NativeLibraryUnavailable s
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +30,13 @@ from flax.nnx import bridge
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import KernelConfig, ModelShape, MoEConfig
-from mok_jax.layer import moe
+from mok_jax.layer import check_workspace, moe
 from mok_jax.reference.router import route
 from mok_jax.sharding import expert_parallel_moe, is_explicit, resolve_token_axes
 from mok_jax.weights import MoEWeights
+
+if TYPE_CHECKING:
+    from mok_jax.workspace import Workspace
 
 __all__ = ["LinenMoELayer", "MoELayer", "RouterBias", "load_balancing_loss"]
 
@@ -74,6 +77,10 @@ class MoELayer(nnx.Module):
         quantised from the parameters in every call, which is once per optimizer step without accumulation).
     max_tokens: "mok" only: the most tokens one call takes (x's leading dimensions flattened, over the
         whole mesh); given, the workspace is set up here, at construction (module docstring).
+    workspace: "mok" only: a workspace the caller set up outside jit, used instead of one of the layer's own:
+        ``mok_jax.workspace.moe_workspace(mesh, ep_axis, max_tokens=<tokens per rank>, ...)``, or
+        ``local_workspace(...)`` without a mesh. A call it cannot hold sets up a larger one, as without it. The
+        layer's workspace is ``layer.workspace``, beside its static ``layer.config``.
     checkify_ids: report an invalid expert id through jax.experimental.checkify (MoEConfig.checkify_ids); False to
         export the layer with jax.export, which cannot serialize the check's effect.
     dtype: compute dtype of x and the expert weights (bf16 or f32); param_dtype: storage dtype.
@@ -92,6 +99,7 @@ class MoELayer(nnx.Module):
         keep: str | None = None,
         precision: str = "bf16",
         max_tokens: int | None = None,
+        workspace: Workspace | None = None,
         checkify_ids: bool = True,
         dtype: Any = jnp.bfloat16,
         param_dtype: Any = jnp.float32,
@@ -109,6 +117,12 @@ class MoELayer(nnx.Module):
                                  f"axis {ep_axis!r} ({mesh.shape[ep_axis]})")
         self.config = MoEConfig(implementation=implementation, ep_axis=ep_axis if mesh is not None else None,
                                 kernel=kernel, keep=keep, precision=precision, checkify_ids=checkify_ids)
+        check_workspace(workspace, "MoELayer")
+        ep = 1 if mesh is None else mesh.shape[ep_axis]
+        if workspace is not None and workspace.config.ep != ep:
+            raise ValueError(f"MoELayer: workspace spans {workspace.config.ep} EP ranks; the layer runs on {ep} "
+                             f"({'no mesh' if mesh is None else f'mesh axis {ep_axis!r}'})")
+        self.workspace = workspace  # the runtime resource beside the static config
         E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
         self.router = _param(rngs, (H, E), H, param_dtype, (None, None), mesh)
         self.gate_up = _param(rngs, (E, H, 2 * I), H, param_dtype, (ep_axis, None, None), mesh)
@@ -129,7 +143,7 @@ class MoELayer(nnx.Module):
         return -(-num_tokens // shards)
 
     def _workspace_holds(self, num_tokens: int) -> bool:
-        ws = self.config.workspace
+        ws = self.workspace
         return ws is not None and not ws.closed and ws.config.max_tokens >= self._per_rank(num_tokens)
 
     def setup_workspace(self, max_tokens: int) -> None:
@@ -145,12 +159,13 @@ class MoELayer(nnx.Module):
 
         require_native("MoELayer(implementation='mok')")
         s = self.shape
-        size = dict(max_tokens=self._per_rank(max_tokens), hidden_size=s.hidden_size, top_k=s.top_k, num_experts=s.num_experts)
+        size = dict(max_tokens=self._per_rank(max_tokens), hidden_size=s.hidden_size, top_k=s.top_k,
+                    num_experts=s.num_experts)
         if self.mesh is None:
             ws = workspace.local_workspace(**size)
         else:
             ws = workspace.moe_workspace(self.mesh, self.ep_axis, **size)
-        self.config = dataclasses.replace(self.config, workspace=ws)
+        self.workspace = ws
 
     def _require_workspace(self, x: jax.Array, num_tokens: int) -> None:
         """implementation="mok": make sure the workspace holds ``num_tokens``; set it up if outside jit."""
@@ -163,7 +178,7 @@ class MoELayer(nnx.Module):
         from mok_jax._native import require_native
 
         require_native("MoELayer(implementation='mok')")  # where the kernels cannot run, no workspace would help
-        ws = self.config.workspace
+        ws = self.workspace
         if ws is None:
             why = "has no workspace"
         elif ws.closed:
@@ -213,10 +228,10 @@ class MoELayer(nnx.Module):
         tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         idx, w, probs = self.route(tokens)
         if self.mesh is None:
-            y = moe(tokens, idx, w, self.weights(), config=self.config)
+            y = moe(tokens, idx, w, self.weights(), config=self.config, workspace=self.workspace)
         else:
             y = expert_parallel_moe(tokens, idx, w, self.weights(), mesh=self.mesh, config=self.config,
-                                    token_axes=self.token_axes)
+                                    token_axes=self.token_axes, workspace=self.workspace)
         y = self._unflatten(y, lead)
         if return_aux_loss:
             return y, load_balancing_loss(probs, idx, self.shape.num_experts)
@@ -242,6 +257,7 @@ class LinenMoELayer(linen.Module):
     keep: str | None = None
     precision: str = "bf16"
     max_tokens: int | None = None
+    workspace: Workspace | None = None
     checkify_ids: bool = True
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32

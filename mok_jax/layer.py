@@ -38,7 +38,7 @@ Any other id outside [0, E) is invalid:
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,10 @@ from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
 from mok_jax.validation import check_fp8_weights, check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
-__all__ = ["kept_rows", "moe", "report_invalid_ids"]
+if TYPE_CHECKING:
+    from mok_jax.workspace import Workspace
+
+__all__ = ["check_workspace", "kept_rows", "moe", "report_invalid_ids"]
 
 
 class KeptGateUp(NamedTuple):
@@ -154,34 +157,49 @@ def _every_expert_here(weights: MoEWeights, x: jax.Array) -> MoEWeights:
     return jax.tree.map(gather, weights)
 
 
-def _workspace(config: MoEConfig, x, topk_idx, weights: MoEWeights):
-    """The megakernel's workspace for this call: the config's, or (without an EP axis) a local one."""
+def check_workspace(workspace, where: str = "mok_jax.moe") -> None:
+    """``workspace`` (the argument beside the config) is a mok_jax.workspace.Workspace or None: TypeError naming it
+    otherwise."""
+    if workspace is None:
+        return
+    from mok_jax.workspace import Workspace
+
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"{where}: workspace must be a mok_jax.workspace.Workspace (mok_jax.workspace.moe_workspace "
+                        f"or local_workspace, set up outside jit) or None, got {type(workspace).__name__}")
+
+
+def _workspace(config: MoEConfig, workspace, x, topk_idx, weights: MoEWeights):
+    """The megakernel's workspace for this call: ``workspace`` (moe's argument), or (without an EP axis) a local
+    one."""
     from mok_jax.workspace import local_workspace
 
     ep = _ep_size(config)
     tokens, k = topk_idx.shape
     num_experts = weights.num_local_experts * ep
-    ws = config.workspace
+    ws = workspace
     if ws is None:
         if config.ep_axis is not None:
             raise ValueError(
                 f"implementation='mok' inside shard_map over {config.ep_axis!r} needs the layer's workspace: "
-                f"call mok_jax.expert_parallel_moe, or pass MoEConfig(workspace=mok_jax.workspace.moe_workspace("
+                f"call mok_jax.expert_parallel_moe, or pass moe(..., workspace=mok_jax.workspace.moe_workspace("
                 f"mesh, {config.ep_axis!r}, ...)) created outside jit")
         ws = local_workspace(max_tokens=tokens, hidden_size=x.shape[1], top_k=k, num_experts=num_experts)
     if ws.config.ep != ep:
-        raise ValueError(f"MoEConfig.workspace spans {ws.config.ep} EP ranks, the mesh axis {config.ep_axis!r} {ep}")
+        raise ValueError(f"the workspace spans {ws.config.ep} EP ranks, the mesh axis {config.ep_axis!r} {ep}")
     return ws
 
 
 def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfig,
-                 keep: tuple[jax.Array, int] | None = None, fp8_weights: Fp8ExpertWeights | None = None):
+                 keep: tuple[jax.Array, int] | None = None, fp8_weights: Fp8ExpertWeights | None = None,
+                 workspace=None):
     """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
     ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: bf16[rows, 2I]). With
-    config.precision "fp8" the routed experts run in E4M3: ``fp8_weights``, else the weights quantised here."""
+    config.precision "fp8" the routed experts run in E4M3: ``fp8_weights``, else the weights quantised here.
+    ``workspace``: moe's (``_workspace``)."""
     from mok_jax import ops
 
-    ws = _workspace(config, x, topk_idx, weights)
+    ws = _workspace(config, workspace, x, topk_idx, weights)
     kept = {} if keep is None else dict(keep_pos=keep[0].reshape(1, -1), keep_rows=keep[1])
     if config.precision == "fp8":
         w8 = fp8_weights if fp8_weights is not None else quantize_expert_weights(weights.gate_up, weights.down)
@@ -192,15 +210,17 @@ def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfi
     return y[0] if keep is None else (y[0], gu[0][0])
 
 
-def _forward(x, topk_idx, topk_weight, weights, fp8_weights, config: MoEConfig):
+def _forward(x, topk_idx, topk_weight, weights, fp8_weights, config: MoEConfig, workspace):
     if config.implementation == "mok":
-        return _forward_mok(x, topk_idx, topk_weight, weights, config, fp8_weights=fp8_weights)
+        return _forward_mok(x, topk_idx, topk_weight, weights, config, fp8_weights=fp8_weights, workspace=workspace)
     return _forward_xla(x, topk_idx, topk_weight, weights, config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config):
-    return _forward(x, topk_idx, topk_weight, weights, fp8_weights, config)
+# config and workspace are static (nondiff) arguments, both hashable: the config by value, the workspace by its id
+# (Workspace.__hash__), so that the forward and the backward see the same workspace
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
+    return _forward(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace)
 
 
 # rank_layout, routed_backward_rank, slot_sum, drop_invalid_tokens, finish_backward and FUSED_EP_BACKWARD: the
@@ -232,7 +252,7 @@ def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int,
     return bound
 
 
-def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout):
+def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout, workspace=None):
     """What the forward keeps for ``config.keep`` (anything but "nothing") in this rank's backward ``layout``:
     (keep_pos int32[ep T k], the kept buffer's rows, row), where keep_pos gives each slot of the EP group (flat (s T +
     t) k + j) its row in the kept buffer (outside it: not kept) and row is KeptGateUp.row.
@@ -252,8 +272,9 @@ def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: Padd
     if config.keep == "ring":
         kernel = config.kernel  # else the knobs the forward call resolves (its workspace's tuned table)
         if kernel is None:
-            kernel = resolve_kernel(_workspace(config, x, topk_idx, weights), None, tokens=tokens, hidden=x.shape[1],
-                                    inter=weights.intermediate_size, top_k=k, local_experts=weights.num_local_experts)
+            kernel = resolve_kernel(_workspace(config, workspace, x, topk_idx, weights), None, tokens=tokens,
+                                    hidden=x.shape[1], inter=weights.intermediate_size, top_k=k,
+                                    local_experts=weights.num_local_experts)
         t0 = first_ring_token(kernel, tokens)
         if t0 > 0:
             slot = layout.src_slot  # (s T + t) k + j, -1 for padding
@@ -265,7 +286,7 @@ def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: Padd
     return layout.pos.reshape(-1), m, None
 
 
-def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config):
+def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
     if config.implementation == "mok" and config.keep != "nothing":  # bf16 only (MoEConfig checks)
         ep, num_local = _ep_size(config), weights.num_local_experts
         if ep == 1:
@@ -273,10 +294,10 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config):
         else:
             layout = rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
                                   jax.lax.axis_index(config.ep_axis))
-        keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout)
-        y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows))
+        keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout, workspace)
+        y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows), workspace=workspace)
         return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout, row))
-    y = _forward(x, topk_idx, topk_weight, weights, fp8_weights, config)
+    y = _forward(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace)
     return y, MoEResiduals(x, topk_idx, topk_weight, weights, fp8_weights=fp8_weights)
 
 
@@ -428,11 +449,12 @@ _SHARED_IN_OP = False
 FUSED_EP_BACKWARD = True
 
 
-def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None):
+def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, experts_fn=None, workspace=None):
     """The gradients of implementation='mok': (dx, d topk_idx (float0), d topk_weight, d weights).
 
     The routed experts' backward runs on a padded expert-major layout of the slots (mok_jax.expert_layout) in
-    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference).
+    ``experts_fn`` (mok_jax.ops.experts_backward when None; tests pass its reference). ``workspace``: moe's (the
+    fused op's at EP > 1).
 
     EP size 1: the op gathers the rows and sums each token's slot rows of dx in f32 in slot order j = 0..k-1.
     The shared expert's backward runs in XLA (``_shared_backward``), or with ``_SHARED_IN_OP`` in the op; either
@@ -473,8 +495,8 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
         shared = (out.d_shared_gate_up, out.d_shared_down) if fused_shared else None
     elif fused_ep:
         axis = config.ep_axis
-        out = _routed_backward_fused(_workspace(config, x, topk_idx, weights), config, x, dy, topk_idx, w32, weights,
-                                     kept)
+        out = _routed_backward_fused(_workspace(config, workspace, x, topk_idx, weights), config, x, dy, topk_idx,
+                                     w32, weights, kept)
         out = jax.tree.map(lambda a: _to_varying(a[0], (axis,)), out)
         dx_routed, dw = out.dx, out.dw
         failed = jax.lax.psum((out.status != 0).astype(jnp.int32), axis) > 0
@@ -499,11 +521,11 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     return _vary_like(dx, x), d_idx, _vary_like(d_topk_weight, topk_weight), d_weights
 
 
-def _moe_bwd(config, residuals, dy):
+def _moe_bwd(config, workspace, residuals, dy):
     # the E4M3 weights are a function of the bf16 ones that the backward does not differentiate (precision docs)
     d_fp8 = jax.tree.map(jnp.zeros_like, residuals.fp8_weights)
     if config.implementation == "mok":
-        return *_backward_mok(config, residuals, dy), d_fp8
+        return *_backward_mok(config, residuals, dy, workspace=workspace), d_fp8
     _, vjp = jax.vjp(
         lambda x, w, W: _forward_xla(x, residuals.topk_idx, w, W, config),
         residuals.x, residuals.topk_weight, residuals.weights,
@@ -523,6 +545,7 @@ def moe(
     weights: MoEWeights,
     *,
     config: MoEConfig = MoEConfig(),
+    workspace: Workspace | None = None,
     fp8_weights: Fp8ExpertWeights | None = None,
 ) -> jax.Array:
     """The MoE layer on one rank's tokens.
@@ -534,6 +557,13 @@ def moe(
     tokens with an invalid expert id (module docstring). Differentiable w.r.t. x, topk_weight and every weight, at
     every EP size.
 
+    workspace (``config.implementation="mok"``; ignored by "xla"): the megakernel's symmetric workspace, a runtime
+    resource set up outside jit and passed beside the static config. Needed inside a caller's own shard_map with
+    ``config.ep_axis`` set: ``mok_jax.workspace.moe_workspace(mesh, ep_axis, ...)`` (``expert_parallel_moe`` and
+    the Flax modules set theirs up themselves); None without an EP axis uses a local one
+    (``mok_jax.workspace.local_workspace``, cached per shape). It is a static argument of the op: a jitted caller
+    that closes over one traces again for another.
+
     fp8_weights (only with ``config.precision="fp8"``): the E4M3 form of the routed weights that the forward
     reads, ``mok_jax.fp8.quantize_expert_weights(weights.gate_up, weights.down)`` (of this rank's experts), made
     once per optimizer step by the caller; None quantises them in every call. No gradient flows into them: the
@@ -541,6 +571,7 @@ def moe(
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
+    check_workspace(workspace)
     x, topk_weight = jnp.asarray(x), jnp.asarray(topk_weight)
     topk_idx = jnp.asarray(topk_idx)
     ep = _ep_size(config)
@@ -572,4 +603,4 @@ def moe(
     # Casts outside the custom_vjp, so that autodiff hands f32 master weights f32 gradients and a bf16
     # topk_weight a bf16 one; no-ops when the dtypes already match.
     weights = jax.tree.map(lambda w: w.astype(x.dtype), weights)
-    return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, fp8_weights, config)
+    return _moe(x, topk_idx, topk_weight.astype(jnp.float32), weights, fp8_weights, config, workspace)

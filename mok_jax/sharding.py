@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mok_jax.config import MoEConfig
 from mok_jax.fp8 import Fp8ExpertWeights
-from mok_jax.layer import moe, report_invalid_ids
+from mok_jax.layer import check_workspace, moe, report_invalid_ids
 from mok_jax.weights import MoEWeights
+
+if TYPE_CHECKING:
+    from mok_jax.workspace import Workspace
 
 __all__ = ["expert_parallel_moe", "is_explicit", "place", "resolve_token_axes"]
 
@@ -57,6 +61,7 @@ def expert_parallel_moe(
     mesh: Mesh,
     config: MoEConfig = MoEConfig(ep_axis="ep"),
     token_axes: tuple[str, ...] | None = None,
+    workspace: Workspace | None = None,
     fp8_weights: Fp8ExpertWeights | None = None,
 ) -> jax.Array:
     """The MoE layer on global arrays over ``mesh``, expert-parallel over ``config.ep_axis``.
@@ -66,9 +71,14 @@ def expert_parallel_moe(
     the ep size). Returns [T, H], sharded like x. fp8_weights (config.precision "fp8"): the E4M3 form of all
     E routed experts (mok_jax.fp8.quantize_expert_weights), sharded over the EP axis like gate_up; None: each
     rank quantises its experts in every call.
+
+    workspace (config.implementation "mok"; ignored by "xla"): the megakernel's symmetric workspace over ``mesh``'s
+    EP axis, ``mok_jax.workspace.moe_workspace(mesh, ep_axis, max_tokens=<tokens per rank>, ...)``, set up outside
+    jit; None: the cached one of this mesh and shape, set up here (outside the shard_map body).
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a mok_jax.MoEConfig, got {type(config).__name__}")
+    check_workspace(workspace, "mok_jax.expert_parallel_moe")
     ep_axis = config.ep_axis or "ep"
     config = dataclasses.replace(config, ep_axis=ep_axis)
     axes = resolve_token_axes(mesh, ep_axis, token_axes)
@@ -81,14 +91,13 @@ def expert_parallel_moe(
     if x.ndim != 2 or x.shape[0] % shards:
         raise ValueError(f"x must be [tokens, hidden] with tokens divisible by the {shards} token shards "
                          f"(mesh axes {axes}), got shape {x.shape}")
-    if config.implementation == "mok" and config.workspace is None:
+    if config.implementation == "mok" and workspace is None:
         from mok_jax._native import require_native
         from mok_jax.workspace import moe_workspace
 
         require_native("implementation='mok'")  # the workspace is set up here, outside the shard_map body
-        config = dataclasses.replace(config, workspace=moe_workspace(
-            mesh, ep_axis, max_tokens=x.shape[0] // shards, hidden_size=x.shape[1], top_k=topk_idx.shape[1],
-            num_experts=num_experts))
+        workspace = moe_workspace(mesh, ep_axis, max_tokens=x.shape[0] // shards, hidden_size=x.shape[1],
+                                  top_k=topk_idx.shape[1], num_experts=num_experts)
     tok = P(axes)
     shared = P() if weights.shared_gate_up is not None else None
     wspec = MoEWeights(P(ep_axis), P(ep_axis), shared, shared)
@@ -102,9 +111,8 @@ def expert_parallel_moe(
     report = config.checkify_ids and isinstance(args[1], jax.core.Tracer)
     config = dataclasses.replace(config, checkify_ids=False)
     body = jax.shard_map(
-        lambda x, i, w, W, W8: moe(x, i, w, W, config=config, fp8_weights=W8), mesh=mesh, in_specs=specs,
-        out_specs=tok
-    )
+        lambda x, i, w, W, W8: moe(x, i, w, W, config=config, workspace=workspace, fp8_weights=W8), mesh=mesh,
+        in_specs=specs, out_specs=tok)
     y = body(*args)
     if report:
         report_invalid_ids(args[1], num_experts)

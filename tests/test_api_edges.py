@@ -178,7 +178,8 @@ def test_linen_forwards_every_argument(cpu_devices, monkeypatch):
     mesh = jax.make_mesh((2, 4), ("dp", "expert"))
     values = dict(mesh=mesh, ep_axis="expert", token_axes=("expert",), implementation="mok",
                   kernel=mj.KernelConfig(granularity=1024), keep="everything", precision="fp8", max_tokens=64,
-                  checkify_ids=False, dtype=jnp.float32, param_dtype=jnp.bfloat16, use_selection_bias=True)
+                  workspace=_fake_workspace(ep=4, mesh=mesh), checkify_ids=False, dtype=jnp.float32,
+                  param_dtype=jnp.bfloat16, use_selection_bias=True)
     assert set(values) == {p.name for p in _nnx_init_args()} - {"shape"}
     seen = {}
 
@@ -442,7 +443,7 @@ def test_xla_layer_never_needs_a_workspace(cpu_devices, monkeypatch, with_mesh):
     mesh = jax.make_mesh((2, 4), ("dp", "ep")) if with_mesh else None
     model = MoELayer(SHAPE, mesh=mesh, max_tokens=64, dtype=jnp.float32, rngs=nnx.Rngs(0))
     model.setup_workspace(128)  # a no-op for xla
-    assert model.config.workspace is None
+    assert model.workspace is None
     x = jnp.ones((16, SHAPE.hidden_size))
     assert nnx.jit(lambda m, x: m(x))(model, x).shape == x.shape
     layer = LinenMoELayer(SHAPE, mesh=mesh, max_tokens=64, dtype=jnp.float32)
@@ -491,8 +492,8 @@ def test_mok_layer_sets_its_workspace_up_at_construction(cpu_devices, monkeypatc
     monkeypatch.setattr(_native, "require_native", lambda what: None)
     monkeypatch.setattr(workspace, "moe_workspace", fake)
     monkeypatch.setattr(workspace, "local_workspace", fake)
-    calls = []
-    fake_op = lambda x, *a, config, **kw: calls.append(config) or jnp.zeros(x.shape, x.dtype)
+    calls = []  # the workspace each call hands the op, beside its config
+    fake_op = lambda x, *a, config, workspace, **kw: calls.append(workspace) or jnp.zeros(x.shape, x.dtype)
     monkeypatch.setattr(mflax, "moe", fake_op)
     monkeypatch.setattr(mflax, "expert_parallel_moe", fake_op)
 
@@ -502,17 +503,17 @@ def test_mok_layer_sets_its_workspace_up_at_construction(cpu_devices, monkeypatc
     assert [m["max_tokens"] for m in made] == [64 // shards]
     if with_mesh:
         assert made[0]["args"] == (mesh, "ep")
-    ws = model.config.workspace
+    ws = model.workspace
     step = nnx.jit(lambda m, x: m(x))
     step(model, jnp.ones((4, 16, SHAPE.hidden_size)))  # 64 tokens: fits
-    assert calls[-1].workspace is ws and len(made) == 1
+    assert calls[-1] is ws and len(made) == 1
     with pytest.raises(ValueError, match=rf"workspace for {64 // shards} tokens per rank; this call of 128 tokens "
                                          rf"needs {128 // shards}"):
         step(model, jnp.ones((128, SHAPE.hidden_size)))
     model.setup_workspace(128)  # outside jit: a larger one
-    assert model.config.workspace is not ws and made[-1]["max_tokens"] == 128 // shards
+    assert model.workspace is not ws and made[-1]["max_tokens"] == 128 // shards
     step(model, jnp.ones((128, SHAPE.hidden_size)))
-    assert calls[-1].workspace is model.config.workspace
+    assert calls[-1] is model.workspace
 
 
 # ----------------------------------------------------------------------------- one name per thing
@@ -546,3 +547,58 @@ def test_no_module_is_shadowed_by_an_attribute_of_its_package():
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert set(done.stdout.split()) == OPS_SHADOWED
+
+
+# ----------------------------------------------------------------------------- the workspace beside the config
+
+
+@pytest.mark.parametrize("bad", ["ws", 7, mj.MoEConfig()])
+def test_a_workspace_that_is_not_one_is_a_type_error_naming_workspace(cpu_devices, bad):
+    """The workspace is its own argument of moe, expert_parallel_moe and MoELayer (MoEConfig no longer holds it),
+    checked where it is used, on both implementations: a TypeError naming ``workspace`` and what was given."""
+    x, idx, w, W = random_problem(SHAPE, 16, seed=0)
+    mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2])
+    calls = {
+        "mok_jax.moe": lambda: mj.moe(x, idx, w, W, workspace=bad),
+        "mok_jax.expert_parallel_moe": lambda: mj.expert_parallel_moe(x, idx, w, W, mesh=mesh, workspace=bad),
+        "MoELayer": lambda: MoELayer(SHAPE, implementation="mok", workspace=bad, rngs=nnx.Rngs(0)),
+    }
+    for where, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{where}: workspace must be a mok_jax\.workspace\.Workspace .*, got "
+                                            rf"{type(bad).__name__}$"):
+            call()
+    with pytest.raises(ValueError, match=r"MoELayer: workspace spans 1 EP ranks; the layer runs on 2 \(mesh axis"):
+        MoELayer(SHAPE, mesh=mesh, implementation="mok", workspace=_fake_workspace(), rngs=nnx.Rngs(0))
+
+
+def test_the_callers_workspace_reaches_the_forward_and_the_backward(cpu_devices, monkeypatch):
+    """moe(..., workspace=) inside a caller's shard_map at EP 2: jax.grad lowers the megakernel's forward and the
+    fused backward op with that workspace's id (a static argument of the custom_vjp beside the config, so the
+    backward sees the forward's); without one the call says how to pass it."""
+    layer = importlib.import_module("mok_jax.layer")
+    mf = importlib.import_module("mok_jax.ops.moe_forward")
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    for mod in (layer, mf, mb):
+        monkeypatch.setattr(mod, "require_native", lambda what: None)
+    monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
+    monkeypatch.setattr(layer, "FUSED_EP_BACKWARD", True)
+    T = 16
+    mesh = jax.make_mesh((2,), ("ep",), devices=cpu_devices[:2], axis_types=(AxisType.Auto,))
+    ws = _fake_workspace(ep=2, mesh=mesh, max_tokens=T, ws_id=4242)
+    x, idx, w, W = random_problem(SHAPE, 2 * T, dtype=jnp.bfloat16, seed=1)
+    cfg = mj.MoEConfig(implementation="mok", ep_axis="ep", keep="nothing")
+    specs = (P("ep"), P("ep"), P("ep"), mj.MoEWeights(P("ep"), P("ep"), P(), P()))
+
+    def grads(workspace):
+        body = jax.shard_map(lambda x, i, w, W: mj.moe(x, i, w, W, config=cfg, workspace=workspace), mesh=mesh,
+                             in_specs=specs, out_specs=P("ep"))
+        loss = lambda x, w, W: jnp.sum(body(x, idx, w, W).astype(jnp.float32))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w, W).as_text().splitlines()
+
+    lines = grads(ws)
+    [fwd] = [line for line in lines if "custom_call @mok_moe_forward(" in line]
+    [bwd] = [line for line in lines if "custom_call @mok_experts_backward_ep(" in line]
+    assert "ws_id = 4242 : i64" in fwd and "ws_id = 4242 : i64" in bwd, (fwd, bwd)
+    with pytest.raises(ValueError, match=r"needs the layer's workspace: call mok_jax\.expert_parallel_moe, or pass "
+                                         r"moe\(\.\.\., workspace=mok_jax\.workspace\.moe_workspace\("):
+        grads(None)

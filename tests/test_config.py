@@ -1,6 +1,8 @@
 """Model shapes from configs/models and the static config dataclasses."""
 
+import copy
 import dataclasses
+import inspect
 import re
 
 import pytest
@@ -110,6 +112,22 @@ def test_configs_are_frozen_and_keyword_only():
         mj.MoEConfig("xla")  # keyword-only
     k = mj.KernelConfig(granularity=4096, comm_sms_fwd=16)
     assert hash(mj.MoEConfig(kernel=k)) == hash(mj.MoEConfig(kernel=mj.KernelConfig(granularity=4096, comm_sms_fwd=16)))
+
+
+def test_moe_config_is_pure_static_data():
+    """MoEConfig holds no runtime resource (issue 35): its fields are plain values, it compares and hashes by
+    value, and the workspace it held until then (now passed beside it) is refused with where it went."""
+    assert "workspace" not in {f.name for f in dataclasses.fields(mj.MoEConfig)}
+    c = mj.MoEConfig(implementation="mok", ep_axis="ep", kernel=mj.KernelConfig(granularity=1024), keep="ring")
+    assert all(isinstance(getattr(c, f.name), (str, bool, type(None), mj.KernelConfig))
+               for f in dataclasses.fields(c))
+    assert c == copy.deepcopy(c) and hash(c) == hash(dataclasses.replace(c))
+    where = r"moe\(\.\.\., workspace=\).*expert_parallel_moe\(\.\.\., workspace=\).*MoELayer\(\.\.\., workspace=\)"
+    for make in (lambda: mj.MoEConfig(implementation="mok", workspace=None),
+                 lambda: dataclasses.replace(c, workspace=None)):
+        with pytest.raises(TypeError, match=rf"^MoEConfig has no workspace: .*{where}"):
+            make()
+    assert list(inspect.signature(mj.MoEConfig).parameters) == [f.name for f in dataclasses.fields(mj.MoEConfig)]
 
 
 def test_ci_runs_the_readme_test_command():

@@ -1,14 +1,13 @@
 """The package's import graph (issue 35): every `import` of a mok_jax module by another, at module level or inside
-a function, read from the source. Its one circle is config <-> workspace: MoEConfig holds the workspace and checks
-its type (a lazy import), and the workspace's shape holds a KernelConfig. Moving the workspace out of MoEConfig
-removes it; any other circle fails here."""
+a function, read from the source. It has no circle: the last one, config <-> workspace, went when MoEConfig stopped
+holding the workspace (it is passed beside the config now), and any new one fails here."""
 
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mok_jax"
-# the circle left, until MoEConfig stops holding the workspace
-KNOWN_CIRCLES = [{"mok_jax.config", "mok_jax.workspace", "mok_jax.workspace.cache", "mok_jax.workspace.core"}]
+# circles allowed: none
+KNOWN_CIRCLES: list[set[str]] = []
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -81,7 +80,7 @@ def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-def test_the_only_import_circle_is_config_and_workspace():
+def test_the_package_has_no_import_circle():
     circles = _circles(_graph(_modules()))
     assert sorted(map(sorted, circles)) == sorted(map(sorted, KNOWN_CIRCLES)), circles
 

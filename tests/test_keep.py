@@ -63,7 +63,7 @@ def _recomputed_gu(x, gate_up, layout, k):
     return gu.astype(x.dtype)
 
 
-def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_weights=None):
+def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_weights=None, workspace=None):
     """The megakernel's outputs on CPU: the xla forward, and with ``keep`` = (keep_pos, rows) the kept g, u: each
     slot's row of the rank's layout (at EP > 1 over every rank's tokens, as the kernel sees them) written to its
     keep_pos row of bf16[rows, 2I] (slots outside it are not kept)."""
@@ -227,12 +227,12 @@ def _lowered_calls(monkeypatch, keep, T, kernel, H=64, I=32, E=4, k=2):
     for mod in (moe_mod, mf, mb):
         monkeypatch.setattr(mod, "require_native", lambda what: None)
     monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
-    cfg = MoEConfig(implementation="mok", keep=keep, workspace=ws, kernel=kernel)
+    cfg = MoEConfig(implementation="mok", keep=keep, kernel=kernel)
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
     w = jnp.ones((T, k), jnp.float32)
     W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
-    f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg).astype(jnp.float32)),
+    f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg, workspace=ws).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
     lines = f.lower(x, w, W).as_text().splitlines()
     [fwd] = [line for line in lines if "custom_call @mok_moe_forward(" in line]

@@ -474,7 +474,8 @@ def test_glue_masked_slot_weights_are_ignored_and_invalid_ids_match_xla():
     bad = idx.at[5, 1].set(8).at[9, 0].set(-4)
     dx, _, dw, dW = _glue_grads(x, bad, w, W, dy)
     with HI():
-        xla = jax.jit(lambda r, dy: moe_mod._moe_bwd(mj.MoEConfig(), r, dy))(moe_mod.MoEResiduals(x, bad, w, W), dy)
+        xla = jax.jit(lambda r, dy: moe_mod._moe_bwd(mj.MoEConfig(), None, r, dy))(
+            moe_mod.MoEResiduals(x, bad, w, W), dy)
     _assert_rows_close("invalid ids: dx", dx, xla[0], TOL_F32_ROW)
     _assert_rows_close("invalid ids: d topk_weight", dw, xla[2], TOL_F32_ROW)
     for e in range(8):
@@ -507,7 +508,7 @@ def test_mok_kernels_never_see_a_masked_slots_weight(monkeypatch, cpu_devices, e
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
     monkeypatch.setattr(moe_mod, "_forward_mok", _reads_every_weight(
-        lambda *a, fp8_weights=None: moe_mod._forward_xla(*a), 2, None))
+        lambda *a, fp8_weights=None, workspace=None: moe_mod._forward_xla(*a), 2, None))
     monkeypatch.setattr(mok_jax.ops, "experts_backward", _reads_every_weight(experts_backward_reference, 2, "dx"))
     use_fused_ep_backward(monkeypatch, ep)
     monkeypatch.setattr(mok_jax.ops, "experts_backward_ep", _reads_every_weight(
@@ -554,7 +555,7 @@ def test_through_custom_vjp_bf16(monkeypatch):
     import mok_jax.ops
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
-    monkeypatch.setattr(moe_mod, "_forward_mok", lambda *a, fp8_weights=None: moe_mod._forward_xla(*a))
+    monkeypatch.setattr(moe_mod, "_forward_mok", lambda *a, fp8_weights=None, workspace=None: moe_mod._forward_xla(*a))
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
     shape = _shape(8, 64, 48, 3)
     x, idx, w, W = random_problem(shape, 96, seed=5)
@@ -621,7 +622,7 @@ def _ep_grads(monkeypatch, mesh, x, idx, w, W, dy, check_vma=True, fused=False):
     import mok_jax.ops
 
     monkeypatch.setattr(moe_mod, "require_native", lambda what: None)
-    monkeypatch.setattr(moe_mod, "_forward_mok", lambda *a, fp8_weights=None: moe_mod._forward_xla(*a))
+    monkeypatch.setattr(moe_mod, "_forward_mok", lambda *a, fp8_weights=None, workspace=None: moe_mod._forward_xla(*a))
     monkeypatch.setattr(mok_jax.ops, "experts_backward", experts_backward_reference)
     use_fused_ep_backward(monkeypatch, mesh.shape["ep"], fused)
     spec = jax.sharding.PartitionSpec

@@ -136,8 +136,8 @@ def _worker(case: str, data_seed: int, args: list[str]) -> None:
         assert ws2.id != ws.id
         stranger = w.Workspace(ws_id=wcore._new_id(), config=ws2.config, mesh=ws2.mesh, axis_name=ws2.axis_name,
                                local=ws2._local)  # never allocated: an id this process does not hold
-        f = jax.jit(lambda x, i, wt, W: mj.moe(x, i, wt, W, config=mj.MoEConfig(implementation="mok",
-                                                                               workspace=stranger)))
+        f = jax.jit(lambda x, i, wt, W: mj.moe(x, i, wt, W, config=mj.MoEConfig(implementation="mok"),
+                                               workspace=stranger))
         try:
             jax.block_until_ready(f(*problem))
             raise AssertionError("an id this process never created must be refused")
