@@ -6,8 +6,8 @@ the error of the same layer done naively in bf16 on that row, plus one bf16 roun
 misplaced 16-byte chunk or a wrong row is far outside it (a row norm error of ~5e-2 at H = 7168).
 Data movement: with identity experts (a test mode of the kernel) the whole data path (schedule, dispatch,
 ring, combine, final sum) must equal the numpy oracle of mok_jax.reference.comm bit for bit, at EP 1, 2, 4
-and 8 emulated on one GPU, for every tuning knob. Determinism: the knobs and 1,000 calls back to back give
-bitwise-identical outputs. Errors: bad expert ids give NaN rows and InvalidRoutingError, a rank that skips a
+and 8 emulated on one GPU, for every tuning knob. Determinism: the knobs, the EP size (emulated 1, 2, 4, 8)
+and 1,000 calls back to back give bitwise-identical outputs. Errors: bad expert ids give NaN rows and InvalidRoutingError, a rank that skips a
 call gives CommTimeoutError; the process survives.
 Set MOK_TEST_METRICS=path to append one JSON line of errors per case.
 MOK_TEST_SEED=<seed> draws a run's inputs again: a failing test's report names its seed.
@@ -29,13 +29,13 @@ import mok_jax as mj
 from mok_jax import reference
 from mok_jax.config import KernelConfig
 from mok_jax.emulation import emulated_moe
-from mok_jax.reference.comm import dispatch_combine_identity_numpy
+from mok_jax.reference.comm import moe_identity_numpy
 from mok_jax.workspace import CommTimeoutError, InvalidRoutingError, Workspace, local_workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
-# The kernel rounds h, each expert's output row, each owner's partial and y to bf16 and accumulates in
-# fp32; the naive bf16 layer rounds every matmul output, the SwiGLU and every partial sum too, so the
+# The kernel rounds h, each expert's output row and y to bf16 and accumulates in fp32; the naive bf16
+# layer rounds every matmul output, the SwiGLU and every partial sum too, so the
 # kernel sits at or below its error: 2x it is the bound of a row.
 ERR_VS_NAIVE_BF16 = 2.0
 # Added to a row's bound: one bf16 rounding of the output (2^-8 relative), for rows whose naive error is
@@ -118,11 +118,8 @@ def _layer(x, idx, w, W, config):
     return mj.moe(x, idx, w, W, config=config)
 
 
-def _identity_oracle(x, idx, w, ep, E):
-    xs = np.asarray(x).view(ml_dtypes.bfloat16).reshape(ep, -1, x.shape[1])
-    idxs = np.asarray(idx).reshape(ep, -1, idx.shape[1])
-    ws = np.asarray(w).reshape(ep, -1, w.shape[1])
-    return dispatch_combine_identity_numpy(xs, idxs, ws, E).reshape(x.shape)
+def _identity_oracle(x, idx, w, E):  # the same at every EP size (the per-slot combine)
+    return moe_identity_numpy(np.asarray(x).view(ml_dtypes.bfloat16), idx, w, E)
 
 
 def _bits(a):
@@ -198,12 +195,30 @@ def test_knobs_never_change_bits():
     _check_math("knobs", ys[0], *args)
     for c, y in zip(configs[1:], ys[1:]):
         np.testing.assert_array_equal(_bits(y), _bits(ys[0]), f"{c} changed bits")
-    # emulated EP 2: the communication directions and the knobs, against each other
-    eps = [emulated_moe(*args, ep=2, kernel=KernelConfig(granularity=g, dispatch=d, combine=c, comm_sms_fwd=n))[0]
-           for g, d, c, n in [(512, "pull", "push", 8), (1024, "push", "pull", 3), (2048, "push", "push", 30),
-                              (512, "pull", "pull", 1)]]
-    for y in eps[1:]:
-        np.testing.assert_array_equal(_bits(y), _bits(eps[0]), "emulated EP 2: a knob changed bits")
+    # emulated EP 2: the dispatch directions and the knobs, against each other and against EP 1
+    eps = [emulated_moe(*args, ep=2, kernel=KernelConfig(granularity=g, dispatch=d, comm_sms_fwd=n))[0]
+           for g, d, n in [(512, "pull", 8), (1024, "push", 3), (2048, "push", 30), (512, "pull", 1)]]
+    for y in eps:
+        np.testing.assert_array_equal(_bits(y), _bits(ys[0]), "emulated EP 2: a knob or the EP size changed bits")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_y_bits_do_not_depend_on_the_ep_size(shared):
+    """The owners push each slot's expert row and the origin sums w_j row_j over the slots in order, so y (the
+    shared expert included) has the same bits at emulated EP 1, 2, 4 and 8, with uneven routing, a masked slot
+    and a token whose slots all sit on one rank at EP 2."""
+    shape = _shape(16, 512, 256, 6, Is=256 if shared else 0)
+    x, idx, w, W = _problem(f"epbits{shared}", shape, 256, "zipf", ranks=8)
+    idx = idx.at[5, 3].set(-1).at[7].set(jnp.arange(6, dtype=idx.dtype))  # a masked slot; rank 0's at EP 2
+    cfg = KernelConfig(granularity=512, comm_sms_fwd=4)
+    y1 = _layer(x, idx, w, W, config=_mok(cfg))
+    _check_math(f"epbits_shared{shared}", y1, x, idx, w, W)
+    for ep in (1, 2, 4, 8):
+        y, status = emulated_moe(x, idx, w, W, ep=ep, kernel=cfg)
+        assert not np.asarray(status).any(), f"EP {ep}: status {np.asarray(status)}"
+        differ = np.where((_bits(y) != _bits(y1)).any(1))[0]
+        _record(f"epbits_shared{shared}_ep{ep}", rows_differing=int(differ.size))
+        assert differ.size == 0, f"EP {ep}: {differ.size} rows of y differ from EP 1's, first {differ[:8].tolist()}"
 
 
 def test_thousand_calls_bitwise():
@@ -238,15 +253,15 @@ def test_two_layers_in_one_program():
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
-@pytest.mark.parametrize("dispatch,combine", [("pull", "push"), ("push", "pull")])
-def test_emulated_data_path_bitwise(ep, dispatch, combine):
+@pytest.mark.parametrize("dispatch", ["pull", "push"])
+def test_emulated_data_path_bitwise(ep, dispatch):
     shape = _shape(16, 264, 128, 10)  # 16 experts: 2 per rank at EP 8, k = 10 > experts per rank there
     x, idx, w, W = _problem(f"emu{ep}", shape, 300, "zipf", ranks=ep)
     idx = idx.at[5, 3].set(-1)  # a masked slot
-    cfg = KernelConfig(granularity=512, dispatch=dispatch, combine=combine, comm_sms_fwd=3)
+    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_sms_fwd=3)
     y, status = emulated_moe(x, idx, w, W, ep=ep, kernel=cfg, identity_experts=True)
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
-    want = _identity_oracle(x, idx, w, ep, 16)
+    want = _identity_oracle(x, idx, w, 16)
     got = np.asarray(y).view(ml_dtypes.bfloat16)
     diff = np.where((got.view(np.uint16) != want.view(np.uint16)).any(1))[0]
     assert diff.size == 0, f"EP {ep}: {diff.size} rows differ from the oracle, first {diff[:8].tolist()}"
@@ -258,13 +273,13 @@ def test_timing_mode_reaches_the_kernel():
     shape = _shape(16, 512, 256, 4)
     x, idx, w, W = _problem("leaveout", shape, 300, "uniform", ranks=2)
     cfg = KernelConfig(granularity=512, comm_sms_fwd=3)
-    want = _identity_oracle(x, idx, w, 2, 16)
+    want = _identity_oracle(x, idx, w, 16)
     for mode in (0, 8, 16, 24):
         y0, _ = emulated_moe(x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, timing_mode=mode)
         assert (np.asarray(y0).view(np.uint16) == want.view(np.uint16)).all(), f"timing_mode {mode}"
     # other rows (-x), so that a ring left over from the call before cannot pass for this one's
     y1, _ = emulated_moe(-x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, timing_mode=1)
-    want1 = _identity_oracle(-x, idx, w, 2, 16)
+    want1 = _identity_oracle(-x, idx, w, 16)
     assert (np.asarray(y1).view(np.uint16) != want1.view(np.uint16)).any(1).mean() > 0.5
 
 

@@ -13,7 +13,8 @@
 //                       H/128], down: f8e4m3fn[R, L, H, I], down_scale: f32[R, L, H/128, I/128], shared_gate_up,
 //                       shared_down) -> y, status, scratch        (mok_jax.fp8.quantize_expert_weights per rank)
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
-//   combine_pull, num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits)
+//   num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits). The combine has no
+//   knob: the owners push each slot's row into the origin's comb (mok/moe/forward_kernel.cuh, run_send).
 //
 // The handler finds the rank(s) of (ws_id, XLA's device ordinal), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the
@@ -36,7 +37,6 @@ struct MoeForwardAttrs {
   int32_t comm_items;
   int32_t ring_slots;
   int32_t dispatch_push;
-  int32_t combine_pull;
   int32_t num_sms;
   int32_t identity_experts;
   int32_t skip_rank;
@@ -46,9 +46,8 @@ struct MoeForwardAttrs {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(MoeForwardAttrs, StructMember<int64_t>("ws_id"),
                                       StructMember<int32_t>("granularity"), StructMember<int32_t>("comm_items"),
                                       StructMember<int32_t>("ring_slots"), StructMember<int32_t>("dispatch_push"),
-                                      StructMember<int32_t>("combine_pull"), StructMember<int32_t>("num_sms"),
-                                      StructMember<int32_t>("identity_experts"), StructMember<int32_t>("skip_rank"),
-                                      StructMember<int32_t>("timing_mode"));
+                                      StructMember<int32_t>("num_sms"), StructMember<int32_t>("identity_experts"),
+                                      StructMember<int32_t>("skip_rank"), StructMember<int32_t>("timing_mode"));
 
 namespace {
 
@@ -58,7 +57,7 @@ using mok::ffi_util::dims_str;
 using mok::ffi_util::invalid;
 
 mok::moe::ForwardKnobs knobs_of(const MoeForwardAttrs& a) {
-  return mok::moe::ForwardKnobs{a.granularity, a.comm_items, a.ring_slots, a.dispatch_push, a.combine_pull,
+  return mok::moe::ForwardKnobs{a.granularity, a.comm_items, a.ring_slots, a.dispatch_push,
                                 a.num_sms, a.identity_experts, a.skip_rank, a.timing_mode};
 }
 

@@ -102,7 +102,6 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
   params.num_ranks = num_ranks;
   params.skip_rank = knobs.skip_rank;
   params.dispatch_push = knobs.dispatch_push;
-  params.combine_pull = knobs.combine_pull;
   const Plan& p = params.plan;
   const ScratchLayout sl = forward_scratch_layout(shape, kn);
   const int rows = p.S * p.slot_rows;

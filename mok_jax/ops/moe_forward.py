@@ -71,6 +71,15 @@ def first_ring_token(kernel: KernelConfig, tokens: int) -> int:
     return max(0, microbatches - kernel.ring_slots) * g
 
 
+def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
+    """The megakernel's combine pushes one row per slot into the origin (y's terms are the same at every EP size,
+    docs/kernel.md), so it has no pull form; KernelConfig.combine="pull" is the standalone combine op's alone."""
+    if kernel is not None and kernel.combine != "push":
+        raise ValueError(f"{where}: KernelConfig.combine={kernel.combine!r} is not a form of the layer: its forward "
+                         f"pushes each slot's row to the token's rank, so that y has the same bits at every EP size "
+                         f"(\"pull\" is the standalone mok_jax.ops.combine's); use combine=\"push\"")
+
+
 # Timing variants (mok/moe/forward.cuh, TimingMode): a stage's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
                 "reduce rows twice": 16}
@@ -108,6 +117,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
     where = "mok_jax.ops.moe_forward"
+    _require_push_combine(kernel, where)
     arrays = (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32), ("topk_weight", topk_weight, 3,
               jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16), ("down", down, 4, jnp.bfloat16))
     R, T, H = x.shape if x.ndim == 3 else (0, 0, 0)  # a bad rank is reported by the check
@@ -172,6 +182,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
             raise ValueError(f"mok_jax.ops.moe_forward: fp8_weights has another intermediate size than gate_up ({inter})")
     require_native("mok_jax.ops.moe_forward")
     kernel = resolve_kernel(ws, kernel, tokens=T, hidden=H, inter=inter, top_k=k, local_experts=L)
+    _require_push_combine(kernel, where)
     nbytes = scratch_bytes(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L, ep=cfg.ep,
                            kernel=kernel, identity_experts=identity_experts, fp8=fp8)
     out = (
@@ -182,7 +193,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     )
     attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
                  comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),
-                 dispatch_push=np.int32(kernel.dispatch == "push"), combine_pull=np.int32(kernel.combine == "pull"),
+                 dispatch_push=np.int32(kernel.dispatch == "push"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
                  skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))
     if fp8:  # the same handler body and attributes (ffi/src/ffi_moe.cu), the routed weights in E4M3

@@ -16,6 +16,11 @@ Dispatch, identity experts, combine (the reduction order of ``ep_moe`` in ``expe
 
 Products are kept as separately rounded fp32 values (an optimisation barrier stops XLA from
 contracting them into FMAs), which is what the kernels compute with __fmul_rn/__fadd_rn.
+
+The layer's megakernel combines per slot instead (its owners push each slot's row, not a partial), so its y does
+not depend on the EP size; ``moe_identity_numpy`` is that data path's oracle with identity experts:
+
+    y_t = bf16( sum_{j: expert j of t valid, ascending j} fl(w_j * x_t) )                 in fp32
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
+    "moe_identity_numpy",
     "dispatch_combine_identity_numpy",
     "dispatch_layout_numpy",
     "ep_dispatch_combine_identity",
@@ -141,6 +147,19 @@ def dispatch_layout_numpy(xs: np.ndarray, idxs: np.ndarray, ws: np.ndarray, num_
         out.append(dict(recv_x=recv, group_sizes=sizes, row_table=table, row_weight=ws.astype(np.float32).copy(),
                         row_source=source, recv_tokens=tokens_x))
     return out
+
+
+def moe_identity_numpy(x: np.ndarray, idx: np.ndarray, w: np.ndarray, num_experts: int) -> np.ndarray:
+    """x: bf16[T, H] (every rank's tokens, in rank order), idx: [T, k], w: [T, k] -> y: bf16[T, H], the layer
+    forward with identity experts and no shared expert (the megakernel's per-slot combine; the same at every EP
+    size)."""
+    x32 = np.asarray(x).astype(np.float32)
+    idx, w = np.asarray(idx), np.asarray(w, np.float32)
+    y = np.zeros(x32.shape, np.float32)
+    for j in range(idx.shape[1]):  # ascending slots, one rounding per multiply and per add
+        valid = ((idx[:, j] >= 0) & (idx[:, j] < num_experts))[:, None]
+        y = np.where(valid, (y + (w[:, j, None] * x32).astype(np.float32)).astype(np.float32), y)
+    return y.astype(ml_dtypes.bfloat16)
 
 
 def dispatch_combine_identity_numpy(xs: np.ndarray, idxs: np.ndarray, ws: np.ndarray,

@@ -48,6 +48,43 @@ __device__ __forceinline__ void warp_copy_row(const int4* src, int nvec, int4* m
   }
 }
 
+// Copy the row of every lane j in `lanes` (my_src, nvec vectors) to its destination (my_dst), kGroup rows' loads in
+// flight together.
+template <int kUnroll, int kGroup>
+__device__ __forceinline__ void warp_copy_rows(const int4* my_src, int4* my_dst, uint32_t lanes, int nvec, int lane) {
+  while (lanes) {
+    const int4* src[kGroup];
+    int4* dst[kGroup];
+    bool use[kGroup];  // warp-uniform
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      use[g] = lanes != 0;
+      const int j = use[g] ? __ffs(lanes) - 1 : 0;
+      if (use[g]) lanes &= lanes - 1;
+      src[g] = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), j));
+      dst[g] = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
+    }
+    for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
+      int4 buf[kGroup][kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+          if (use[g] && v < nvec) buf[g][u] = ld_v4_na(src[g] + v);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * 32 + lane;
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+          if (use[g] && v < nvec) st_v4(dst[g] + v, buf[g][u]);
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ void accumulate8(float* acc, const int4& x) {
   const uint32_t w[4] = {uint32_t(x.x), uint32_t(x.y), uint32_t(x.z), uint32_t(x.w)};
 #pragma unroll
@@ -93,6 +130,43 @@ __device__ __forceinline__ void warp_weighted_partial(const int4* rows, int nvec
       const int j = use[g] ? __ffs(m) - 1 : 0;
       if (use[g]) m &= m - 1;
       src[g] = rows + size_t(__shfl_sync(kFullMask, my_row, j)) * nvec;
+      wt[g] = __shfl_sync(kFullMask, my_w, j);
+    }
+    int4 buf[kGroup][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + u * 32 + lane;
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g)
+        if (use[g] && v < nvec) buf[g][u] = ld_v4_na(src[g] + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (v0 + u * 32 + lane < nvec)
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+          if (use[g]) accumulate8_weighted(acc[u], buf[g][u], wt[g]);
+  }
+}
+
+// acc[u] += sum over lanes j in `lanes`, ascending, of my_w[j] * src_j[v0 + 32 u + lane] for u < kUnroll, where lane
+// j holds its row's address (my_src) and weight: fp32, one rounding per operation, kGroup rows' loads in flight.
+// The rows may sit anywhere (the megakernel's origin sums its own ring rows and its peers' pushed rows so).
+template <int kUnroll, int kGroup>
+__device__ __forceinline__ void warp_weighted_sources(const int4* my_src, float my_w, uint32_t lanes, int nvec, int v0,
+                                                      float (&acc)[kUnroll][8], int lane) {
+  uint32_t m = lanes;
+  while (m) {
+    const int4* src[kGroup];
+    float wt[kGroup];
+    bool use[kGroup];  // warp-uniform
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      use[g] = m != 0;
+      const int j = use[g] ? __ffs(m) - 1 : 0;
+      if (use[g]) m &= m - 1;
+      src[g] = reinterpret_cast<const int4*>(
+          __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), j));
       wt[g] = __shfl_sync(kFullMask, my_w, j);
     }
     int4 buf[kGroup][kUnroll];

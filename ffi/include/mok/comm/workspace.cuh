@@ -25,9 +25,10 @@
 //                                        and holds the epoch of the call that last set it
 //   stage       bf16[ep][max_tokens][H]  dispatch rows: [s][t] = x_t of rank s
 //                                        (pull: rank s fills its own [s]; push: s fills peers' [s])
-//   comb        bf16[ep][max_tokens][H]  combine partial rows
-//                                        (push: [o][t] on the origin, from owner o;
-//                                         pull: [s][t] on the owner, for origin s)
+//   comb        bf16[max(ep, top_k)][max_tokens][H] (ep 1: [1][..])  combine rows. The comm ops' combine: partials [ep][T][H]
+//                                        (push: [o][t] on the origin, from owner o; pull: [s][t] on the owner,
+//                                        for origin s). The megakernel: one row per slot, [T][top_k][H] on the
+//                                        origin, pushed by the slot's owner (the same terms at every EP size)
 //   the fused backward's buffers (ep > 1 only; none at ep 1, whose backward does not communicate):
 //   bwd_flags   u64[kBwdFlagRows][ep]    epoch stamps of the experts' backward (mok/experts_backward.cuh):
 //                                        rows kBwdSigX, kBwdSigDx, kBwdDone; [row][s] is written by rank s
@@ -40,9 +41,8 @@
 // the call's epoch with a release at system scope, and a consumer waits for flag >= epoch. So a call may
 // use any number of microbatches, and calls of the comm ops and of the megakernel never share a flag.
 //
-// Sizes: the two bf16 buffers dominate: 2 * ep * max_tokens * H * 2 bytes, linear in ep (H 7168,
-// 4096 tokens: 235 MB per rank at ep 2, 940 MB at ep 8; the megakernel's device-side ring (docs/kernel.md) bounds
-// this later). At ep > 1 the backward's buffers add (2 + top_k) * max_tokens * H * 2 bytes, independent of ep
+// Sizes: the two bf16 buffers dominate: (ep + max(ep, top_k)) * max_tokens * H * 2 bytes at ep > 1, linear in ep past top_k
+// (H 7168, 4096 tokens, k 8: 587 MB per rank at ep 2, 940 MB at ep 8; docs/memory.md). At ep > 1 the backward's buffers add (2 + top_k) * max_tokens * H * 2 bytes, independent of ep
 // (H 7168, 4096 tokens, k 8: 587 MB). Nothing else depends on ep beyond the [ep]-indexed regions above: every
 // loop over peers runs to shape.ep and the peer table holds ep pointers. Everything is zeroed once at setup and
 // never memset again: signals are monotonic counters compared against epoch * kSignalUnits.
@@ -139,7 +139,8 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   l.route_w = take(sizeof(float) * s.ep * l.route_stride);
   const size_t rows = size_t(s.ep) * s.max_tokens * s.hidden * 2;  // bf16
   l.stage = take(rows);
-  l.comb = take(rows);
+  // the comm ops' [ep][T][H] partials; the megakernel's [T][top_k][H] slot rows, which EP 1 never sends
+  l.comb = take(size_t(s.ep == 1 || s.ep > s.top_k ? s.ep : s.top_k) * s.max_tokens * s.hidden * 2);
   if (s.ep > 1) {
     const size_t own = size_t(s.max_tokens) * s.hidden * 2;  // bf16 [max_tokens][H]
     l.bwd_flags = take(sizeof(uint64_t) * kBwdFlagRows * s.ep);

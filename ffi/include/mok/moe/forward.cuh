@@ -52,7 +52,6 @@ struct ForwardKnobs {     // speed only: the outputs are bitwise the same for ev
   int32_t comm_items;     // work items per communication stage (how many SMs move rows at once)
   int32_t ring_slots;     // S: microbatch slots of the receive ring
   int32_t dispatch_push;  // 0 pull (owners read the sources' staged rows), 1 push
-  int32_t combine_pull;   // 0 push (owners write partials into the origin), 1 pull
   int32_t num_sms;        // persistent CTAs (0: every SM)
   int32_t identity_experts;  // test mode: every expert is the identity, the shared expert is skipped
   int32_t skip_rank;         // test mode: this emulated rank makes no call (-1: none)

@@ -36,14 +36,13 @@
 // nothing but count it), so a failed call ends quickly; its last CTA then fills y with NaN and writes the
 // status. No traps. Bad expert ids give NaN rows for their tokens and a call error (not a poison).
 //
-// Determinism: every output element is computed by one item in a fixed order (GEMM k order; combine over
-// slots j and owner ranks in ascending order, fp32, __fmul_rn/__fadd_rn), and no float is ever reduced with
-// atomics, so outputs are bitwise the same for every knob value and every assignment of items to CTAs.
+// Determinism: every output element is computed by one item in a fixed order (GEMM k order; y as one fp32 sum over
+// a token's slots j in ascending order, __fmul_rn/__fadd_rn, of the bf16 expert rows: the owners push each slot's
+// row, not a pre-summed partial), and no float is ever reduced with atomics, so outputs are bitwise the same for
+// every knob value, every assignment of items to CTAs and every EP size.
 #pragma once
 
 #include <cuda_bf16.h>
-
-#include <climits>
 
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -82,8 +81,8 @@ constexpr int kCopyUnroll = 8;       // 16-byte vectors per lane in flight when 
 // 2 (both loads of loop invariants). The FP8 form copies only remote rows (EP > 1), of half the bf16 bytes.
 constexpr int kCopyUnrollFp8 = 2;
 constexpr int kQuantUnroll = 4;      // ... when quantising a row to FP8
-constexpr int kSumUnroll = 2;        // ... when summing rows
-constexpr int kSumGroup = 2;         // rows whose loads are in flight together in a weighted sum
+constexpr int kSendUnroll = 2;       // ... when SEND copies a slot's row to its origin (both forms)
+constexpr int kSendGroup = 2;        // rows whose loads are in flight together there
 constexpr int kReduceUnroll = 2;     // vectors per lane and row in flight in the origin's final sum
 constexpr int kReduceGroup = 2;      // rows whose loads are in flight together there
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
@@ -140,7 +139,6 @@ struct Params {
   int32_t num_ranks;
   int32_t skip_rank;
   int32_t dispatch_push;
-  int32_t combine_pull;
   RankParams ranks[kMaxVirtualRanks];
 };
 static_assert(sizeof(Params) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
@@ -661,7 +659,10 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
   gemm::fence_proxy_async_global();  // the GU tiles read these rows with TMA
 }
 
-// SEND(m) (owner side, ep > 1): partial(me, s, t) of every remote (s, t) of microbatch m with local slots.
+// SEND(m) (owner side, ep > 1): the row of every remote slot (s, t, j) of microbatch m that is mine, as the down
+// tile left it in the ring (bf16, before the router weight), into origin s's comb[t][j]: one row per slot, so that
+// the origin sums the same terms in the same order at every EP size (run_reduce). A slot past the ring slot (row
+// -2) gets a NaN row there.
 __device__ inline void run_send(const Params& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
@@ -675,29 +676,22 @@ __device__ inline void run_send(const Params& P, const RankParams& R, const Item
     const int64_t t = t_lo + q / (ep - 1);
     const int so = int(q % (ep - 1));
     const int s = so < v.rank ? so : so + 1;
-    const int64_t cell = (int64_t(s) * p.T + t) * k + lane;
-    const int32_t row = lane < k ? R.sync[p.o_row + cell] : -1;
-    const float w = lane < k ? reinterpret_cast<const float*>(R.sync + p.o_w)[cell] : 0.0f;
-    const uint32_t lanes = __ballot_sync(kFull, row >= 0);
-    const bool dropped = __any_sync(kFull, row == -2);
-    if (lanes == 0 && !dropped) continue;
-    int4* dst = P.combine_pull ? v.local<int4>(v.layout.comb) + stage_row(v, s, t) * nvec
-                               : v.peer<int4>(s, v.layout.comb) + stage_row(v, v.rank, t) * nvec;
-    if (dropped) {
-      nan_row(dst, nvec, lane);
-    } else {
-      comm::warp_weighted_sum_row<kSumUnroll, kSumGroup>(slot, nvec, row, w, lanes, dst, lane);
-    }
+    const int32_t row = lane < k ? R.sync[p.o_row + (int64_t(s) * p.T + t) * k + lane] : -1;
+    int4* cell = v.peer<int4>(s, v.layout.comb) + size_t(t) * k * nvec;  // origin s's comb[t][0]
+    const uint32_t dropped = __ballot_sync(kFull, row == -2);
+    for (uint32_t m = dropped; m; m &= m - 1) nan_row(cell + size_t(__ffs(m) - 1) * nvec, nvec, lane);
+    const int4* my_src = row >= 0 ? slot + size_t(row) * nvec : nullptr;
+    comm::warp_copy_rows<kSendUnroll, kSendGroup>(my_src, cell + size_t(lane) * nvec, __ballot_sync(kFull, row >= 0),
+                                                  nvec, lane);
   }
 }
 
-// y_t = bf16( sum over sources i < num_src (ascending owner rank) of partial_i  +  shared_row ), fp32.
-// Source own_pos is computed here from this rank's rows (lanes `own`: row my_row, weight my_w; ascending j,
-// kReduceGroup rows' loads in flight) and rounded to bf16 like a partial that crossed the wire; the others are
-// bf16 rows at lane i's my_src.
-__device__ inline void reduce_row(const int4* rows, int my_row, float my_w, uint32_t own, const int4* my_src,
-                                  int num_src, int own_pos, const float* shared_row, int nvec, int4* dst,
-                                  int lane) {
+// y_t = bf16( sum over t's slots j, ascending, of w_j * row_j  +  shared_row ), fp32, one rounding per operation:
+// row_j is slot j's expert output row, bf16 (my ring's row when its expert is mine, else the one its owner pushed
+// into my comb[t][j]); lane j holds its address (my_src) and weight, `used` the slots with an expert. The terms and
+// their order do not depend on which rank owns which expert, so y has the same bits at every EP size.
+__device__ inline void reduce_row(const int4* my_src, float my_w, uint32_t used, const float* shared_row, int nvec,
+                                  int4* dst, int lane) {
   constexpr int kU = kReduceUnroll;
   for (int v0 = 0; v0 < nvec; v0 += 32 * kU) {
     float acc[kU][8];
@@ -705,29 +699,7 @@ __device__ inline void reduce_row(const int4* rows, int my_row, float my_w, uint
     for (int u = 0; u < kU; ++u)
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
-    for (int i = 0; i < num_src; ++i) {
-      if (i == own_pos) {
-        float part[kU][8];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) part[u][e] = 0.0f;
-        comm::warp_weighted_partial<kU, kReduceGroup>(rows, nvec, v0, my_row, my_w, own, part, lane);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (v0 + u * 32 + lane < nvec) comm::accumulate8(acc[u], comm::round8(part[u]));
-      } else {
-        const int4* src =
-            reinterpret_cast<const int4*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_src), i));
-        int4 buf[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (v0 + u * 32 + lane < nvec) buf[u] = comm::ld_v4_na(src + v0 + u * 32 + lane);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (v0 + u * 32 + lane < nvec) comm::accumulate8(acc[u], buf[u]);
-      }
-    }
+    comm::warp_weighted_sources<kU, kReduceGroup>(my_src, my_w, used, nvec, v0, acc, lane);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int vi = v0 + u * 32 + lane;
@@ -754,6 +726,7 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
   int64_t b, e;
   const int t_lo = stage_share(p, it, 1, &b, &e);
   const int4* rows = ring_slot(p, R, it.mb);
+  const int4* comb = v.local<const int4>(v.layout.comb);
   if (p.timing_mode & kTimingNoReduceRows) e = b;  // timing mode
   for (int64_t t = t_lo + b + warp; t < t_lo + e; t += kWorkerWarps) {
     int4* dst = R.y + t * nvec;
@@ -769,34 +742,19 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
       nan_row(dst, nvec, lane);
       continue;
     }
-    const int owner = id >= 0 ? id / p.L : -1;
-    const bool mine = owner == rank;
+    const bool mine = id >= 0 && id / p.L == rank;
     const int32_t my_row = mine ? R.sync[p.o_row + (int64_t(rank) * p.T + t) * k + lane] : -1;
-    const float my_w = mine ? R.topk_weight[t * k + lane] : 0.0f;
     if (__any_sync(kFull, mine && my_row < 0)) {  // a slot past the ring slot (ring overflow)
       nan_row(dst, nvec, lane);
       continue;
     }
-    const uint32_t own = __ballot_sync(kFull, mine);
-    // distinct owners in ascending order: lane i gets the i-th one's source
-    const int4* my_src = nullptr;
-    int num_src = 0, own_pos = -1;
-    for (int prev = -1;;) {
-      const int cand = owner > prev ? owner : INT_MAX;
-      const int o = __reduce_min_sync(kFull, cand);
-      if (o == INT_MAX) break;
-      if (o == rank) {
-        own_pos = num_src;
-      } else if (lane == num_src) {
-        my_src = P.combine_pull ? v.peer<const int4>(o, v.layout.comb) + stage_row(v, rank, t) * nvec
-                                : v.local<const int4>(v.layout.comb) + stage_row(v, o, t) * nvec;
-      }
-      ++num_src;
-      prev = o;
-    }
+    const int4* my_src = mine ? rows + size_t(my_row) * nvec
+                         : id >= 0 ? comb + (size_t(t) * k + lane) * nvec : nullptr;
+    const float my_w = id >= 0 ? R.topk_weight[t * k + lane] : 0.0f;
+    const uint32_t used = __ballot_sync(kFull, id >= 0);
     const float* shared_row = p.Is > 0 ? R.shared_out + t * p.H : nullptr;
     for (int rep = (p.timing_mode & kTimingTwiceReduceRows) ? 2 : 1; rep > 0; --rep)
-      reduce_row(rows, my_row, my_w, own, my_src, num_src, own_pos, shared_row, nvec, dst, lane);
+      reduce_row(my_src, my_w, used, shared_row, nvec, dst, lane);
   }
 }
 
@@ -918,7 +876,7 @@ __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStor
 
 // A GEMM tile: MMAs, then the epilogue. (Kept inline: as a called function its accumulators spilled.) The
 // accumulators' 128 registers stay allocated across the whole consumer loop, which is why the row movers of
-// the communication items keep few vectors in flight (kSumUnroll etc.): more spilled.
+// the communication items keep few vectors in flight (kSendUnroll etc.): more spilled.
 // An FP8 routed tile: chains and promotions into two 64-value totals, then GU's SwiGLU with h quantised (E4M3 and
 // its scales, read by DN's TMA next) or DN's bf16 rows over the ring rows, in place.
 __device__ __forceinline__ bool fp8_tile_item(const Plan& p, const RankParams& R, SharedStorage& s, Tile::StagePos& pos,
