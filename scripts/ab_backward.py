@@ -5,6 +5,7 @@ config, and the backward op's ms per SM per kind of work item (kept g, u, as the
 line per problem on stdout.
 
     python scripts/ab_backward.py kimi-k2 qwen3.5-397b-a17b qwen3-30b-a3b:8192:16
+    python scripts/ab_backward.py --summary LOGS A B    (what gpu_backward_ab.sh prints last)
 """
 import dataclasses
 import json
@@ -56,7 +57,28 @@ def case(spec: str) -> dict:
     return res
 
 
+def summary(logs: str, a: str, b: str) -> None:
+    runs = [[json.loads(line) for line in open(f"{logs}/ab_{i}.jsonl") if line.startswith("{")] for i in range(1, 5)]
+    trees = [a, b, b, a]
+    for p in range(max(len(r) for r in runs)):
+        rows = [r[p] if p < len(r) else None for r in runs]
+        ok = [r for r in rows if r]
+        same = all(r["bits"] == ok[0]["bits"] for r in ok) if ok else False
+        print(f"== {ok[0]['problem'] if ok else p}: bits {'identical in all runs' if same else 'DIFFER'}")
+        if not same:
+            for t, r in zip(trees, rows):
+                print(f"   {t}: {r and r['bits']}")
+        for t, r in zip(trees, rows):
+            if r:
+                items = ", ".join(f"{k} {v:.3f}" for k, v in r["items kept busy ms per SM"].items())
+                print(f"   {t:>10}: dense {r['dense fwd+bwd']:.3f}/{r['dense fwd+bwd after']:.3f} fwd+bwd "
+                      f"{r['fwd+bwd']:.3f} ({r['fwd+bwd'] / r['dense fwd+bwd']:.3f}x dense)  items: {items}")
+
+
 def main(argv) -> int:
+    if argv[:1] == ["--summary"]:
+        summary(*argv[1:4])
+        return 0
     for spec in argv:
         print(json.dumps(case(spec)), flush=True)
     return 0
