@@ -32,6 +32,9 @@ step); its fwd+bwd quantises them inside the step, so that cost is timed. Its co
 routed GEMMs at the FP8 dense peak and the rest (shared expert, backward) at the bf16 peak
 (``accounting.compute_floor_ms``), and its communication floor its E4M3 dispatch rows.
 
+``--project`` runs nothing: it prints the per-rank time at EP 8 to 72 projected from the committed results
+(``mok_jax.bench.project``, docs/projection.md).
+
 Exit status (``main``): 0 when at least one run succeeded and none failed; 1 when a run failed or none ran; 2, with
 one line saying why and before anything runs, on a bad option, a model or TOML that cannot be read, a --plot
 format that cannot be written, a problem whose inputs, outputs and weights alone exceed a device's memory, or an
@@ -108,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if opts.from_json:
             return _from_json(opts)
+        if opts.project:  # no run: a projection from the committed results (mok_jax.bench.project)
+            from mok_jax.bench import project
+
+            return project.main(opts)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent GPU machines
         _ask_for_cpu_devices()
         report = run(opts, argv=["mok-bench", *(sys.argv[1:] if argv is None else argv)])

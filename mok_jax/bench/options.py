@@ -10,6 +10,7 @@ import importlib.util
 from typing import Any
 
 from mok_jax.bench import accounting as acc
+from mok_jax.bench.project import COMBINE_ROWS  # --project: combine rows per (token, remote owner) or per remote slot
 from mok_jax.bench.routing import ROUTINGS
 
 __all__ = ["CPU_DEFAULTS", "CPU_NOTICE", "DENSE", "DTYPES", "FP8_IMPL", "FP8_REFERENCE", "GPU_DEFAULTS",
@@ -59,6 +60,7 @@ examples:
   mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-sms 16   # a mok granularity sweep
   mok-bench bench --tune --tokens 512..8192   # time mok's knobs, write configs/tuned/<device>/kernel.toml
   mok-bench bench --dtype fp8 --pass fwd,fwd+bwd --impl xla,mok   # mok-fp8 beside mok, ratio in 'vs bf16'
+  mok-bench --project --json proj.json        # per-rank time at EP 8-72 projected from the committed results
 """
 
 
@@ -155,6 +157,8 @@ class BenchOptions:
     quiet: bool = False
     markdown: bool = False
     from_json: tuple[str, ...] | None = None
+    project: bool = False  # mok_jax.bench.project: no run, a projection from the committed results
+    combine_rows: str = "per-slot"
 
     def __post_init__(self):
         def need(cond, msg):
@@ -183,6 +187,8 @@ class BenchOptions:
         need(self.nvlink_gbps is None or self.nvlink_gbps > 0, "--nvlink-gbps must be > 0")
         need(self.devices is None or self.devices >= 1, "--devices must be >= 1")
         need(self.time_budget_s is None or self.time_budget_s > 0, "--time-budget must be > 0")
+        need(self.combine_rows in COMBINE_ROWS, f"--combine-rows must be one of {', '.join(COMBINE_ROWS)}")
+        need(not (self.project and (self.tune or self.from_json)), "--project runs nothing: drop --tune / --from-json")
         if self.plot is not None:
             suffix = self.plot.rsplit(".", 1)[-1].lower() if "." in self.plot else ""
             need(suffix in PLOT_FORMATS, f"--plot: {self.plot!r} must end in "
@@ -294,6 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--from-json", nargs="+", metavar="FILE", help="run nothing: print the table of saved "
                    "reports (and --plot them)")
     o.add_argument("--list-models", action="store_true", help="print the known model shapes and exit")
+    o.add_argument("--project", action="store_true", help="run nothing: project the per-rank fwd and fwd+bwd time "
+                   "at EP 8-72 on H200 NVL8 and a GB200/GB300-class NVL72 from the committed results, beside an "
+                   "all-to-all layer and the paper's EP-64 figures, and check the model against the EP-2 "
+                   "measurements (mok_jax.bench.project, docs/projection.md); reads --model, --combine-rows, --json "
+                   "and --markdown only")
+    o.add_argument("--combine-rows", default="per-slot", choices=COMBINE_ROWS, help="--project: combine sends a "
+                   "row per token and remote owner rank (per-owner, today's kernel) or per remote slot (per-slot, "
+                   "default)")
     return p
 
 
@@ -317,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
         peak_tflops=ns.peak_tflops, peak_tflops_fp8=ns.peak_tflops_fp8, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
         reference_max_gb=ns.reference_max_gb, time_budget_s=ns.time_budget_s, json=ns.json, plot=ns.plot,
         profile=ns.profile, progress=ns.progress, quiet=ns.quiet, markdown=ns.markdown,
-        from_json=tuple(ns.from_json) if ns.from_json else None)
+        from_json=tuple(ns.from_json) if ns.from_json else None, project=ns.project, combine_rows=ns.combine_rows)
 
 
 def print_models() -> None:
