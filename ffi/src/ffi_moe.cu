@@ -14,7 +14,7 @@
 //                       shared_down) -> y, status, scratch        (mok_jax.fp8.quantize_expert_weights per rank)
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
 //   num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits). The combine has no
-//   knob: the owners push each slot's row into the origin's comb (mok/moe/forward_kernel.cuh, run_send).
+//   knob: the owners push each slot's row into the origin's comb (mok/moe/forward_comm.cuh, run_send).
 //
 // The handler finds the rank(s) of (ws_id, XLA's device ordinal), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the

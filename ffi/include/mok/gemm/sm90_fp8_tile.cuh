@@ -4,7 +4,7 @@
 //   partial_kb[r, n] = sum_{k in block kb (128 long)} A[r, k] * B[group][n, k]        E4M3 x E4M3 -> fp32
 //
 // The pieces every FP8 GEMM of the library is built from: the standalone grouped FFN
-// (sm90_fp8_grouped_gemm.cuh) and the MoE megakernel's routed tiles (mok/moe/forward_kernel.cuh). Hopper has
+// (sm90_fp8_grouped_gemm.cuh) and the MoE megakernel's routed tiles (mok/moe/forward_tiles.cuh). Hopper has
 // no hardware block scaling, so each 128-long K block is one wgmma chain of 4 x k32 into a `partial`
 // accumulator started from zero, and the CUDA cores promote it into an fp32 `total` with the two block scales
 // (the tensor core keeps only ~14 bits while it accumulates, so its chains stay 128 long).
