@@ -155,7 +155,9 @@ class KernelConfig:
         stage is split into; the other SMs run GEMM tiles meanwhile).
     comm_sms_bwd: the items the fused expert-parallel backward (ops.experts_backward_ep) splits the staging of
         x and dy into; its row moves after that go one item per 128-row block. Unused at EP 1.
-    dispatch / combine: communication direction per operator.
+    dispatch: the dispatch's direction (owners pull the sources' staged rows, or sources push them).
+    combine: the standalone combine op's direction (``mok_jax.ops.combine``). The layer's forward always pushes one
+        row per slot, so that y has the same bits at every EP size, and refuses "pull".
     ring_slots: microbatch slots in the device-side receive ring (memory: ring_slots x the worst case of
         one microbatch's rows, whatever the routing).
     """

@@ -12,25 +12,28 @@ import json
 import sys
 import zlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from mok_jax import ops
-from mok_jax.bench.backward import grad_of, item_ms, layer_config, op_args
-from mok_jax.bench.breakdown import _problem, _timed
-from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
 
 SAMPLES = 7
 SEEDS = (3, 4)  # the bits of both; the times of the last
 
 
 def crc(tree) -> str:
+    import jax
+
     leaves = jax.tree_util.tree_leaves(tree)
     return "%08x" % zlib.crc32(b"".join(np.asarray(a).view(np.uint8).tobytes() for a in leaves))
 
 
 def case(spec: str) -> dict:
+    import jax  # here, so that --summary runs where the package is not installed
+    import jax.numpy as jnp
+
+    from mok_jax import ops
+    from mok_jax.bench.backward import grad_of, item_ms, layer_config, op_args
+    from mok_jax.bench.breakdown import _problem, _timed
+    from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
+
     name, tokens, experts = (spec.split(":") + [None, None])[:3]
     tokens = int(tokens or 2048)
     experts = int(experts) if experts else None
