@@ -13,6 +13,7 @@ import pytest
 from mok_jax.bench import accounting as acc
 from mok_jax.bench import cli
 from mok_jax.bench import project as P
+from mok_jax.bench import project_report as PR
 from mok_jax.bench.routing import make_routing
 
 EPS = (1, 2, 4, 8, 16, 32, 64, 72)
@@ -102,7 +103,7 @@ def test_machine_ratios_scale_compute():
 
 
 def test_ep2_check_predicts_every_measurement():
-    v = P.validate()
+    v = PR.validate()
     recs = v["comm_ops"]["records"]
     assert len(recs) == sum(len(json.load(open(P.RESULTS / f))["records"]) for f in P.COMM_JSONS.values())
     for r in recs:  # the model's remote bytes are the measured op's (every token needs the other rank at EP 2)

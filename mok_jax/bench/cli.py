@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts.from_json:
             return _from_json(opts)
         if opts.project:  # no run: a projection from the committed results (mok_jax.bench.project)
-            from mok_jax.bench import project
+            from mok_jax.bench import project_report
 
-            return project.main(opts)
+            return project_report.main(opts)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent GPU machines
         _ask_for_cpu_devices()
         report = run(opts, argv=["mok-bench", *(sys.argv[1:] if argv is None else argv)])
