@@ -21,7 +21,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PaddedLayout", "gather_rows", "kept_blocks", "padded_layout"]
+from mok_jax.backward_types import EXPERTS_BACKWARD_GROUP_ALIGN
+
+__all__ = ["PaddedLayout", "gather_rows", "kept_blocks", "padded_layout", "rank_layout"]
 
 
 class PaddedLayout(NamedTuple):
@@ -103,3 +105,12 @@ def kept_blocks(src_slot: jax.Array, row_of: jax.Array, kept_rows: int, slots: i
     ok = ((row_of >= 0) & (row_of < kept_rows)) | (src_slot < 0) | (src_slot >= slots)
     ok = jnp.concatenate([ok, jnp.ones((-m % block,), bool)])
     return jnp.all(ok.reshape(-1, block), axis=1).astype(jnp.int32)
+
+
+def rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
+    """The padded layout of the slots of EP rank ``rank``'s experts [rank * L, (rank + 1) * L) among topk_idx
+    (global ids of every rank's tokens, rank-major; every other slot masked): the rows its backward runs on,
+    in global (t, j) order within each expert, as the EP-1 layout has them."""
+    first = rank * num_local
+    mine = (topk_idx >= first) & (topk_idx < first + num_local)
+    return padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)

@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mok_jax import reference
 from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
-from mok_jax.expert_layout import PaddedLayout, padded_layout
+from mok_jax.expert_layout import PaddedLayout, rank_layout  # rank_layout: a public piece of the backward here too
 from mok_jax.fp8 import BLOCK as FP8_BLOCK, Fp8ExpertWeights, quantize_expert_weights
 from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
@@ -226,15 +226,6 @@ def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
 # rank_layout, routed_backward_rank, slot_sum, drop_invalid_tokens, finish_backward and FUSED_EP_BACKWARD: the
 # pieces of the backward that mok_jax.emulation runs rank by rank, shared so that the emulation is the layer's
 # backward and not a copy of it.
-def rank_layout(topk_idx, num_local: int, rank) -> PaddedLayout:
-    """The padded layout of the slots of EP rank ``rank``'s experts [rank * L, (rank + 1) * L) among topk_idx
-    (global ids of every rank's tokens, rank-major; every other slot masked): the rows its backward runs on,
-    in global (t, j) order within each expert, as the EP-1 layout has them."""
-    first = rank * num_local
-    mine = (topk_idx >= first) & (topk_idx < first + num_local)
-    return padded_layout(jnp.where(mine, topk_idx - first, -1), num_local, block=EXPERTS_BACKWARD_GROUP_ALIGN)
-
-
 def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int, ep: int = 1) -> int:
     """Rows of the bf16 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
     MoEConfig(keep=keep) and the resolved knobs ``kernel`` (a KernelConfig; "ring" reads granularity and ring_slots)
