@@ -103,6 +103,9 @@ def test_ops_fp8_argument_errors(monkeypatch):
         mf.moe_forward(ws, *args, None, None, fp8_weights=w8, identity_experts=True)
     with pytest.raises(ValueError, match="cannot be combined with keep_pos"):
         mf.moe_forward(ws, *args, None, None, fp8_weights=w8, keep_pos=jnp.zeros((1, T * K), jnp.int32), keep_rows=8)
+    for lab in (dict(timing_mode=8), dict(skip_rank=0)):  # compiled into the bf16 lab form of the kernel only
+        with pytest.raises(ValueError, match=f"{next(iter(lab))} with fp8_weights: .* bf16 lab form only"):
+            mf.moe_forward(ws, *args, None, None, fp8_weights=w8, **lab)
     with pytest.raises(ValueError, match=r"fp8_weights.gate_up must be \[1, 8, ...\]"):
         mf.moe_forward(ws, *args, None, None, fp8_weights=jax.tree.map(lambda a: a[0], w8))
     with pytest.raises(TypeError, match="fp8_weights must be a mok_jax.fp8.Fp8ExpertWeights"):

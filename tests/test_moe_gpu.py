@@ -283,6 +283,24 @@ def test_timing_mode_reaches_the_kernel():
     assert (np.asarray(y1).view(np.uint16) != want1.view(np.uint16)).any(1).mean() > 0.5
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_lab_form_has_the_production_bits(ep):
+    """A call with a timing mode runs the kernel's lab form (ffi/src/moe_forward.cu), every other call the production
+    form, compiled without the mode checks: with the "twice" variants, whose outputs stay right, the lab form gives
+    the production form's bits on real experts with a shared expert."""
+    shape = _shape(16, 512, 256, 4)
+    args = _problem(f"lab{ep}", shape, 600, "zipf", ranks=ep)
+    cfg = KernelConfig(granularity=512, comm_sms_fwd=3)
+    y0, status = emulated_moe(*args, ep=ep, kernel=cfg)  # the production form
+    assert not np.asarray(status).any(), f"status {np.asarray(status)}"
+    _check_math(f"lab{ep}", y0, *args)
+    for mode in (8, 16, 24):  # the lab form
+        y1, status = emulated_moe(*args, ep=ep, kernel=cfg, timing_mode=mode)
+        assert not np.asarray(status).any(), f"timing_mode {mode}: status {np.asarray(status)}"
+        np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16),
+                                      err_msg=f"timing_mode {mode}")
+
+
 @pytest.mark.parametrize("ep", [2, 4, 8])
 def test_emulated_math(ep):
     shape = _shape(16, 512, 256, 4)

@@ -59,12 +59,16 @@ __device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, u
   publish(p, comm::kBwdDone, epoch);
 }
 
-// CTA b serves EP rank b % num_ranks (one rank, or every rank of an emulated group).
+// CTA b serves EP rank b % num_ranks (one rank, or every rank of an emulated group). kLab: the lab form, the only
+// one with the code of skip_rank (a fault-injection test), launched only for a call that sets it.
+template <bool kLab>
 __device__ void run(const LaunchParams& P) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
   const int vr = int(blockIdx.x) % P.num_ranks;
-  if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
+  if constexpr (kLab) {
+    if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
+  }
   const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks, cta = int(blockIdx.x) / P.num_ranks;
   const KernelParams& p = P.ranks[vr];
   const uint64_t epoch = p.ep > 1 ? comm::ld_volatile(&p.view.state()->bwd_epoch) + 1 : 0;
@@ -108,9 +112,10 @@ __device__ void run(const LaunchParams& P) {
   }
 }
 
+template <bool kLab>
 __global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __grid_constant__ LaunchParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  run(params);
+  run<kLab>(params);
 #elif defined(__CUDA_ARCH__)
   if (threadIdx.x == 0 && blockIdx.x < params.num_ranks)
     atomicOr(params.ranks[blockIdx.x].status, gemm::kStatusNoSm90a);
@@ -269,7 +274,8 @@ cudaError_t launch_experts_backward_ranks(const ExpertsBackwardParams* ranks, in
   for (int r = 0; r < num_ranks; ++r)
     MOK_CUDA_RETURN_IF_ERROR(fill_rank(ranks[r], (grid - r + num_ranks - 1) / num_ranks, lp.ranks[r], &lp.shared,
                                        stream));
-  return launch_sm90a(&experts_backward_kernel, grid, kThreads, kSmemBytes, stream, lp);
+  return launch_sm90a(skip_rank >= 0 ? &experts_backward_kernel<true> : &experts_backward_kernel<false>, grid, kThreads,
+                      kSmemBytes, stream, lp);
 }
 
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t stream) {

@@ -13,7 +13,9 @@
 //                       H/128], down: f8e4m3fn[R, L, H, I], down_scale: f32[R, L, H/128, I/128], shared_gate_up,
 //                       shared_down) -> y, status, scratch        (mok_jax.fp8.quantize_expert_weights per rank)
 //   attributes (one dictionary, MoeForwardAttrs): ws_id, granularity, comm_items, ring_slots, dispatch_push,
-//   num_sms, identity_experts, skip_rank, timing_mode (a bench-only timing mode: TimingMode bits). The combine has no
+//   num_sms, identity_experts (a test mode), skip_rank (a fault-injection test mode), timing_mode (a bench-only timing
+//   mode: TimingMode bits). A call with skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form (bf16 only: the
+//   FP8 handler refuses them), the only form with their code (mok/moe/forward.cuh, ForwardKnobs). The combine has no
 //   knob: the owners push each slot's row into the origin's comb (mok/moe/forward_comm.cuh, run_send).
 //
 // The handler finds the rank(s) of (ws_id, XLA's device ordinal), refuses to launch on a poisoned workspace

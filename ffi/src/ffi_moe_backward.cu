@@ -20,7 +20,8 @@
 //   gu_part: bf16[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
 //   -> dx: f32[R, T, H], dw: f32[R, T, k], d_gate_up, d_down (as gate_up, down), status: s32[R], then the scratch
 //      of the EP-1 op with a leading R (x_e .. dw_e, flags)
-//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1)}
+//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1; a
+//   fault-injection test mode: >= 0 in an emulated call runs the kernel's lab form, the only one with its code)}
 #include <vector>
 
 #include "ffi_common.h"

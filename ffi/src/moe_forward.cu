@@ -9,11 +9,13 @@
 
 namespace mok::moe {
 
-// kFp8: the form with FP8 routed experts (forward_kernel.cuh); the bf16 form has none of its code.
-template <bool kFp8>
+// kFp8: the form with FP8 routed experts (forward_kernel.cuh); the bf16 form has none of its code. kLab: the lab
+// form, with the code of skip_rank and timing_mode (forward_params.cuh, timing_bits); instantiated for bf16 only, and
+// launched only when a call sets one of them. Three forms: <false, false>, <true, false> (production), <false, true>.
+template <bool kFp8, bool kLab>
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ Params params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  run<kFp8>(params);
+  run<kFp8, kLab>(params);
 #endif
   // Without sm_90a machine code the kernel does nothing; the host refuses to launch such a build.
 }
@@ -24,6 +26,9 @@ using Bf16 = cutlass::bfloat16_t;
 using E4M3 = cutlass::float_e4m3_t;
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+
+// A call that needs the lab form: one of the modes that are not for users (identity_experts needs none: a plan).
+bool lab_modes(const ForwardKnobs& k) { return k.timing_mode != 0 || k.skip_rank >= 0; }
 
 }  // namespace
 
@@ -47,6 +52,8 @@ const char* forward_unsupported(const ForwardShape& s, const ForwardKnobs& k) {
     if (s.hidden % gemm::kFp8ScaleBlock) return "FP8 routed experts need the hidden size H to be a multiple of 128";
     if (s.inter % gemm::kFp8ScaleBlock) return "FP8 routed experts need the intermediate size I to be a multiple of 128";
     if (k.identity_experts) return "identity_experts runs no GEMM: it has no FP8 form";
+    if (k.timing_mode != 0) return "timing_mode (bench only) has no FP8 form of the kernel";
+    if (k.skip_rank >= 0) return "skip_rank (a test mode) has no FP8 form of the kernel";
   }
   const Plan p = make_plan(s, k);
   if (int64_t(p.S) * p.slot_rows >= INT_MAX / 2) return "ring_slots * rows per slot must fit int32";
@@ -154,12 +161,14 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
     }
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
   }
-  return launch_sm90a(shape.routed_fp8 ? &forward_kernel<true> : &forward_kernel<false>, grid, kThreads, kSmemBytes,
-                      stream, params);
+  auto* kernel = shape.routed_fp8 ? &forward_kernel<true, false>  // no FP8 lab form: forward_unsupported
+                 : lab_modes(knobs) ? &forward_kernel<false, true>
+                                    : &forward_kernel<false, false>;
+  return launch_sm90a(kernel, grid, kThreads, kSmemBytes, stream, params);
 }
 
 cudaError_t preload_forward_kernel() {
-  for (auto* kernel : {&forward_kernel<false>, &forward_kernel<true>}) {
+  for (auto* kernel : {&forward_kernel<false, false>, &forward_kernel<true, false>, &forward_kernel<false, true>}) {
     cudaFuncAttributes attr;
     MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
     MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));

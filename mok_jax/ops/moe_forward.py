@@ -99,8 +99,10 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
     emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
     a sum of TIMING_MODES's bits: those stages move no rows (wrong outputs) or move them twice, every flag
-    still runs, so that differences of timings say what a stage costs the call. kernel None: the tuned table
-    of the workspace's device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
+    still runs, so that differences of timings say what a stage costs the call. A call with skip_rank >= 0 or
+    timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16 only); every other
+    call runs a production form without it. kernel None: the tuned table of the workspace's device, else the
+    heuristic (mok_jax.tuning), for this call's per-rank problem.
 
     keep_pos (the backward's kept g, u, MoEConfig.keep): int32[R, ep * T * k], the row that each slot (s, t, j) of
     the EP group (source rank s, its token t, slot j; flat (s T + t) k + j) takes in a kept bf16[keep_rows, 2I]
@@ -112,7 +114,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     leading rank axis: gate_up f8[R, L, 2I, H], gate_up_scale f32[R, L, 2I/128, H/128], down f8[R, L, H, I],
     down_scale f32[R, L, H/128, I/128], from quantize_expert_weights). The routed experts then run in FP8 from them
     (each token row quantised in 1 x 128 tiles once, by its source), and gate_up and down are only checked
-    against them; H and I must be multiples of 128; not with keep_pos or identity_experts.
+    against them; H and I must be multiples of 128; not with keep_pos, identity_experts, skip_rank or timing_mode.
     """
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
@@ -169,6 +171,11 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
             raise ValueError("mok_jax.ops.moe_forward: fp8_weights cannot be combined with keep_pos or identity_experts "
                              "(the FP8 forward keeps nothing, and its test of the data path is the bitwise match with "
                              "the standalone FP8 FFN)")
+        for name, lab in (("timing_mode", timing_mode != 0), ("skip_rank", skip_rank >= 0)):
+            if lab:
+                raise ValueError(f"mok_jax.ops.moe_forward: {name} with fp8_weights: that mode is compiled into the "
+                                 f"kernel's bf16 lab form only (the FP8 kernel carries no code for it); use the bf16 "
+                                 f"weights")
         if not isinstance(fp8_weights, Fp8ExpertWeights):
             raise TypeError(f"mok_jax.ops.moe_forward: fp8_weights must be a mok_jax.fp8.Fp8ExpertWeights, got "
                             f"{type(fp8_weights).__name__}")

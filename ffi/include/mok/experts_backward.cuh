@@ -171,7 +171,8 @@ constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& params, cudaStream_t stream);
 // One launch for num_ranks EP ranks (1, or all ep of an emulated group on one device: CTA b serves rank
-// b % num_ranks); skip_rank (test mode, -1: none) is an emulated rank that makes no call.
+// b % num_ranks); skip_rank (test mode, -1: none) is an emulated rank that makes no call: a call with one runs the
+// kernel's lab form, the only one with that check (experts_backward.cu).
 cudaError_t launch_experts_backward_ranks(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank,
                                           cudaStream_t stream);
 

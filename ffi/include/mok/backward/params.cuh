@@ -142,7 +142,7 @@ struct KernelParams {  // one EP rank's
 
 struct LaunchParams {
   Operands shared;  // the shared expert's (EP 1 only), set when it has rows
-  int32_t num_ranks, skip_rank;
+  int32_t num_ranks, skip_rank;  // skip_rank: read by the lab form only (experts_backward_kernel<true>)
   KernelParams ranks[kExpertsBackwardMaxRanks];
 };
 static_assert(sizeof(LaunchParams) <= 32764, "kernel parameters (CUDA 12.1+ limit)");

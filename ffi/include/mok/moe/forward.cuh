@@ -47,21 +47,27 @@ struct ForwardShape {
   int32_t routed_fp8 = 0; // 1: routed experts in FP8 E4M3 with DeepSeek-V3 block scales (H, I multiples of 128)
 };
 
-struct ForwardKnobs {     // speed only: the outputs are bitwise the same for every value
+// The first five are speed only: the outputs are bitwise the same for every value. The last three are modes that are
+// not for users. identity_experts only shapes the plan (no GEMM tiles, no shared expert; bf16 only). skip_rank and
+// timing_mode have code in the kernel's lab form only (forward_kernel<false, true>, bf16 only: FP8 with one of them
+// is refused), which launch_forward launches when a call sets one of them (timing_mode != 0 or skip_rank >= 0);
+// every other call runs a production form, compiled without their checks (mok/moe/forward_params.cuh, timing_bits).
+struct ForwardKnobs {
   int32_t granularity;    // G: tokens per microbatch, a multiple of 64 in [512, 32768]
   int32_t comm_items;     // work items per communication stage (how many SMs move rows at once)
   int32_t ring_slots;     // S: microbatch slots of the receive ring
   int32_t dispatch_push;  // 0 pull (owners read the sources' staged rows), 1 push
   int32_t num_sms;        // persistent CTAs (0: every SM)
   int32_t identity_experts;  // test mode: every expert is the identity, the shared expert is skipped
-  int32_t skip_rank;         // test mode: this emulated rank makes no call (-1: none)
-  int32_t timing_mode;       // bench only: TimingMode bits (leaving rows out makes the outputs wrong)
+  int32_t skip_rank;         // test mode (lab form): this emulated rank makes no call (-1: none)
+  int32_t timing_mode;       // bench only (lab form): TimingMode bits (leaving rows out makes the outputs wrong)
 };
 
 // Timing variants that leave one stage's row moves out or do them twice (every flag and counter still runs),
 // so that a bench can take differences: what a stage costs the whole call beyond what the overlap hides.
 // Leaving rows out also changes what the GEMMs read (stale ring rows, maybe zeros, which run faster), so
-// the "twice" variants, whose outputs stay right, are the sound measure.
+// the "twice" variants, whose outputs stay right, are the sound measure. Only the kernel's lab form (bf16) has
+// their code: a bench's timings of them come from that form, whose code otherwise is the production bf16 form's.
 enum TimingMode : int32_t {
   kTimingNoDispatchRows = 1,     // DISPATCH copies no rows into the ring
   kTimingNoSendRows = 2,         // SEND writes no partials (ep > 1)

@@ -258,7 +258,7 @@ __device__ __forceinline__ int stage_share(const Plan& p, const Item& it, int pe
 
 // DISPATCH(m): every (source, token) of microbatch m with local slots -> its rows of the ring slot. FP8: my own
 // rows are quantised here, a source's staged row (quantised by its POST) is copied as E4M3 bytes and scales.
-template <bool kFp8>
+template <bool kFp8, bool kLab>
 __device__ inline void run_dispatch(const Params& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
@@ -268,7 +268,7 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
   const int t_lo = stage_share(p, it, ep, &q0, &q1);
   int4* slot = ring_slot(p, R, it.mb);
   const int32_t* row_table = R.sync + p.o_row;
-  if (p.timing_mode & kTimingNoDispatchRows) q1 = q0;  // timing mode
+  if (timing_bits<kLab>(p) & kTimingNoDispatchRows) q1 = q0;  // timing mode (lab form)
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / ep;
     const int s = int(q % ep);  // sources interleaved: NVLink and local reads proceed together
@@ -279,7 +279,7 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
                       : P.dispatch_push ? v.local<const int4>(v.layout.stage) + stage_row(v, s, t) * nvec
                                         : v.peer<const int4>(s, v.layout.stage) + stage_row(v, s, t) * nvec;
     int4* my_dst = row >= 0 ? slot + size_t(row) * nvec : nullptr;
-    for (int rep = (p.timing_mode & kTimingTwiceDispatchRows) ? 2 : 1; rep > 0; --rep) {
+    for (int rep = (timing_bits<kLab>(p) & kTimingTwiceDispatchRows) ? 2 : 1; rep > 0; --rep) {
       if constexpr (kFp8) {
         float* my_scale = row >= 0 ? R.recv_scale + size_t(it.mb % p.S) * p.slot_rows + row : nullptr;
         auto* my_q = reinterpret_cast<uint8_t*>(my_dst);
@@ -302,6 +302,7 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
 // tile left it in the ring (bf16, before the router weight), into origin s's comb[t][j]: one row per slot, so that
 // the origin sums the same terms in the same order at every EP size (run_reduce). A slot past the ring slot (row
 // -2) gets a NaN row there.
+template <bool kLab>
 __device__ inline void run_send(const Params& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
@@ -310,7 +311,7 @@ __device__ inline void run_send(const Params& P, const RankParams& R, const Item
   int64_t q0, q1;
   const int t_lo = stage_share(p, it, ep - 1, &q0, &q1);
   const int4* slot = ring_slot(p, R, it.mb);
-  if (p.timing_mode & kTimingNoSendRows) q1 = q0;  // timing mode
+  if (timing_bits<kLab>(p) & kTimingNoSendRows) q1 = q0;  // timing mode (lab form)
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
     const int64_t t = t_lo + q / (ep - 1);
     const int so = int(q % (ep - 1));
@@ -356,6 +357,7 @@ __device__ inline void reduce_row(const int4* my_src, float my_w, uint32_t used,
 }
 
 // REDUCE(m) (origin side): y of this rank's tokens of microbatch m.
+template <bool kLab>
 __device__ inline void run_reduce(const Params& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
@@ -366,7 +368,7 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
   const int t_lo = stage_share(p, it, 1, &b, &e);
   const int4* rows = ring_slot(p, R, it.mb);
   const int4* comb = v.local<const int4>(v.layout.comb);
-  if (p.timing_mode & kTimingNoReduceRows) e = b;  // timing mode
+  if (timing_bits<kLab>(p) & kTimingNoReduceRows) e = b;  // timing mode (lab form)
   for (int64_t t = t_lo + b + warp; t < t_lo + e; t += kWorkerWarps) {
     int4* dst = R.y + t * nvec;
     if (it.skip) {
@@ -392,7 +394,7 @@ __device__ inline void run_reduce(const Params& P, const RankParams& R, const It
     const float my_w = id >= 0 ? R.topk_weight[t * k + lane] : 0.0f;
     const uint32_t used = __ballot_sync(kFull, id >= 0);
     const float* shared_row = p.Is > 0 ? R.shared_out + t * p.H : nullptr;
-    for (int rep = (p.timing_mode & kTimingTwiceReduceRows) ? 2 : 1; rep > 0; --rep)
+    for (int rep = (timing_bits<kLab>(p) & kTimingTwiceReduceRows) ? 2 : 1; rep > 0; --rep)
       reduce_row(my_src, my_w, used, shared_row, nvec, dst, lane);
   }
 }

@@ -28,6 +28,10 @@
 // by the same producer thread (row scales by a bulk copy); GU's epilogue writes h in E4M3 with its scales. The shared
 // expert, SEND, REDUCE and y are the bf16 form's.
 //
+// Lab form (kLab; bf16 only): the only form with the code of skip_rank (run) and of the timing modes (DISPATCH,
+// SEND, REDUCE: timing_bits), launched only for a call that sets one of them; every other call runs a production
+// form, which has none of it (forward_params.cuh, timing_bits).
+//
 // Synchronisation. Within a rank: counters in the call's scratch (zeroed before the launch), bumped with
 // a release after an item's stores (and a proxy fence where TMA reads the data next), polled with acquire
 // loads. Across ranks: epoch stamps in the workspace's moe_flags, stored by the last item of what they
@@ -93,7 +97,7 @@ __device__ inline void producer(const Params& P, const RankParams& R, SharedStor
   }
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kLab>
 __device__ inline void consumer(const Params& P, const RankParams& R, SharedStorage& s, int ct, int ctas,
                                 uint64_t epoch) {
   const Plan& p = P.plan;
@@ -121,9 +125,9 @@ __device__ inline void consumer(const Params& P, const RankParams& R, SharedStor
         case kCount: run_count(p, R, it, ct); break;
         case kScan: run_scan(p, R, s, ct, ctas); break;
         case kPlace: run_place(p, R, it, ct); break;
-        case kDispatch: run_dispatch<kFp8>(P, R, it, ct); break;
-        case kSend: run_send(P, R, it, ct); break;
-        case kReduce: run_reduce(P, R, it, ct); break;
+        case kDispatch: run_dispatch<kFp8, kLab>(P, R, it, ct); break;
+        case kSend: run_send<kLab>(P, R, it, ct); break;
+        case kReduce: run_reduce<kLab>(P, R, it, ct); break;
         default: break;
       }
     } else if (it.kind == kPost) {  // skipped: still count the routing half, which run_post signals
@@ -178,12 +182,14 @@ __device__ inline void finish_call(const Plan& p, const RankParams& R, SharedSto
   __threadfence();
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kLab>
 __device__ inline void run(const Params& P) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
   const int vr = int(blockIdx.x) % P.num_ranks;
-  if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
+  if constexpr (kLab) {
+    if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
+  }
   const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks;
   const RankParams& R = P.ranks[vr];
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&R.view.state()->moe_epoch) + 1;
@@ -215,7 +221,7 @@ __device__ inline void run(const Params& P) {
     if (warp == 0 && cute::elect_one_sync()) producer<kFp8>(P, R, s, ctas, epoch);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consumer<kFp8>(P, R, s, threadIdx.x - 128, ctas, epoch);
+    consumer<kFp8, kLab>(P, R, s, threadIdx.x - 128, ctas, epoch);
   }
   __syncthreads();
   finish_call(P.plan, R, s, ctas, epoch);

@@ -60,8 +60,8 @@ struct Fp8RoutedTma {
   Fp8Tile::TmaB b_dn;      // down, L x [H, I] (K-major)
 };
 union RoutedTma {
-  Bf16RoutedTma bf16;  // forward_kernel<false>
-  Fp8RoutedTma fp8;    // forward_kernel<true>
+  Bf16RoutedTma bf16;  // forward_kernel<false, *> (production and lab forms)
+  Fp8RoutedTma fp8;    // forward_kernel<true, false>
   RoutedTma() {}
 };
 
@@ -96,11 +96,26 @@ struct RankParams {
 struct Params {
   Plan plan;
   int32_t num_ranks;
-  int32_t skip_rank;
+  int32_t skip_rank;      // read by the lab form only (run)
   int32_t dispatch_push;
   RankParams ranks[kMaxVirtualRanks];
 };
 static_assert(sizeof(Params) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
+
+// The kernel's forms, forward_kernel<kFp8, kLab> (ffi/src/moe_forward.cu): kLab, the lab form (bf16 only), is the
+// one launched when a call sets a mode that is not for users: Params::skip_rank (a fault-injection test: an emulated
+// rank makes no call) or Plan::timing_mode (bench only: TimingMode bits). The production form (kLab false, every
+// other call) carries no code for them: its timing bits are the constant 0 and it has no skip_rank check, so the
+// mode checks fold away at compile time. identity_experts, the third test mode, has no device code (make_plan gives
+// it no GEMM tiles and no shared expert), so it runs on either form.
+template <bool kLab>
+__device__ __forceinline__ int32_t timing_bits(const Plan& p) {
+  if constexpr (kLab) {
+    return p.timing_mode;
+  } else {
+    return 0;
+  }
+}
 
 struct Item {
   int32_t kind, mb, idx, count;            // communication items: idx of count in the stage
