@@ -11,6 +11,11 @@ replaced by the device's own memory, so this checks correctness at any EP size, 
 
 Rank r holds tokens [r*T, (r+1)*T) and experts [r*E/ep, (r+1)*E/ep), as under ``expert_parallel_moe``.
 
+EP sizes: the forward takes up to MAX_EMULATED_RANKS (64) ranks in one launch, at most one per persistent CTA (the
+device's SMs, or num_sms); up to 8 with every rank's kernel parameters in the parameter space, above that with them
+in each rank's scratch (ffi/include/mok/moe/forward_params.cuh, ManyParams). The fused backward takes up to 8
+(EXPERTS_BACKWARD_MAX_EMULATED_RANKS: its launch parameters hold 8 ranks); its collectives path (fused=False) up to 64.
+
 The backward at EP size > 1 is one fused kernel per rank (mok_jax.ops.experts_backward_ep: the token rows and the
 slots' dx rows cross NVLink inside it); its emulation runs every rank in one launch on an emulated workspace, as
 the forward's does. With the op's reference injected (the CPU tests) it runs the layer's collectives path instead,
@@ -27,20 +32,48 @@ import jax.numpy as jnp
 
 from mok_jax import ops
 from mok_jax._native import require_native
+from mok_jax.backward_types import EXPERTS_BACKWARD_MAX_EMULATED_RANKS
 from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights, quantize_expert_weights
 from mok_jax.validation import check_fp8_expert_weights, check_moe_args
 from mok_jax.weights import MoEWeights
 from mok_jax.workspace import Workspace, emulated_workspace
 
-__all__ = ["emulated_moe", "emulated_moe_backward"]
+__all__ = ["MAX_EMULATED_RANKS", "emulated_moe", "emulated_moe_backward"]
 
 
-def _check_emulated_args(x, topk_idx, topk_weight, weights: MoEWeights, ep: int):
-    """The global arrays of an emulated call (as jax arrays), checked: ep in [1, 8] (the ranks one emulated launch
-    carries), the layer's arguments, and experts and tokens divisible by ep."""
-    if not isinstance(ep, int) or not 1 <= ep <= 8:
-        raise ValueError(f"ep must be an int in [1, 8] (ranks one emulated launch carries), got {ep!r}")
+# Ranks one emulated launch of the forward carries (kMaxEmulatedRanks, ffi/include/mok/moe/forward.cuh): up to 8 with
+# every rank's kernel parameters in the parameter space, as at EP 1, above that with them in each rank's scratch.
+MAX_EMULATED_RANKS = 64
+
+
+def _check_ep(ep, max_ranks: int, why: str) -> None:
+    """``ep`` an int in [1, max_ranks] (``why``: the limit's reason, for the error)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or not 1 <= ep <= max_ranks:
+        raise ValueError(f"ep must be an int in [1, {max_ranks}] ({why}), got {ep!r}")
+
+
+def _check_ep_fits(ep: int, device, num_sms: int | None) -> None:
+    """Every emulated rank needs a persistent CTA of its own (CTA b serves rank b % ep): ``ep`` at most the launch's
+    CTAs, the SMs of ``device`` (when known: a GPU device's core_count) or ``num_sms`` where that caps them."""
+    sms = getattr(device, "core_count", None) if device is not None else None
+    ctas = [n for n in (sms, num_sms) if isinstance(n, int) and n > 0]
+    if ctas and ep > min(ctas):
+        where = f"num_sms={num_sms}" if num_sms and (sms is None or num_sms < sms) else f"the {sms} SMs of {device}"
+        raise ValueError(f"ep={ep} exceeds the {min(ctas)} persistent CTAs of one emulated launch ({where}): every "
+                         f"emulated rank needs a CTA of its own, so ep must be at most that")
+
+
+def _default_gpu(device):
+    """``device``, else the first GPU (None when there is none: require_native then says why)."""
+    return device if device is not None else next((d for d in jax.devices() if d.platform == "gpu"), None)
+
+
+def _check_emulated_args(x, topk_idx, topk_weight, weights: MoEWeights, ep: int, max_ranks: int = MAX_EMULATED_RANKS,
+                         why: str = "the ranks one emulated launch of the forward carries"):
+    """The global arrays of an emulated call (as jax arrays), checked: ep in [1, max_ranks] (``why``), the layer's
+    arguments, and experts and tokens divisible by ep."""
+    _check_ep(ep, max_ranks, why)
     x, topk_idx, topk_weight = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weight)
     check_moe_args(x, topk_idx, topk_weight, weights, num_ep_ranks=1)
     if weights.num_local_experts % ep:
@@ -58,8 +91,7 @@ def _per_rank(a: jax.Array, ep: int) -> jax.Array:
 def _emulated_workspace(workspace, device, ep: int, x, topk_idx, num_experts: int, timeout_s: float) -> Workspace:
     """The call's emulated workspace: ``workspace``, else the cached one of ``device`` (default: the first GPU)
     for this shape."""
-    if device is None:
-        device = next(d for d in jax.devices() if d.platform == "gpu")
+    device = _default_gpu(device)
     ws = workspace or emulated_workspace(device, ep, max_tokens=x.shape[0] // ep, hidden_size=x.shape[1],
                                          top_k=topk_idx.shape[1], num_experts=num_experts, timeout_s=timeout_s)
     if not ws.emulated or ws.config.ep != ep:
@@ -92,6 +124,7 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     if fp8_weights is not None and precision != "fp8":
         raise ValueError("fp8_weights is given but precision is 'bf16'")
+    _check_ep_fits(ep, _default_gpu(device), num_sms)
     require_native("mok_jax.emulation.emulated_moe")
     tokens, H = x.shape[0] // ep, x.shape[1]
     ws = _emulated_workspace(workspace, device, ep, x, topk_idx, num_experts, timeout_s)
@@ -149,15 +182,19 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     from mok_jax import layer
     from mok_jax.layer import drop_invalid_tokens, finish_backward, rank_layout, routed_backward_rank, slot_sum
 
-    x, topk_idx, topk_weight = _check_emulated_args(x, topk_idx, topk_weight, weights, ep)
-    dy = jnp.asarray(dy)
-    num_experts = weights.num_local_experts
-    if dy.shape != x.shape:
-        raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
     if fused and experts_fn is not None:
         raise ValueError("fused=True runs the fused op; experts_fn replaces the op of the collectives path")
     if fused is None:
         fused = experts_fn is None and layer.FUSED_EP_BACKWARD
+    why = (f"the ranks one emulated launch of the fused backward, mok_jax.ops.experts_backward_ep, carries; "
+           f"fused=False takes up to {MAX_EMULATED_RANKS}" if fused else "as the forward's emulation")
+    x, topk_idx, topk_weight = _check_emulated_args(
+        x, topk_idx, topk_weight, weights, ep, EXPERTS_BACKWARD_MAX_EMULATED_RANKS if fused else MAX_EMULATED_RANKS,
+        why)
+    dy = jnp.asarray(dy)
+    num_experts = weights.num_local_experts
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}")
     if not fused and (skip_rank != -1 or workspace is not None or kernel is not None or num_sms is not None):
         raise ValueError("workspace, kernel, num_sms and skip_rank are arguments of the fused op: pass fused=True")
     if experts_fn is None:

@@ -41,6 +41,8 @@ _BWD_FLAG_ROWS = 3  # kBwdFlagRows
 _TILE_M = 128  # kTileM (plan.cuh): rows of an m-block
 _SYNC_BLOCK = 64  # make_plan's take(): sync blocks are whole 256-byte blocks of int32 words
 _CTL_WORDS = 16  # kCtlWords: the sync region's control block
+_MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks (forward.cuh): above it, the scratch holds the rank's kernel parameters
+_RANK_PARAMS = 2432  # sizeof(RankParams) (forward_params.cuh): one rank's pointers and TMA descriptors
 _BWD_TIME_WORDS = 4 * 10  # kExpertsBackwardTimeWords: two u64 per kind of work item (ops.moe_backward.ITEM_KINDS)
 _DW_PART_COLS = 256  # kExpertsBackwardColBlock: a dw partial per 256 intermediate columns
 
@@ -98,6 +100,8 @@ def _forward(ep: int, T: int, H: int, I: int, Is: int, k: int, L: int, kernel: K
         "shared_out": _aligned(T * H * 4) if Is else 0,
         "row_slot": _aligned(mb * slot_rows * 4),
         "sync": _aligned(sync * 4),
+        # an emulated launch of more than 8 ranks reads each rank's parameters there (forward_kernel_many)
+        "rank_params": _aligned(_RANK_PARAMS) if ep > _MAX_VIRTUAL_RANKS else 0,
     }
 
 

@@ -8,7 +8,8 @@
 //                   keep_pos: s32[R, ep T k] or s32[R, 0])
 //     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes], keep_gu: bf16[R, rows, 2I] (rows = 0 with
 //        keep_pos [R, 0]: nothing kept; else the kept g, u of mok/moe/forward.cuh's ForwardRank::keep_gu)
-//   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device).
+//   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device, at most
+//   kMaxEmulatedRanks; above kMaxVirtualRanks each rank's kernel parameters travel in its row of scratch).
 //   mok_moe_forward_fp8(x, topk_idx, topk_weight, gate_up: f8e4m3fn[R, L, 2I, H], gate_up_scale: f32[R, L, 2I/128,
 //                       H/128], down: f8e4m3fn[R, L, H, I], down_scale: f32[R, L, H/128, I/128], shared_gate_up,
 //                       shared_down) -> y, status, scratch        (mok_jax.fp8.quantize_expert_weights per rank)
@@ -165,6 +166,9 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
     return invalid(kOp, "x carries " + std::to_string(R) + " ranks but workspace " + std::to_string(attrs.ws_id) +
                             " has " + std::to_string(views.size()) + " on this device");
   if (R != 1 && R != ws.ep) return invalid(kOp, "an emulated call must carry every EP rank");
+  if (R > mok::moe::kMaxEmulatedRanks)
+    return invalid(kOp, "an emulated call carries at most " + std::to_string(mok::moe::kMaxEmulatedRanks) +
+                            " ranks (one launch), got " + std::to_string(R));
   if (H != ws.hidden)
     return invalid(kOp, "x: hidden size " + std::to_string(H) + " differs from the workspace's " +
                             std::to_string(ws.hidden));

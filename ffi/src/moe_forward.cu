@@ -20,6 +20,30 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
   // Without sm_90a machine code the kernel does nothing; the host refuses to launch such a build.
 }
 
+// The same kernel for a launch of more than kMaxVirtualRanks ranks (an emulated group of 9 to kMaxEmulatedRanks): its
+// RankParams are in global memory (ManyParams), uploaded before it by upload_rank_params. The same three forms.
+template <bool kFp8, bool kLab>
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel_many(const __grid_constant__ ManyParams params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  run<kFp8, kLab>(params);
+#endif
+}
+
+constexpr int kUploadThreads = 256;
+
+// Stores up to kUploadRanks RankParams from this launch's parameter space into their places in global memory, then
+// releases them to the tensormap proxy (forward_params.cuh, RankUpload).
+__global__ void __launch_bounds__(kUploadThreads) upload_rank_params(const __grid_constant__ RankUpload up) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kVecs = int(sizeof(RankParams) / 16);
+  for (int i = threadIdx.x; i < up.count * kVecs; i += blockDim.x) {
+    const int r = i / kVecs, v = i % kVecs;
+    reinterpret_cast<int4*>(up.dst + r * up.stride)[v] = reinterpret_cast<const int4*>(&up.ranks[r])[v];
+  }
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;" : : : "memory");
+#endif
+}
+
 namespace {
 
 using Bf16 = cutlass::bfloat16_t;
@@ -87,14 +111,109 @@ ScratchLayout forward_scratch_layout(const ForwardShape& s, const ForwardKnobs& 
   l.row_slot = take(size_t(p.M) * p.slot_rows * 4);
   l.sync_bytes = size_t(p.sync_words) * 4;
   l.sync = take(l.sync_bytes);
+  // This rank's RankParams, for an emulated launch of every rank of a group too large for the kernel parameter space
+  // (forward_kernel_many); the region exists at every call of such a group, used by that launch only.
+  l.rank_params = take(s.ep > kMaxVirtualRanks ? sizeof(RankParams) : 0);
   l.total = off;
   return l;
 }
 
+namespace {
+
+// The members that Params and ManyParams share.
+template <class LaunchParams>
+void set_head(LaunchParams& lp, const Plan& plan, int num_ranks, const ForwardKnobs& knobs) {
+  lp.plan = plan;
+  lp.num_ranks = num_ranks;
+  lp.skip_rank = knobs.skip_rank;
+  lp.dispatch_push = knobs.dispatch_push;
+}
+
+// Rank `in`'s parameters: its pointers, its scratch's parts and its TMA descriptors.
+void fill_rank(const ForwardShape& shape, const Plan& p, const ScratchLayout& sl, const ForwardRank& in,
+               RankParams& rp) {
+  const int rows = p.S * p.slot_rows;
+  const int L = shape.local_experts, H = shape.hidden, I = shape.inter, Is = p.Is, T = shape.tokens;
+  auto* base = static_cast<uint8_t*>(in.scratch);
+  rp.view = in.view;
+  rp.x = static_cast<const int4*>(in.x);
+  rp.topk_idx = in.topk_idx;
+  rp.topk_weight = in.topk_weight;
+  rp.y = static_cast<int4*>(in.y);
+  rp.status = in.status;
+  rp.recv = reinterpret_cast<__nv_bfloat16*>(base + sl.recv);
+  rp.h = reinterpret_cast<__nv_bfloat16*>(base + sl.h);
+  rp.shared_h = reinterpret_cast<__nv_bfloat16*>(base + sl.shared_h);
+  rp.shared_out = reinterpret_cast<float*>(base + sl.shared_out);
+  rp.sync = reinterpret_cast<int32_t*>(base + sl.sync);
+  rp.row_slot = reinterpret_cast<int32_t*>(base + sl.row_slot);
+  rp.keep_pos = in.keep_pos;
+  rp.keep_gu = in.keep_pos != nullptr ? static_cast<__nv_bfloat16*>(in.keep_gu) : nullptr;
+  rp.keep_rows = in.keep_rows;
+  const auto* x = static_cast<const Bf16*>(in.x);
+  rp.a_sgu = Tile::make_tma_a(x, T, H);
+  if (shape.routed_fp8) {
+    rp.recv_scale = reinterpret_cast<float*>(base + sl.recv_scale);
+    rp.h_scale = reinterpret_cast<float*>(base + sl.h_scale);
+    rp.b_gu_scale = in.gate_up_scale;
+    rp.b_dn_scale = in.down_scale;
+    Fp8RoutedTma& d = rp.routed.fp8;  // the ring's E4M3 rows keep the bf16 rows' stride (2H bytes)
+    d.a_gu = Fp8Tile::make_tma_a(reinterpret_cast<const E4M3*>(rp.recv), rows, H, 2 * int64_t(H));
+    d.a_dn = Fp8Tile::make_tma_a(reinterpret_cast<const E4M3*>(rp.h), rows, I, I);
+    d.b_gu = Fp8Tile::make_tma_b(static_cast<const E4M3*>(in.gate_up), 2 * I, H, L);
+    d.b_dn = Fp8Tile::make_tma_b(static_cast<const E4M3*>(in.down), H, I, L);
+  } else {
+    Bf16RoutedTma& d = rp.routed.bf16;
+    d.a_gu = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.recv), rows, H);
+    d.a_dn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.h), rows, I);
+    d.b_gu = Tile::make_tma_b(static_cast<const Bf16*>(in.gate_up), 2 * I, H, L);
+    d.b_dn = Tile::make_tma_b(static_cast<const Bf16*>(in.down), H, I, L);
+  }
+  if (Is > 0) {
+    rp.a_sdn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.shared_h), T, Is);
+    rp.b_sgu = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_gate_up), 2 * Is, H, 1);
+    rp.b_sdn = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_down), H, Is, 1);
+  } else {  // never used: valid descriptors of existing tensors
+    rp.a_sdn = rp.a_sgu;
+    rp.b_sgu = rp.b_sdn = Tile::make_tma_b(x, H, T, 1);  // x read as a T x H matrix
+  }
+}
+
+// A launch of more than kMaxVirtualRanks ranks: each rank's RankParams go into its own scratch (ScratchLayout::
+// rank_params), the ranks' scratch buffers one stride apart (the rows of the handler's u8[R, bytes]), uploaded in
+// launches of kUploadRanks on `stream` before the kernel, which reads them there (ManyParams).
+cudaError_t launch_many(const ForwardShape& shape, const ForwardKnobs& knobs, const ForwardRank* ranks,
+                        int num_ranks, const Plan& plan, const ScratchLayout& sl, int grid, cudaStream_t stream) {
+  auto* base0 = static_cast<uint8_t*>(ranks[0].scratch);
+  const int64_t stride = static_cast<uint8_t*>(ranks[1].scratch) - base0;
+  if (stride < int64_t(sl.total) || stride % 256 || reinterpret_cast<uintptr_t>(base0 + sl.rank_params) % 64)
+    return cudaErrorInvalidValue;  // the copies' TMA descriptors must be 64-byte aligned
+  for (int r = 0; r < num_ranks; ++r)
+    if (static_cast<uint8_t*>(ranks[r].scratch) != base0 + r * stride) return cudaErrorInvalidValue;
+  RankUpload up{};  // tens of KB, like Params
+  up.stride = stride;
+  for (int r0 = 0; r0 < num_ranks; r0 += kUploadRanks) {
+    up.count = std::min(kUploadRanks, num_ranks - r0);
+    up.dst = base0 + r0 * stride + sl.rank_params;
+    for (int i = 0; i < up.count; ++i) fill_rank(shape, plan, sl, ranks[r0 + i], up.ranks[i]);
+    MOK_CUDA_RETURN_IF_ERROR(launch_sm90a(&upload_rank_params, 1, kUploadThreads, 0, stream, up));
+  }
+  ManyParams params{};
+  set_head(params, plan, num_ranks, knobs);
+  params.rank_params = base0 + sl.rank_params;
+  params.rank_stride = stride;
+  auto* kernel = shape.routed_fp8 ? &forward_kernel_many<true, false>
+                 : lab_modes(knobs) ? &forward_kernel_many<false, true>
+                                    : &forward_kernel_many<false, false>;
+  return launch_sm90a(kernel, grid, kThreads, kSmemBytes, stream, params);
+}
+
+}  // namespace
+
 cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs, const ForwardRank* ranks,
                            int num_ranks, cudaStream_t stream) {
   if (forward_unsupported(shape, knobs)) return cudaErrorInvalidValue;
-  if (num_ranks < 1 || num_ranks > kMaxVirtualRanks || (num_ranks != 1 && num_ranks != shape.ep))
+  if (num_ranks < 1 || num_ranks > kMaxEmulatedRanks || (num_ranks != 1 && num_ranks != shape.ep))
     return cudaErrorInvalidValue;
   int device = 0, sm_count = 0;
   MOK_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -104,63 +223,15 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
   ForwardKnobs kn = knobs;
   kn.comm_items = std::min(kn.comm_items, grid / num_ranks);  // items of a stage never exceed a rank's CTAs
 
-  Params params{};  // tens of KB: the launch copies it into the kernel's parameter space
-  params.plan = make_plan(shape, kn);
-  params.num_ranks = num_ranks;
-  params.skip_rank = knobs.skip_rank;
-  params.dispatch_push = knobs.dispatch_push;
-  const Plan& p = params.plan;
   const ScratchLayout sl = forward_scratch_layout(shape, kn);
-  const int rows = p.S * p.slot_rows;
-  const int L = shape.local_experts, H = shape.hidden, I = shape.inter, Is = p.Is, T = shape.tokens;
-  for (int r = 0; r < num_ranks; ++r) {
-    const ForwardRank& in = ranks[r];
-    RankParams& rp = params.ranks[r];
-    auto* base = static_cast<uint8_t*>(in.scratch);
-    rp.view = in.view;
-    rp.x = static_cast<const int4*>(in.x);
-    rp.topk_idx = in.topk_idx;
-    rp.topk_weight = in.topk_weight;
-    rp.y = static_cast<int4*>(in.y);
-    rp.status = in.status;
-    rp.recv = reinterpret_cast<__nv_bfloat16*>(base + sl.recv);
-    rp.h = reinterpret_cast<__nv_bfloat16*>(base + sl.h);
-    rp.shared_h = reinterpret_cast<__nv_bfloat16*>(base + sl.shared_h);
-    rp.shared_out = reinterpret_cast<float*>(base + sl.shared_out);
-    rp.sync = reinterpret_cast<int32_t*>(base + sl.sync);
-    rp.row_slot = reinterpret_cast<int32_t*>(base + sl.row_slot);
-    rp.keep_pos = in.keep_pos;
-    rp.keep_gu = in.keep_pos != nullptr ? static_cast<__nv_bfloat16*>(in.keep_gu) : nullptr;
-    rp.keep_rows = in.keep_rows;
-    const auto* x = static_cast<const Bf16*>(in.x);
-    rp.a_sgu = Tile::make_tma_a(x, T, H);
-    if (shape.routed_fp8) {
-      rp.recv_scale = reinterpret_cast<float*>(base + sl.recv_scale);
-      rp.h_scale = reinterpret_cast<float*>(base + sl.h_scale);
-      rp.b_gu_scale = in.gate_up_scale;
-      rp.b_dn_scale = in.down_scale;
-      Fp8RoutedTma& d = rp.routed.fp8;  // the ring's E4M3 rows keep the bf16 rows' stride (2H bytes)
-      d.a_gu = Fp8Tile::make_tma_a(reinterpret_cast<const E4M3*>(rp.recv), rows, H, 2 * int64_t(H));
-      d.a_dn = Fp8Tile::make_tma_a(reinterpret_cast<const E4M3*>(rp.h), rows, I, I);
-      d.b_gu = Fp8Tile::make_tma_b(static_cast<const E4M3*>(in.gate_up), 2 * I, H, L);
-      d.b_dn = Fp8Tile::make_tma_b(static_cast<const E4M3*>(in.down), H, I, L);
-    } else {
-      Bf16RoutedTma& d = rp.routed.bf16;
-      d.a_gu = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.recv), rows, H);
-      d.a_dn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.h), rows, I);
-      d.b_gu = Tile::make_tma_b(static_cast<const Bf16*>(in.gate_up), 2 * I, H, L);
-      d.b_dn = Tile::make_tma_b(static_cast<const Bf16*>(in.down), H, I, L);
-    }
-    if (Is > 0) {
-      rp.a_sdn = Tile::make_tma_a(reinterpret_cast<const Bf16*>(rp.shared_h), T, Is);
-      rp.b_sgu = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_gate_up), 2 * Is, H, 1);
-      rp.b_sdn = Tile::make_tma_b(static_cast<const Bf16*>(in.shared_down), H, Is, 1);
-    } else {  // never used: valid descriptors of existing tensors
-      rp.a_sdn = rp.a_sgu;
-      rp.b_sgu = rp.b_sdn = Tile::make_tma_b(x, H, T, 1);  // x read as a T x H matrix
-    }
-    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base + sl.sync, 0, sl.sync_bytes, stream));
-  }
+  for (int r = 0; r < num_ranks; ++r)
+    MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<uint8_t*>(ranks[r].scratch) + sl.sync, 0, sl.sync_bytes,
+                                             stream));
+  const Plan plan = make_plan(shape, kn);
+  if (num_ranks > kMaxVirtualRanks) return launch_many(shape, knobs, ranks, num_ranks, plan, sl, grid, stream);
+  Params params{};  // tens of KB: the launch copies it into the kernel's parameter space
+  set_head(params, plan, num_ranks, knobs);
+  for (int r = 0; r < num_ranks; ++r) fill_rank(shape, plan, sl, ranks[r], params.ranks[r]);
   auto* kernel = shape.routed_fp8 ? &forward_kernel<true, false>  // no FP8 lab form: forward_unsupported
                  : lab_modes(knobs) ? &forward_kernel<false, true>
                                     : &forward_kernel<false, false>;
@@ -173,7 +244,14 @@ cudaError_t preload_forward_kernel() {
     MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
     MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   }
-  return cudaSuccess;
+  for (auto* kernel : {&forward_kernel_many<false, false>, &forward_kernel_many<true, false>,
+                       &forward_kernel_many<false, true>}) {
+    cudaFuncAttributes attr;
+    MOK_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+    MOK_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  }
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, &upload_rank_params);
 }
 
 }  // namespace mok::moe

@@ -22,7 +22,9 @@ from mok_jax.validation import KEPT_GU_DTYPE, check_fp8_expert_weights, check_wo
 
 __all__ = ["TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
-_MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks in ffi/include/mok/moe/forward.cuh
+# Ranks one emulated call carries: kMaxEmulatedRanks in ffi/include/mok/moe/forward.cuh (above kMaxVirtualRanks, 8,
+# each rank's kernel parameters travel in its row of the scratch: forward_params.cuh, ManyParams).
+_MAX_EMULATED_RANKS = 64
 
 
 def _lib():
@@ -123,7 +125,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     arrays = (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32), ("topk_weight", topk_weight, 3,
               jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16), ("down", down, 4, jnp.bfloat16))
     R, T, H = x.shape if x.ndim == 3 else (0, 0, 0)  # a bad rank is reported by the check
-    check_workspace_call(ws, where, arrays, ranks=R, tokens=T, hidden=H, max_ranks=_MAX_VIRTUAL_RANKS)
+    check_workspace_call(ws, where, arrays, ranks=R, tokens=T, hidden=H, max_ranks=_MAX_EMULATED_RANKS)
     cfg = ws.config
     k = topk_idx.shape[2]
     if topk_idx.shape[:2] != (R, T) or topk_weight.shape != topk_idx.shape:

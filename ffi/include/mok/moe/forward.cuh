@@ -13,8 +13,9 @@
 // Memory per rank: the workspace (symmetric: flags, routing, staging; mok/comm/workspace.cuh) and one
 // scratch buffer that the caller allocates per call (forward_scratch_layout): the ring of `ring_slots`
 // microbatch slots of received rows (the down GEMM's output overwrites them in place), the SwiGLU
-// activations of those rows, the shared expert's activations and fp32 output, and the call's schedule and
-// counters. Nothing in it outlives the call.
+// activations of those rows, the shared expert's activations and fp32 output, the call's schedule and
+// counters, and at ep > kMaxVirtualRanks the rank's kernel parameters (an emulated launch of that many ranks reads
+// them there). Nothing in it outlives the call.
 //
 // FP8 routed experts (ForwardShape::routed_fp8): the received rows arrive quantised, H E4M3 bytes at the start
 // of each ring row (the down GEMM's bf16 output still overwrites the whole row), with their 1 x 128 scales in
@@ -32,7 +33,11 @@
 
 namespace mok::moe {
 
-constexpr int kMaxVirtualRanks = 8;    // ranks one emulated call can carry (kernel-parameter budget)
+// Ranks one launch carries: up to kMaxVirtualRanks with every rank's parameters in the kernel parameter space (every
+// call of the layer: one rank), up to kMaxEmulatedRanks (an emulated group) with them in device memory, each in its
+// own rank's scratch (mok/moe/forward_params.cuh, ManyParams). Every rank needs a CTA: at most the launch's CTAs.
+constexpr int kMaxVirtualRanks = 8;
+constexpr int kMaxEmulatedRanks = 64;
 constexpr int kMaxLocalExperts = 1024; // experts per rank
 constexpr int kMaxRingSlots = 8;
 
@@ -106,6 +111,7 @@ struct ScratchLayout {
   int32_t slot_rows;      // rows of one ring slot: ep * min(G, T) * min(k, L) (the dropless worst case)
   size_t recv, h, shared_h, shared_out, row_slot, sync;
   size_t recv_scale, h_scale;  // FP8 only (else empty): the ring rows' and h's scales, [blocks][scale_ld] f32
+  size_t rank_params;     // ep > kMaxVirtualRanks only (else empty): this rank's parameters in an emulated launch
   size_t sync_bytes;      // zeroed before every call
   size_t total;
 };
@@ -115,8 +121,8 @@ const char* forward_unsupported(const ForwardShape& shape, const ForwardKnobs& k
 
 ScratchLayout forward_scratch_layout(const ForwardShape& shape, const ForwardKnobs& knobs);
 
-// Enqueue one call on `stream`: num_ranks == 1 (the caller's rank) or == shape.ep (an emulated group).
-// No host synchronisation.
+// Enqueue one call on `stream`: num_ranks == 1 (the caller's rank) or == shape.ep (an emulated group, at most
+// kMaxEmulatedRanks; above kMaxVirtualRanks the ranks' scratch buffers one stride apart). No host synchronisation.
 cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs, const ForwardRank* ranks,
                            int num_ranks, cudaStream_t stream);
 

@@ -32,8 +32,8 @@ __device__ __forceinline__ void nan_row(int4* dst, int nvec, int lane) {
 
 // POST (source side, ep > 1): my routing into every peer, then my rows where the owners will look for them (FP8:
 // quantised, the row's H E4M3 bytes then its H/128 scales).
-template <bool kFp8>
-__device__ inline void run_post(const Params& P, const RankParams& R, const Item& it, int ct, uint64_t epoch) {
+template <bool kFp8, class LaunchParams>
+__device__ inline void run_post(const LaunchParams& P, const RankParams& R, const Item& it, int ct, uint64_t epoch) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
   const int warp = ct / 32, lane = ct % 32, k = p.k;
@@ -258,8 +258,8 @@ __device__ __forceinline__ int stage_share(const Plan& p, const Item& it, int pe
 
 // DISPATCH(m): every (source, token) of microbatch m with local slots -> its rows of the ring slot. FP8: my own
 // rows are quantised here, a source's staged row (quantised by its POST) is copied as E4M3 bytes and scales.
-template <bool kFp8, bool kLab>
-__device__ inline void run_dispatch(const Params& P, const RankParams& R, const Item& it, int ct) {
+template <bool kFp8, bool kLab, class LaunchParams>
+__device__ inline void run_dispatch(const LaunchParams& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
   const int warp = ct / 32, lane = ct % 32, k = p.k, ep = p.ep;
@@ -302,8 +302,8 @@ __device__ inline void run_dispatch(const Params& P, const RankParams& R, const 
 // tile left it in the ring (bf16, before the router weight), into origin s's comb[t][j]: one row per slot, so that
 // the origin sums the same terms in the same order at every EP size (run_reduce). A slot past the ring slot (row
 // -2) gets a NaN row there.
-template <bool kLab>
-__device__ inline void run_send(const Params& P, const RankParams& R, const Item& it, int ct) {
+template <bool kLab, class LaunchParams>
+__device__ inline void run_send(const LaunchParams& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
   const int warp = ct / 32, lane = ct % 32, k = p.k, ep = p.ep;
@@ -357,8 +357,8 @@ __device__ inline void reduce_row(const int4* my_src, float my_w, uint32_t used,
 }
 
 // REDUCE(m) (origin side): y of this rank's tokens of microbatch m.
-template <bool kLab>
-__device__ inline void run_reduce(const Params& P, const RankParams& R, const Item& it, int ct) {
+template <bool kLab, class LaunchParams>
+__device__ inline void run_reduce(const LaunchParams& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
   const CommView& v = R.view;
   const int warp = ct / 32, lane = ct % 32, k = p.k, rank = v.rank;

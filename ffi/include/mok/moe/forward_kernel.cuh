@@ -48,6 +48,8 @@
 
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "mok/comm/ptx.cuh"
@@ -69,8 +71,9 @@ namespace mok::moe {
 
 // ================================================================================ roles
 
-template <bool kFp8>
-__device__ inline void producer(const Params& P, const RankParams& R, SharedStorage& s, int ctas, uint64_t epoch) {
+template <bool kFp8, class LaunchParams>
+__device__ inline void producer(const LaunchParams& P, const RankParams& R, SharedStorage& s, int ctas,
+                                uint64_t epoch) {
   const Plan& p = P.plan;
   Tile::StagePos pos;
   int w = 0;
@@ -97,8 +100,8 @@ __device__ inline void producer(const Params& P, const RankParams& R, SharedStor
   }
 }
 
-template <bool kFp8, bool kLab>
-__device__ inline void consumer(const Params& P, const RankParams& R, SharedStorage& s, int ct, int ctas,
+template <bool kFp8, bool kLab, class LaunchParams>
+__device__ inline void consumer(const LaunchParams& P, const RankParams& R, SharedStorage& s, int ct, int ctas,
                                 uint64_t epoch) {
   const Plan& p = P.plan;
   Tile::StagePos pos;
@@ -182,8 +185,31 @@ __device__ inline void finish_call(const Plan& p, const RankParams& R, SharedSto
   __threadfence();
 }
 
-template <bool kFp8, bool kLab>
-__device__ inline void run(const Params& P) {
+// A forward_kernel_many launch found its RankParams in global memory, where upload_rank_params stored them through
+// the generic proxy: each thread that reads a descriptor through the tensormap proxy (prefetch, the TMA loads) first
+// acquires it (the CUDA Programming Guide's rule for a tensor map in global memory; that launch released them).
+template <bool kFp8>
+__device__ inline void acquire_descriptors(const RankParams& R) {
+  auto acquire = [](const void* d) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" : : "l"(d) : "memory");
+  };
+  if constexpr (kFp8) {
+    const Fp8RoutedTma& d = R.routed.fp8;
+    acquire(d.a_gu.get_tma_descriptor()), acquire(d.a_dn.get_tma_descriptor());
+    acquire(d.b_gu.get_tma_descriptor()), acquire(d.b_dn.get_tma_descriptor());
+  } else {
+    const Bf16RoutedTma& d = R.routed.bf16;
+    acquire(d.a_gu.get_tma_descriptor()), acquire(d.a_dn.get_tma_descriptor());
+    acquire(d.b_gu.get_tma_descriptor()), acquire(d.b_dn.get_tma_descriptor());
+  }
+  acquire(R.a_sgu.get_tma_descriptor()), acquire(R.a_sdn.get_tma_descriptor());
+  acquire(R.b_sgu.get_tma_descriptor()), acquire(R.b_sdn.get_tma_descriptor());
+}
+
+// LaunchParams: Params (the RankParams in the parameter space) or ManyParams (in global memory), whose RankParams
+// rank_params reads.
+template <bool kFp8, bool kLab, class LaunchParams>
+__device__ inline void run(const LaunchParams& P) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
   const int vr = int(blockIdx.x) % P.num_ranks;
@@ -191,9 +217,12 @@ __device__ inline void run(const Params& P) {
     if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
   }
   const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks;
-  const RankParams& R = P.ranks[vr];
+  const RankParams& R = rank_params(P, vr);
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&R.view.state()->moe_epoch) + 1;
   const int warp = cutlass::canonical_warp_idx_sync();
+  if constexpr (!std::is_same_v<LaunchParams, Params>) {
+    if (warp == 0) acquire_descriptors<kFp8>(R);  // thread 0 prefetches them, an elected lane of warp 0 loads tiles
+  }
   if (threadIdx.x == 0) {
     Tile::init_stages(s.stages);
     for (int i = 0; i < kWorkSlots; ++i) {

@@ -93,6 +93,8 @@ struct RankParams {
   float* h_scale;           // [I/128][scale_ld]         floats of slack past each: the producer's bulk copies)
 };
 
+// A launch of at most kMaxVirtualRanks ranks (every call of the layer: one rank; an emulated group of up to 8), the
+// kernel forward_kernel: every rank's RankParams in the kernel parameter space.
 struct Params {
   Plan plan;
   int32_t num_ranks;
@@ -101,6 +103,40 @@ struct Params {
   RankParams ranks[kMaxVirtualRanks];
 };
 static_assert(sizeof(Params) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
+
+// A launch of more ranks (an emulated group of 9 to kMaxEmulatedRanks), the kernel forward_kernel_many: the parameter
+// space would hold 13 RankParams at most, so each rank's lives in its own scratch (ScratchLayout::rank_params), rank
+// r's at rank_params + r * rank_stride, written before the launch on the call's stream by upload_rank_params. Its
+// first members are Params's: the kernel's roles take either (their LaunchParams), so that forward_kernel's code is
+// what it was before this form existed.
+struct ManyParams {
+  Plan plan;
+  int32_t num_ranks;
+  int32_t skip_rank;
+  int32_t dispatch_push;
+  const uint8_t* rank_params;  // rank 0's RankParams in device global memory, 64-byte aligned (its TMA descriptors)
+  int64_t rank_stride;         // bytes from one rank's RankParams to the next's (the scratch of one rank)
+};
+
+// Every RankParams the kernel reads comes through here (run): the parameter space's, or the device copy.
+__device__ __forceinline__ const RankParams& rank_params(const Params& P, int r) { return P.ranks[r]; }
+__device__ __forceinline__ const RankParams& rank_params(const ManyParams& P, int r) {
+  return *reinterpret_cast<const RankParams*>(P.rank_params + int64_t(r) * P.rank_stride);
+}
+
+// The launch that writes the RankParams of a forward_kernel_many launch: up to kUploadRanks of them travel in its own
+// parameter space (by value, so a CUDA graph that records the call holds them: a copy from host memory would be
+// read again, from a freed buffer, at every replay), and it stores them with the generic proxy, then releases them to
+// the tensormap proxy (the forward kernel acquires each descriptor before it uses it: acquire_descriptors).
+constexpr int kUploadRanks = 12;
+struct RankUpload {
+  RankParams ranks[kUploadRanks];
+  uint8_t* dst;    // where ranks[0] goes
+  int64_t stride;  // bytes from one rank's copy to the next's
+  int32_t count;   // RankParams in this launch, <= kUploadRanks
+};
+static_assert(sizeof(RankUpload) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
+static_assert(sizeof(RankParams) % 16 == 0 && alignof(RankParams) >= 64, "16-byte copies; 64-byte aligned tensormaps");
 
 // The kernel's forms, forward_kernel<kFp8, kLab> (ffi/src/moe_forward.cu): kLab, the lab form (bf16 only), is the
 // one launched when a call sets a mode that is not for users: Params::skip_rank (a fault-injection test: an emulated
