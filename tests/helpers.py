@@ -9,6 +9,14 @@ import numpy as np
 from mok_jax.config import ModelShape
 from mok_jax.reference import route
 from mok_jax.weights import MoEWeights
+from mok_jax.workspace import CommConfig, Workspace
+
+
+def fake_workspace(*, ep: int = 1, max_tokens: int, hidden_size: int, top_k: int, num_experts: int, mesh=None,
+                   ws_id: int = 7) -> Workspace:
+    """A Workspace object with no device memory behind it: enough to trace and lower the ops on CPU."""
+    config = CommConfig(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts)
+    return Workspace(ws_id=ws_id, config=config, mesh=mesh, axis_name=None if mesh is None else "ep", local=[])
 
 # fp32 math reordered (per-rank partial sums, different matmul blocking): a few ulps of the output.
 TOL_F32_REORDER = 2e-5

@@ -25,18 +25,17 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import mok_jax as mj
 import mok_jax.flax as mflax
-from helpers import GRAD_NAMES, random_problem
+from helpers import GRAD_NAMES, fake_workspace, random_problem
 from mok_jax import _native, reference
 from mok_jax.flax import LinenMoELayer, MoELayer
-from mok_jax.workspace import CommConfig, Workspace
+from mok_jax.workspace import Workspace
 
 SHAPE = mj.load_model("ci")  # E 16, k 4, H 64, I 32, shared 48
 
 
 def _fake_workspace(*, ep=1, max_tokens=64, hidden_size=64, top_k=4, num_experts=16, mesh=None, ws_id=7):
-    """A Workspace object with no device memory behind it: enough to trace and lower the ops on CPU."""
-    config = CommConfig(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts)
-    return Workspace(ws_id=ws_id, config=config, mesh=mesh, axis_name=None if mesh is None else "ep", local=[])
+    return fake_workspace(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
+                          mesh=mesh, ws_id=ws_id)
 
 
 # ----------------------------------------------------------------------------- 4a: vmap of the FFI ops

@@ -12,24 +12,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import fake_workspace
 
 import mok_jax as mj
 from mok_jax import memory
 from mok_jax.reference.comm import dispatch_combine_identity_numpy, moe_identity_numpy
-from mok_jax.workspace import CommConfig, Workspace
-
-
-def _fake_workspace(*, max_tokens=64, hidden_size=64, top_k=4, num_experts=16):
-    """A Workspace object with no device memory behind it: enough to trace the op on CPU."""
-    config = CommConfig(ep=1, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts)
-    return Workspace(ws_id=7, config=config, mesh=None, axis_name=None, local=[])
 
 
 def test_the_layer_refuses_the_pull_combine(monkeypatch):
     mf = importlib.import_module("mok_jax.ops.moe_forward")
     monkeypatch.setattr(mf, "require_native", lambda what: None)
     monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 256)  # the real one asks the native library
-    ws = _fake_workspace()
+    ws = fake_workspace(max_tokens=64, hidden_size=64, top_k=4, num_experts=16)
     T, H, I, L, k = 16, 64, 32, 16, 4
     args = (jax.ShapeDtypeStruct((1, T, H), jnp.bfloat16), jax.ShapeDtypeStruct((1, T, k), jnp.int32),
             jax.ShapeDtypeStruct((1, T, k), jnp.float32), jax.ShapeDtypeStruct((1, L, H, 2 * I), jnp.bfloat16),

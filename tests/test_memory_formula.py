@@ -11,6 +11,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import fake_workspace
 
 from mok_jax import _native, layer, memory
 from mok_jax.config import KEEP, KernelConfig, load_model
@@ -50,10 +51,9 @@ def _group(terms: dict[str, int], group: str) -> dict[str, int]:
 
 
 def _fake_workspace(shape: dict, ep: int) -> Workspace:
-    """A mesh workspace (one rank per call) with no device memory behind it: enough to trace the ops on CPU."""
-    config = CommConfig(ep=ep, max_tokens=shape["tokens"], hidden_size=shape["hidden"], top_k=shape["top_k"],
-                        num_experts=ep * shape["local_experts"])
-    return Workspace(ws_id=7, config=config, mesh=None, axis_name=None, local=[])
+    """A workspace of one rank per call with no device memory behind it: enough to trace the ops on CPU."""
+    return fake_workspace(ep=ep, max_tokens=shape["tokens"], hidden_size=shape["hidden"], top_k=shape["top_k"],
+                          num_experts=ep * shape["local_experts"])
 
 
 def _ffi_call(fn, *args):

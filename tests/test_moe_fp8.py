@@ -9,12 +9,12 @@ import importlib
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import fake_workspace
 
 import mok_jax as mj
 from mok_jax import fp8
 from mok_jax.emulation import emulated_moe
 from mok_jax.weights import MoEWeights
-from mok_jax.workspace import CommConfig, Workspace
 
 T, E, H, I, K = 16, 8, 256, 128, 2
 
@@ -63,9 +63,7 @@ def test_moe_needs_whole_scale_blocks():
 
 
 def _fake_workspace():
-    """A Workspace with no device memory behind it: enough to trace and lower the op on CPU."""
-    return Workspace(ws_id=7, config=CommConfig(ep=1, max_tokens=T, hidden_size=H, top_k=K, num_experts=E), mesh=None,
-                     axis_name=None, local=[])
+    return fake_workspace(max_tokens=T, hidden_size=H, top_k=K, num_experts=E)
 
 
 def _op_args():
