@@ -60,11 +60,25 @@ def case(spec: str) -> dict:
     return res
 
 
-def summary(logs: str, a: str, b: str) -> None:
+def ab_rows(logs: str, a: str, b: str):
+    """Per problem, in order: the trees of the four runs (A B B A) and each run's JSON line (None: missing)."""
     runs = [[json.loads(line) for line in open(f"{logs}/ab_{i}.jsonl") if line.startswith("{")] for i in range(1, 5)]
-    trees = [a, b, b, a]
     for p in range(max(len(r) for r in runs)):
-        rows = [r[p] if p < len(r) else None for r in runs]
+        yield p, [a, b, b, a], [r[p] if p < len(r) else None for r in runs]
+
+
+def ab_main(argv, case, summary) -> int:
+    """``--summary LOGS A B``: the side-by-side print; else one JSON line of ``case(spec)`` per problem."""
+    if argv[:1] == ["--summary"]:
+        summary(*argv[1:4])
+        return 0
+    for spec in argv:
+        print(json.dumps(case(spec)), flush=True)
+    return 0
+
+
+def summary(logs: str, a: str, b: str) -> None:
+    for p, trees, rows in ab_rows(logs, a, b):
         ok = [r for r in rows if r]
         same = all(r["bits"] == ok[0]["bits"] for r in ok) if ok else False
         print(f"== {ok[0]['problem'] if ok else p}: bits {'identical in all runs' if same else 'DIFFER'}")
@@ -78,14 +92,5 @@ def summary(logs: str, a: str, b: str) -> None:
                       f"{r['fwd+bwd']:.3f} ({r['fwd+bwd'] / r['dense fwd+bwd']:.3f}x dense)  items: {items}")
 
 
-def main(argv) -> int:
-    if argv[:1] == ["--summary"]:
-        summary(*argv[1:4])
-        return 0
-    for spec in argv:
-        print(json.dumps(case(spec)), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(ab_main(sys.argv[1:], case, summary))

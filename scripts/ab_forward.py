@@ -7,18 +7,12 @@ size's forward, with the SM clock while each ran. One JSON line per problem on s
     python scripts/ab_forward.py kimi-k2:2048:16 qwen3-30b-a3b:8192:16
     python scripts/ab_forward.py --summary LOGS A B     (what gpu_backward_ab.sh prints last)
 """
-import json
 import sys
-import zlib
 
-import numpy as np
+from ab_backward import ab_main, ab_rows, crc  # this script's folder, first on sys.path when it runs
 
 SAMPLES = 5
 EPS = (1, 2, 4, 8)
-
-
-def crc(a) -> str:
-    return "%08x" % zlib.crc32(np.asarray(a).view(np.uint8).tobytes())
 
 
 def case(spec: str) -> dict:
@@ -53,10 +47,7 @@ def case(spec: str) -> dict:
 
 
 def summary(logs: str, a: str, b: str) -> None:
-    runs = [[json.loads(line) for line in open(f"{logs}/ab_{i}.jsonl") if line.startswith("{")] for i in range(1, 5)]
-    trees = [a, b, b, a]
-    for p in range(max(len(r) for r in runs)):
-        rows = [r[p] if p < len(r) else None for r in runs]
+    for p, trees, rows in ab_rows(logs, a, b):
         ok = [r for r in rows if r]
         print(f"== {ok[0]['problem'] if ok else p}")
         for t, r in zip(trees, rows):
@@ -69,14 +60,5 @@ def summary(logs: str, a: str, b: str) -> None:
                   f"{r['dense fwd after']['ms']:.3f}  {times}  (SM clock {clock})")
 
 
-def main(argv) -> int:
-    if argv[:1] == ["--summary"]:
-        summary(*argv[1:4])
-        return 0
-    for spec in argv:
-        print(json.dumps(case(spec)), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(ab_main(sys.argv[1:], case, summary))

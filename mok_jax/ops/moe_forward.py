@@ -121,7 +121,6 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     if kernel is not None and not isinstance(kernel, KernelConfig):
         raise TypeError(f"kernel must be a mok_jax.KernelConfig or None, got {type(kernel).__name__}")
     where = "mok_jax.ops.moe_forward"
-    _require_push_combine(kernel, where)
     arrays = (("x", x, 3, jnp.bfloat16), ("topk_idx", topk_idx, 3, jnp.int32), ("topk_weight", topk_weight, 3,
               jnp.float32), ("gate_up", gate_up, 4, jnp.bfloat16), ("down", down, 4, jnp.bfloat16))
     R, T, H = x.shape if x.ndim == 3 else (0, 0, 0)  # a bad rank is reported by the check
@@ -191,7 +190,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
             raise ValueError(f"mok_jax.ops.moe_forward: fp8_weights has another intermediate size than gate_up ({inter})")
     require_native("mok_jax.ops.moe_forward")
     kernel = resolve_kernel(ws, kernel, tokens=T, hidden=H, inter=inter, top_k=k, local_experts=L)
-    _require_push_combine(kernel, where)
+    _require_push_combine(kernel, where)  # a given kernel or the tuned table's
     nbytes = scratch_bytes(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L, ep=cfg.ep,
                            kernel=kernel, identity_experts=identity_experts, fp8=fp8)
     out = (
