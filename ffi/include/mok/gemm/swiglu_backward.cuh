@@ -136,51 +136,67 @@ __device__ __forceinline__ SwigluGrad swiglu_grad(float dhp, float g, float u, f
 // warpgroup (rows 64 wg..). Consumes the tile's gu_chunks(inter, col0) chunk stages at pos, each freed by every
 // consumer warp when it is done with it. kWeighted = false: rows without a router weight (w = 1, no dw partials:
 // the shared expert), a separate instance so that the routed epilogue keeps its code.
+//
+// The accumulator first goes to the thread's local memory (32 stores of 16 bytes: acc(4v .. 4v + 3) at v), so that
+// the loops below index it at run time and their code is one column pair long. Fully unrolled over the 128 values
+// (the form before), the epilogue was about 13,500 instructions per instance: the warps streamed 216 KB of code
+// from L2 once per tile and waited on instruction fetch for half their cycles. The values, the order of every
+// sum and so every output bit are those of the unrolled form: the loops visit (chunk, column pair) in the same
+// ascending order for each of the thread's two rows.
 template <class Accumulator, bool kWeighted = true>
 __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o,
                                                       StageRing& s, RingPos& pos, int tile_row0, int row_end,
                                                       int col0, int n_block, int wg, int t, int32_t* status) {
+  constexpr int kPairs = kGuChunkCols / 8;  // the thread's column pairs per chunk (8 columns apart)
   const int lane = t % 32, warp = t / 32;
   const int r_local = 64 * wg + 16 * warp + lane / 4;  // and r_local + 8
   const int c_lane = 2 * (lane % 4);
-  const int64_t ld2 = 2 * int64_t(o.inter);
+  float4 dh[256 / 8];  // dh'[q]: the thread's column pair q of its rows r_local (x, y) and r_local + 8 (z, w)
+#pragma unroll
+  for (int q = 0; q < 256 / 8; ++q) dh[q] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
   bool in[2];
   float w[2], sum[2] = {0.0f, 0.0f};
+  __nv_bfloat16* g_out[2];  // the thread's first column pair of each row: in dgu (its g half; u is I further)
+  __nv_bfloat16* h_out[2];  // ... and in hw
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = tile_row0 + r_local + 8 * hh;
     in[hh] = row < row_end;
     w[hh] = !in[hh] ? 0.0f : kWeighted ? o.w[row] : 1.0f;
+    const int64_t r = in[hh] ? row : tile_row0;  // a row of the matrix either way (unwritten when not in)
+    g_out[hh] = o.dgu + r * (2 * int64_t(o.inter)) + col0 + c_lane;
+    h_out[hh] = o.hw + r * o.inter + col0 + c_lane;
   }
   const int n = gu_chunks(o.inter, col0);
-#pragma unroll  // in full: the chunk picks accumulator values, which must stay registers
-  for (int j = 0; j < 256 / kGuChunkCols; ++j) {
-    if (j == n) break;
+  float4 next = dh[0];
+#pragma unroll 1
+  for (int j = 0; j < n; ++j) {
     if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
     const auto* sg = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_g(s, pos.stage));
     const auto* su = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_u(s, pos.stage));
+#pragma unroll 2
+    for (int qq = 0; qq < kPairs; ++qq) {
+      const int q = kPairs * j + qq;  // the thread's column pair 8 q + c_lane of the tile
+      const float4 d = next;
+      if (q + 1 < kPairs * n) next = dh[q + 1];  // in flight while this pair is computed
+      // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly past
+      // n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
+      const bool col_in = col0 + 8 * q + c_lane < o.inter;
+      // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too; the swizzle
+      // sees a row's r % 8 only, so row r_local + 8 sits 8 whole rows further
+      const int at = gu_chunk_at(r_local, 8 * qq + c_lane);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = r_local + 8 * hh;
-      const int64_t row = tile_row0 + r;
-#pragma unroll
-      for (int qq = 0; qq < kGuChunkCols / 8; ++qq) {
-        const int q = (kGuChunkCols / 8) * j + qq;  // the thread's column pair 8 q + c_lane of the tile
-        const int i = 4 * q + 2 * hh;
-        const int col = col0 + 8 * q + c_lane;
-        // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too
-        const int at = gu_chunk_at(r, 8 * qq + c_lane);
-        const float2 g2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at));
-        const float2 u2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at));
-        const SwigluGrad a = swiglu_grad(acc(i), g2.x, u2.x, w[hh]);
-        const SwigluGrad b = swiglu_grad(acc(i + 1), g2.y, u2.y, w[hh]);
-        // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly past
-        // n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
-        if (kWeighted && col < o.inter) sum[hh] += acc(i) * a.h, sum[hh] += acc(i + 1) * b.h;
-        if (in[hh] && col < o.inter) {
-          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + col) = __floats2bfloat162_rn(a.dg, b.dg);
-          *reinterpret_cast<__nv_bfloat162*>(o.dgu + row * ld2 + o.inter + col) = __floats2bfloat162_rn(a.du, b.du);
-          *reinterpret_cast<__nv_bfloat162*>(o.hw + row * int64_t(o.inter) + col) = __floats2bfloat162_rn(a.hw, b.hw);
+      for (int hh = 0; hh < 2; ++hh) {
+        const float d0 = hh ? d.z : d.x, d1 = hh ? d.w : d.y;
+        const float2 g2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at + 8 * kGuChunkCols * hh));
+        const float2 u2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at + 8 * kGuChunkCols * hh));
+        const SwigluGrad a = swiglu_grad(d0, g2.x, u2.x, w[hh]);
+        const SwigluGrad b = swiglu_grad(d1, g2.y, u2.y, w[hh]);
+        if (kWeighted && col_in) sum[hh] += d0 * a.h, sum[hh] += d1 * b.h;
+        if (in[hh] && col_in) {
+          *reinterpret_cast<__nv_bfloat162*>(g_out[hh] + 8 * q) = __floats2bfloat162_rn(a.dg, b.dg);
+          *reinterpret_cast<__nv_bfloat162*>(g_out[hh] + 8 * q + o.inter) = __floats2bfloat162_rn(a.du, b.du);
+          *reinterpret_cast<__nv_bfloat162*>(h_out[hh] + 8 * q) = __floats2bfloat162_rn(a.hw, b.hw);
         }
       }
     }
