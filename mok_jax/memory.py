@@ -43,7 +43,7 @@ _SYNC_BLOCK = 64  # make_plan's take(): sync blocks are whole 256-byte blocks of
 _CTL_WORDS = 16  # kCtlWords: the sync region's control block
 _MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks (forward.cuh): above it, the scratch holds the rank's kernel parameters
 _RANK_PARAMS = 2432  # sizeof(RankParams) (forward_params.cuh): one rank's pointers and TMA descriptors
-_BWD_TIME_WORDS = 4 * 10  # kExpertsBackwardTimeWords: two u64 per kind of work item (ops.moe_backward.ITEM_KINDS)
+_BWD_TIME_WORDS = 6 * 10  # kExpertsBackwardTimeWords: three u64 per kind of work item (ops.moe_backward.ITEM_KINDS)
 _DW_PART_COLS = 256  # kExpertsBackwardColBlock: a dw partial per 256 intermediate columns
 
 

@@ -99,8 +99,9 @@ def test_op_args_and_item_ms_as_the_bench_uses_them():
     for got, want in ((pos, lay.pos), (src_slot, lay.src_slot), (sizes, lay.group_sizes)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert set(shared) == ({"shared_gate_up", "shared_down"} if W.has_shared else set())
-    ns = np.zeros((2, len(ITEM_KINDS)), np.uint64)
-    ns[0, 1], ns[1, 2] = 132_000_000, 264_000_000  # summed over 132 CTAs (the CPU has no core count)
+    ns = np.zeros((3, len(ITEM_KINDS)), np.uint64)
+    ns[0, 1], ns[1, 2], ns[2, 3] = 132_000_000, 264_000_000, 66_000_000  # summed over 132 CTAs (the CPU has none)
     ms = backward.item_ms(ns)
     assert list(ms) == list(ITEM_KINDS)
-    assert ms[ITEM_KINDS[1]] == {"busy_ms": 1.0, "wait_ms": 0.0} and ms[ITEM_KINDS[2]]["wait_ms"] == 2.0
+    assert ms[ITEM_KINDS[1]] == {"busy_ms": 1.0, "wait_ms": 0.0, "epilogue_ms": 0.0}
+    assert ms[ITEM_KINDS[2]]["wait_ms"] == 2.0 and ms[ITEM_KINDS[3]]["epilogue_ms"] == 0.5

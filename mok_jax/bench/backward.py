@@ -87,15 +87,15 @@ def op_args(x, dy, idx, w, W):
 
 
 def item_ms(ns) -> dict[str, dict[str, float]]:
-    """The op's per-kind counters (return_item_ns: [2, kinds] ns summed over the CTAs) as ms per SM in items and
-    waiting for their inputs (the kernel runs one CTA per SM)."""
+    """The op's per-kind counters (return_item_ns: [3, kinds] ns summed over the CTAs) as ms per SM in items,
+    waiting for their inputs and, of the first, in a GEMM tile's epilogue (the kernel runs one CTA per SM)."""
     import jax
 
-    from mok_jax.ops.moe_backward import ITEM_KINDS
+    from mok_jax.ops.moe_backward import ITEM_KINDS, ITEM_TIMES
 
     ctas = getattr(jax.devices()[0], "core_count", None) or 132
     ns = jax.device_get(ns)
-    return {kind: {"busy_ms": float(ns[0, q]) / ctas / 1e6, "wait_ms": float(ns[1, q]) / ctas / 1e6}
+    return {kind: {f"{what}_ms": float(ns[i, q]) / ctas / 1e6 for i, what in enumerate(ITEM_TIMES)}
             for q, kind in enumerate(ITEM_KINDS)}
 
 
@@ -255,9 +255,9 @@ def table(res: dict) -> str:
                      f"{c['ring_kept_bytes'] / 1e6:>8.0f}")
         for label in ("items", "items kept"):
             if c.get(label):
-                parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}" for n, v in c[label].items()
-                                  if v["busy_ms"] or v["wait_ms"])
-                lines.append(f"{'':<18} {label} (ms per SM, in/waiting): {parts}")
+                parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}/{v['epilogue_ms']:.3f}"
+                                  for n, v in c[label].items() if v["busy_ms"] or v["wait_ms"])
+                lines.append(f"{'':<18} {label} (ms per SM, in/waiting/of which epilogue): {parts}")
         if c.get("launch_ms"):
             parts = ", ".join(f"{n} {v:.3f}" for n, v in c["launch_ms"].items() if v is not None)
             lines.append(f"{'':<18} launches (ms): {parts}")

@@ -59,7 +59,9 @@ _FLAGS = 9  # index of the dependency counters (and time words) among them
 # run only in the expert-parallel form (experts_backward_ep).
 ITEM_KINDS = ("stage", "gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad",
               "router-weight sum", "send", "d_down", "d_gate_up", "slot sum")
-_TIME_WORDS = 4 * len(ITEM_KINDS)  # two u64 per kind (consumers' ns, ns waited), summed over the CTAs
+# three u64 per kind, summed over the CTAs: the consumers' ns, the ns waited, a GEMM tile's ns after its last MMA
+ITEM_TIMES = ("busy", "wait", "epilogue")
+_TIME_WORDS = 2 * len(ITEM_TIMES) * len(ITEM_KINDS)
 
 
 def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
@@ -165,8 +167,9 @@ def experts_backward(
     (rows past sum(group_sizes) set to zeros here, as the forward keeps them; not specified when status != 0),
     or ``gu`` itself when given. Returns (ExpertsBackwardOutput, gu) then.
 
-    return_item_ns: a benchmark hook: also return f32[2, len(ITEM_KINDS)], per kind of the kernel's work items the
-    ns its CTAs' consumers spent in them and the ns they waited for inputs, summed over the CTAs. Appended last.
+    return_item_ns: a benchmark hook: also return f32[3, len(ITEM_KINDS)], per kind of the kernel's work items the
+    ns its CTAs' consumers spent in them, the ns they waited for inputs and, of the first, the ns a GEMM tile spent
+    after its last MMA (its epilogue), summed over the CTAs (rows in ITEM_TIMES order). Appended last.
     """
     where = "mok_jax.ops.experts_backward"
     tokens, top_k, m, hidden, inter, num_experts = check_experts_backward_args(
@@ -224,7 +227,7 @@ def experts_backward(
         zero = jnp.zeros((), KEPT_GU_DTYPE)
         extras.append(gu if kept else jnp.where((jnp.arange(m) < used)[:, None], scratch[3], zero))
     if return_item_ns:
-        words = scratch[_FLAGS][:_TIME_WORDS].reshape(2, len(ITEM_KINDS), 2)
+        words = scratch[_FLAGS][:_TIME_WORDS].reshape(len(ITEM_TIMES), len(ITEM_KINDS), 2)
         extras.append(_u64_as_f32(words))
     return (result, *extras) if extras else result
 
@@ -265,7 +268,7 @@ def experts_backward_ep(
     statuses over the axis and gives NaN gradients then). A peer more than 10 s late fails the call even under a
     longer workspace timeout (the kernel's bound on its waits inside a rank). skip_rank: a test
     mode of an emulated workspace, one rank that makes no call. return_item_ns: as experts_backward's
-    (f32[R, 2, len(ITEM_KINDS)]).
+    (f32[R, 3, len(ITEM_KINDS)]).
     """
     from mok_jax.workspace import Workspace
 
@@ -335,6 +338,6 @@ def experts_backward_ep(
         skip_rank=np.int32(skip_rank))
     result = ExpertsBackwardEpOutput(dx, dw, d_gate_up, d_down, status)
     if return_item_ns:
-        words = scratch[_FLAGS][:, :_TIME_WORDS].reshape(R, 2, len(ITEM_KINDS), 2)
+        words = scratch[_FLAGS][:, :_TIME_WORDS].reshape(R, len(ITEM_TIMES), len(ITEM_KINDS), 2)
         return result, _u64_as_f32(words)
     return result

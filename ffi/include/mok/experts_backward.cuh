@@ -152,15 +152,16 @@ struct ExpertsBackwardParams {
 constexpr int kExpertsBackwardColBlock = 256;
 
 // Kinds of work item (STAGE .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
-// device time, two u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
-// consumers waited for inputs: integer sums, read by mok_jax.bench.backward), then the dependency counters:
+// device time, three u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
+// consumers waited for inputs, and of a GEMM tile's ns the part after its last MMA: its epilogue; integer sums,
+// read by mok_jax.bench.backward), then the dependency counters:
 // four per m-block (at most ceil(M / 128) + E routed m-blocks, then ceil(Ts / 128) of the shared expert's Ts
 // rows: T with a shared expert, else 0), two per expert and two for the shared expert, and five totals (the
 // third one counts the tickets), rounded up to a multiple of 4 words: the ranks of an emulated call lie back to
 // back, and each one's u64 time words must stay 8-byte aligned. mok_jax/ops/moe_backward.py sizes the scratch
 // with the same formula.
 constexpr int kExpertsBackwardKinds = 10;
-constexpr int64_t kExpertsBackwardTimeWords = 4 * kExpertsBackwardKinds;
+constexpr int64_t kExpertsBackwardTimeWords = 6 * kExpertsBackwardKinds;
 constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int64_t shared_rows) {
   return (kExpertsBackwardTimeWords +
           4 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +

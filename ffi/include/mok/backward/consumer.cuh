@@ -73,6 +73,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     if (i < 0) return;
     const Item it = decode(p, s, h, i);
     const uint64_t t0 = ct == 0 ? gemm::global_timer_ns() : 0;
+    uint64_t t_epi = 0;  // a GEMM tile's end of MMAs (thread 0): the rest of the item is its epilogue
     const int col0 = it.n_block * kBlockN;
     switch (it.kind) {
       case kStage:  // no peer may still read the previous call's staged rows
@@ -108,6 +109,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         if (!it.shared && block_kept(p, it.mb)) break;  // its GATHER copied the kept g, u
         TileGu::Accumulator acc;
         if (!TileGu::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
+        if (ct == 0) t_epi = gemm::global_timer_ns();
         const int n = 2 * (it.shared ? p.Is : p.I);
         // bf16, as the forward keeps them (the same rounding of the same fp32 accumulators)
         TileGu::store_bf16<false>(acc, s.epi[wg], {it.shared ? p.gus : p.gu, n, it.row0, it.row_end, col0, n}, wg,
@@ -118,6 +120,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
       case kDh: {
         TileKK::Accumulator acc;
         if (!TileKK::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
+        if (ct == 0) t_epi = gemm::global_timer_ns();
         // the epilogue reads w_e with ordinary loads: acquire what the producer waited for (one thread, so that
         // every consumer leaves together if it fails); g, u come through the ring
         if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb},
@@ -136,6 +139,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
       case kDx: {
         TileKK::Accumulator acc;
         if (!TileKK::mma_tile(s.stages, pos, acc, 2 * (it.shared ? p.Is : p.I), ct, p.status)) return;
+        if (ct == 0) t_epi = gemm::global_timer_ns();
         if (it.shared)  // fp32: the slot sum adds it to the routed sum before the one rounding
           TileKK::store_f32(acc, {p.dxs, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
         else
@@ -156,6 +160,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         }
         TileW::Accumulator acc;
         if (!TileW::mma_tile(s.stages, pos, acc, it.k_len, ct, p.status)) return;
+        if (ct == 0) t_epi = gemm::global_timer_ns();
         TileW::store_bf16<false>(acc, s.epi[wg], st, wg, t);
         break;
       }
@@ -180,7 +185,9 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     gemm::named_barrier_sync(kConsumerBarrier, kConsumers);
     if (ct == 0) {
       complete(p, it);
-      atomicAdd(f.busy_ns + it.kind, (unsigned long long)(gemm::global_timer_ns() - t0));
+      const uint64_t t1 = gemm::global_timer_ns();
+      atomicAdd(f.busy_ns + it.kind, (unsigned long long)(t1 - t0));
+      if (t_epi != 0) atomicAdd(f.epi_ns + it.kind, (unsigned long long)(t1 - t_epi));
     }
   }
 }

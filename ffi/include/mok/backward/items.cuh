@@ -49,6 +49,7 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA")
 struct Flags {
   unsigned long long* busy_ns;  // [kind]: consumers' time in items of that kind, over the CTAs
   unsigned long long* wait_ns;  // [kind]: time spent waiting for their inputs
+  unsigned long long* epi_ns;   // [kind]: of busy_ns, a GEMM tile's time after its last MMA (its epilogue)
   int32_t* gathered;  // [mb]: 1 when GATHER(mb) is done
   int32_t* gu;        // [mb]: GU tiles of m-block mb done
   int32_t* dh;        // [mb]: DH tiles of m-block mb done
@@ -63,7 +64,7 @@ __device__ __forceinline__ Flags flags(const KernelParams& p) {
   auto* ns = reinterpret_cast<unsigned long long*>(p.flags);
   int32_t* c = p.flags + kExpertsBackwardTimeWords;
   const int es = p.E + 1;  // the experts, then the shared expert (index E)
-  return Flags{ns, ns + kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
+  return Flags{ns, ns + kKinds, ns + 2 * kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
                c + 4 * mbs + 2 * es};
 }
 
