@@ -119,16 +119,28 @@ __device__ inline bool load_gu_chunks(const TmaGu& tma, StageRing& s, RingPos& p
 }
 
 // ---- the epilogue ------------------------------------------------------------------------------------
-// One value of the SwiGLU backward (see the top of the file); h is returned for the router-weight partial.
+// One value of the SwiGLU backward (see the top of the file) from g's sigmoid s = 1 / x, x = 1 + exp(-g)
+// (sigmoid_denominator, then rcp_in_range or an exact 1 / x); h is returned for the router-weight partial.
 struct SwigluGrad {
   float dg, du, hw, h;
 };
-__device__ __forceinline__ SwigluGrad swiglu_grad(float dhp, float g, float u, float w) {
-  const float s = 1.0f / (1.0f + __expf(-g));
+__device__ __forceinline__ float sigmoid_denominator(float g) { return 1.0f + __expf(-g); }
+__device__ __forceinline__ SwigluGrad swiglu_grad(float dhp, float g, float u, float w, float s) {
   const float silu = g * s;
   const float h = silu * u;
   const float dh = w * dhp;
   return SwigluGrad{dh * u * s * (1.0f + g * (1.0f - s)), dh * silu, w * h, h};
+}
+
+// 1 / x rounded to nearest for x in [1, 2^126): the sequence the compiler emits for 1.0f / x there (an approximate
+// reciprocal and one Newton step in fused multiply-adds; its error term 1 - x r is 0 or far from subnormal), without
+// the branch to its exact slow path, which it takes outside [2^-126, 2^126) and for NaN. So the result's bits are
+// 1.0f / x's, and the values of several columns can be in flight at once instead of one per branch.
+constexpr float kRcpInRangeEnd = 0x1p126f;
+__device__ __forceinline__ float rcp_in_range(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return __fmaf_rn(r, __fmaf_rn(-x, r, 1.0f), r);
 }
 
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
@@ -137,17 +149,21 @@ __device__ __forceinline__ SwigluGrad swiglu_grad(float dhp, float g, float u, f
 // consumer warp when it is done with it. kWeighted = false: rows without a router weight (w = 1, no dw partials:
 // the shared expert), a separate instance so that the routed epilogue keeps its code.
 //
-// The accumulator first goes to the thread's local memory (32 stores of 16 bytes: acc(4v .. 4v + 3) at v), so that
-// the loops below index it at run time and their code is one column pair long. Fully unrolled over the 128 values
-// (the form before), the epilogue was about 13,500 instructions per instance: the warps streamed 216 KB of code
-// from L2 once per tile and waited on instruction fetch for half their cycles. The values, the order of every
-// sum and so every output bit are those of the unrolled form: the loops visit (chunk, column pair) in the same
-// ascending order for each of the thread's two rows.
+// The accumulator first goes to the thread's local memory (32 stores of 16 bytes: dh[q] = the thread's column pair q
+// of its two rows), and a loop over quarter chunks (2 column pairs, 8 values; more spill) reads it back at run time,
+// the next quarter's loads in flight while this one is computed, and the 8 values computed side by side (one
+// warp-wide check sends a quarter with a denominator outside rcp_in_range's range to the exact 1 / x, whose
+// compiled form branches per value). Fully unrolled over the 128 values
+// (the form before), the epilogue was about 13,500 instructions per instance: the warps streamed 216 KB of code from
+// L2 once per tile and waited on instruction fetch for half their cycles. The values, the order of every sum and
+// so every output bit are those of the unrolled form: the loops visit (chunk, column pair) in the same ascending
+// order for each of the thread's two rows.
 template <class Accumulator, bool kWeighted = true>
 __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o,
                                                       StageRing& s, RingPos& pos, int tile_row0, int row_end,
                                                       int col0, int n_block, int wg, int t, int32_t* status) {
-  constexpr int kPairs = kGuChunkCols / 8;  // the thread's column pairs per chunk (8 columns apart)
+  constexpr int kSteps = 4;                          // per chunk
+  constexpr int kPairs = kGuChunkCols / 8 / kSteps;  // the thread's column pairs per step (8 columns apart)
   const int lane = t % 32, warp = t / 32;
   const int r_local = 64 * wg + 16 * warp + lane / 4;  // and r_local + 8
   const int c_lane = 2 * (lane % 4);
@@ -167,31 +183,58 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
     g_out[hh] = o.dgu + r * (2 * int64_t(o.inter)) + col0 + c_lane;
     h_out[hh] = o.hw + r * o.inter + col0 + c_lane;
   }
-  const int n = gu_chunks(o.inter, col0);
-  float4 next = dh[0];
+  const int steps = kSteps * gu_chunks(o.inter, col0);
+  float4 cur[kPairs], next[kPairs];
+#pragma unroll
+  for (int v = 0; v < kPairs; ++v) cur[v] = dh[v];
 #pragma unroll 1
-  for (int j = 0; j < n; ++j) {
-    if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
+  for (int st = 0; st < steps; ++st) {
+    const int step = st % kSteps;  // of chunk st / kSteps
+    if (step == 0 && !mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
+    if (st + 1 < steps) {
+#pragma unroll
+      for (int v = 0; v < kPairs; ++v) next[v] = dh[kPairs * (st + 1) + v];  // in flight while this step is computed
+    }
     const auto* sg = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_g(s, pos.stage));
     const auto* su = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_u(s, pos.stage));
-#pragma unroll 2
-    for (int qq = 0; qq < kPairs; ++qq) {
-      const int q = kPairs * j + qq;  // the thread's column pair 8 q + c_lane of the tile
-      const float4 d = next;
-      if (q + 1 < kPairs * n) next = dh[q + 1];  // in flight while this pair is computed
+    float2 g2[kPairs][2], u2[kPairs][2], s2[kPairs][2];  // s2: the denominators x, then their reciprocals
+    bool exact = false;
+#pragma unroll
+    for (int v = 0; v < kPairs; ++v) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too; the swizzle
+        // sees a row's r % 8 only, so row r_local + 8 sits 8 whole rows further
+        const int at = gu_chunk_at(r_local, 8 * (kPairs * step + v) + c_lane) + 8 * kGuChunkCols * hh;
+        g2[v][hh] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at));
+        u2[v][hh] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at));
+        s2[v][hh] = make_float2(sigmoid_denominator(g2[v][hh].x), sigmoid_denominator(g2[v][hh].y));
+        exact |= !(s2[v][hh].x < kRcpInRangeEnd) || !(s2[v][hh].y < kRcpInRangeEnd);
+      }
+    }
+    if (__any_sync(0xffffffffu, exact)) {  // g below about -87, or NaN: 1.0f / x itself
+#pragma unroll
+      for (int v = 0; v < kPairs; ++v)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) s2[v][hh] = make_float2(1.0f / s2[v][hh].x, 1.0f / s2[v][hh].y);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kPairs; ++v)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          s2[v][hh] = make_float2(rcp_in_range(s2[v][hh].x), rcp_in_range(s2[v][hh].y));
+    }
+#pragma unroll
+    for (int v = 0; v < kPairs; ++v) {
+      const int q = kPairs * st + v;  // the thread's column pair 8 q + c_lane of the tile
       // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly past
       // n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
       const bool col_in = col0 + 8 * q + c_lane < o.inter;
-      // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too; the swizzle
-      // sees a row's r % 8 only, so row r_local + 8 sits 8 whole rows further
-      const int at = gu_chunk_at(r_local, 8 * qq + c_lane);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const float d0 = hh ? d.z : d.x, d1 = hh ? d.w : d.y;
-        const float2 g2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at + 8 * kGuChunkCols * hh));
-        const float2 u2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at + 8 * kGuChunkCols * hh));
-        const SwigluGrad a = swiglu_grad(d0, g2.x, u2.x, w[hh]);
-        const SwigluGrad b = swiglu_grad(d1, g2.y, u2.y, w[hh]);
+        const float d0 = hh ? cur[v].z : cur[v].x, d1 = hh ? cur[v].w : cur[v].y;
+        const SwigluGrad a = swiglu_grad(d0, g2[v][hh].x, u2[v][hh].x, w[hh], s2[v][hh].x);
+        const SwigluGrad b = swiglu_grad(d1, g2[v][hh].y, u2[v][hh].y, w[hh], s2[v][hh].y);
         if (kWeighted && col_in) sum[hh] += d0 * a.h, sum[hh] += d1 * b.h;
         if (in[hh] && col_in) {
           *reinterpret_cast<__nv_bfloat162*>(g_out[hh] + 8 * q) = __floats2bfloat162_rn(a.dg, b.dg);
@@ -200,9 +243,13 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
         }
       }
     }
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[pos.stage]);
-    pos.advance();
+    if (step == kSteps - 1) {  // the chunk is done
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[pos.stage]);
+      pos.advance();
+    }
+#pragma unroll
+    for (int v = 0; v < kPairs; ++v) cur[v] = next[v];
   }
   if constexpr (kWeighted) {
 #pragma unroll
