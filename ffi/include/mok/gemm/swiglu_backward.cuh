@@ -153,11 +153,11 @@ __device__ __forceinline__ float rcp_in_range(float x) {
 // of its two rows), and a loop over quarter chunks (2 column pairs, 8 values; more spill) reads it back at run time,
 // the next quarter's loads in flight while this one is computed, and the 8 values computed side by side (one
 // warp-wide check sends a quarter with a denominator outside rcp_in_range's range to the exact 1 / x, whose
-// compiled form branches per value). Fully unrolled over the 128 values
-// (the form before), the epilogue was about 13,500 instructions per instance: the warps streamed 216 KB of code from
-// L2 once per tile and waited on instruction fetch for half their cycles. The values, the order of every sum and
-// so every output bit are those of the unrolled form: the loops visit (chunk, column pair) in the same ascending
-// order for each of the thread's two rows.
+// compiled form branches per value). Fully unrolled over the 128 values (the form before), the epilogue was about
+// 13,500 instructions per instance: the warps streamed 216 KB of code from L2 once per tile and waited on
+// instruction fetch for half their cycles. The values, the order of every sum and so every output bit are those of
+// the unrolled form: the loops visit (chunk, column pair) in the same ascending order for each of the thread's two
+// rows.
 template <class Accumulator, bool kWeighted = true>
 __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o,
                                                       StageRing& s, RingPos& pos, int tile_row0, int row_end,
