@@ -118,19 +118,23 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         break;
       }
       case kDh: {
+        // The epilogue reads the routed rows' router weights (w_e, which the gather items store) with ordinary
+        // loads, issued before the MMAs so that their latency runs under them: once the tile's first stage is full
+        // they are visible here (the producer acquired the gather's counter before that stage's loads, and the
+        // stage's full barrier passes that on). Everything else the epilogue reads (g, u) comes through the ring.
+        gemm::RowWeights rw;
+        if (!it.shared) {
+          if (!gemm::mbarrier_wait(&s.stages.full[pos.stage], pos.phase, p.status)) return;
+          rw = gemm::swiglu_row_weights(p.bwd, it.row0, it.row_end, wg, t);
+        }
         TileKK::Accumulator acc;
         if (!TileKK::mma_tile(s.stages, pos, acc, p.H, ct, p.status)) return;
         if (ct == 0) t_epi = gemm::global_timer_ns();
-        // the epilogue reads w_e with ordinary loads: acquire what the producer waited for (one thread, so that
-        // every consumer leaves together if it fails); g, u come through the ring
-        if (!consumers_wait<2>(s, {f.gathered + it.mb, f.gu + it.mb},
-                               {it.shared ? 0 : 1, it.shared ? h.s_nb_gu : p.kept ? 0 : h.nb_gu}, p,
-                               f.wait_ns + kDh, ct))
-          return;
         const bool ok = it.shared  // weight 1, no router-weight partials
                             ? gemm::swiglu_backward_store<TileKK::Accumulator, false>(
-                                  acc, p.sbwd, s.stages, pos, it.row0, it.row_end, col0, it.n_block, wg, t, p.status)
-                            : gemm::swiglu_backward_store(acc, p.bwd, s.stages, pos, it.row0, it.row_end, col0,
+                                  acc, p.sbwd, gemm::swiglu_row_weights<false>(p.sbwd, it.row0, it.row_end, wg, t),
+                                  s.stages, pos, it.row0, it.row_end, col0, it.n_block, wg, t, p.status)
+                            : gemm::swiglu_backward_store(acc, p.bwd, rw, s.stages, pos, it.row0, it.row_end, col0,
                                                           it.n_block, wg, t, p.status);
         if (!ok) return;
         gemm::fence_proxy_async_global();  // DX and the weight gradients read dgu and hw through TMA

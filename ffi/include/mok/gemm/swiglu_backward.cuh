@@ -143,6 +143,27 @@ __device__ __forceinline__ float rcp_in_range(float x) {
   return __fmaf_rn(r, __fmaf_rn(-x, r, 1.0f), r);
 }
 
+// The router weights of the thread's two rows of the tile (see swiglu_backward_store: r_local and r_local + 8), 0
+// past row_end, 1 without a router weight (kWeighted = false). The caller loads them before the tile's MMAs, once
+// w is visible to it (the backward: the stage ring's first full barrier passes on the producer's acquire of the
+// gather that wrote it): issued after the MMAs, the load's latency under a busy memory system was the DH epilogue's
+// longest single wait (40% of its stall samples on kimi-k2).
+struct RowWeights {
+  float w[2];
+};
+template <bool kWeighted = true>
+__device__ __forceinline__ RowWeights swiglu_row_weights(const SwigluBackwardOut& o, int tile_row0, int row_end,
+                                                        int wg, int t) {
+  const int r_local = 64 * wg + 16 * (t / 32) + (t % 32) / 4;
+  RowWeights w;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = tile_row0 + r_local + 8 * hh;
+    w.w[hh] = !(row < row_end) ? 0.0f : kWeighted ? o.w[row] : 1.0f;
+  }
+  return w;
+}
+
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
 // 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). tile_row0: the tile's first row; wg: the
 // warpgroup (rows 64 wg..). Consumes the tile's gu_chunks(inter, col0) chunk stages at pos, each freed by every
@@ -160,8 +181,9 @@ __device__ __forceinline__ float rcp_in_range(float x) {
 // rows.
 template <class Accumulator, bool kWeighted = true>
 __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o,
-                                                      StageRing& s, RingPos& pos, int tile_row0, int row_end,
-                                                      int col0, int n_block, int wg, int t, int32_t* status) {
+                                                      const RowWeights& w, StageRing& s, RingPos& pos,
+                                                      int tile_row0, int row_end, int col0, int n_block, int wg,
+                                                      int t, int32_t* status) {
   constexpr int kSteps = 4;                          // per chunk
   constexpr int kPairs = kGuChunkCols / 8 / kSteps;  // the thread's column pairs per step (8 columns apart)
   const int lane = t % 32, warp = t / 32;
@@ -171,14 +193,13 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
 #pragma unroll
   for (int q = 0; q < 256 / 8; ++q) dh[q] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
   bool in[2];
-  float w[2], sum[2] = {0.0f, 0.0f};
+  float sum[2] = {0.0f, 0.0f};
   __nv_bfloat16* g_out[2];  // the thread's first column pair of each row: in dgu (its g half; u is I further)
   __nv_bfloat16* h_out[2];  // ... and in hw
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = tile_row0 + r_local + 8 * hh;
     in[hh] = row < row_end;
-    w[hh] = !in[hh] ? 0.0f : kWeighted ? o.w[row] : 1.0f;
     const int64_t r = in[hh] ? row : tile_row0;  // a row of the matrix either way (unwritten when not in)
     g_out[hh] = o.dgu + r * (2 * int64_t(o.inter)) + col0 + c_lane;
     h_out[hh] = o.hw + r * o.inter + col0 + c_lane;
@@ -233,8 +254,8 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const float d0 = hh ? cur[v].z : cur[v].x, d1 = hh ? cur[v].w : cur[v].y;
-        const SwigluGrad a = swiglu_grad(d0, g2[v][hh].x, u2[v][hh].x, w[hh], s2[v][hh].x);
-        const SwigluGrad b = swiglu_grad(d1, g2[v][hh].y, u2[v][hh].y, w[hh], s2[v][hh].y);
+        const SwigluGrad a = swiglu_grad(d0, g2[v][hh].x, u2[v][hh].x, w.w[hh], s2[v][hh].x);
+        const SwigluGrad b = swiglu_grad(d1, g2[v][hh].y, u2[v][hh].y, w.w[hh], s2[v][hh].y);
         if (kWeighted && col_in) sum[hh] += d0 * a.h, sum[hh] += d1 * b.h;
         if (in[hh] && col_in) {
           *reinterpret_cast<__nv_bfloat162*>(g_out[hh] + 8 * q) = __floats2bfloat162_rn(a.dg, b.dg);
