@@ -10,9 +10,9 @@ from typing import NamedTuple
 import jax
 
 __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EMULATED_RANKS", "EXPERTS_BACKWARD_MAX_EXPERTS",
-           "EXPERTS_BACKWARD_MAX_TOP_K", "EXPERTS_BACKWARD_STATUS_COMM", "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP",
-           "EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW", "EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP", "ExpertsBackwardEpOutput",
-           "ExpertsBackwardOutput"]
+           "EXPERTS_BACKWARD_MAX_TOP_K", "EXPERTS_BACKWARD_PARAM_RANKS", "EXPERTS_BACKWARD_STATUS_COMM",
+           "EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP", "EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW",
+           "EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP", "ExpertsBackwardEpOutput", "ExpertsBackwardOutput"]
 
 EXPERTS_BACKWARD_GROUP_ALIGN = 128  # every group size is a multiple of this (the kernel's M tile)
 EXPERTS_BACKWARD_MAX_EXPERTS = 1024  # as mok_grouped_ffn (GROUPED_FFN_MAX_EXPERTS)
@@ -21,7 +21,10 @@ EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP = 1  # status bit: some group size < 0
 EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
 EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is not a multiple of 128
 EXPERTS_BACKWARD_STATUS_COMM = 8  # status bit (experts_backward_ep): a wait for a peer failed; workspace poisoned
-EXPERTS_BACKWARD_MAX_EMULATED_RANKS = 8  # ranks one emulated call of experts_backward_ep carries
+EXPERTS_BACKWARD_MAX_EMULATED_RANKS = 64  # ranks one emulated call of experts_backward_ep carries
+# ranks whose kernel parameters the launch's parameter space holds; above it each rank's row of the flags scratch
+# holds them (kExpertsBackwardParamRanks, experts_backward_ep_flag_words in ffi/include/mok/experts_backward.cuh)
+EXPERTS_BACKWARD_PARAM_RANKS = 8
 
 
 class ExpertsBackwardOutput(NamedTuple):

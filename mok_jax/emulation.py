@@ -11,10 +11,11 @@ replaced by the device's own memory, so this checks correctness at any EP size, 
 
 Rank r holds tokens [r*T, (r+1)*T) and experts [r*E/ep, (r+1)*E/ep), as under ``expert_parallel_moe``.
 
-EP sizes: the forward takes up to MAX_EMULATED_RANKS (64) ranks in one launch, at most one per persistent CTA (the
-device's SMs, or num_sms); up to 8 with every rank's kernel parameters in the parameter space, above that with them
-in each rank's scratch (ffi/include/mok/moe/forward_params.cuh, ManyParams). The fused backward takes up to 8
-(EXPERTS_BACKWARD_MAX_EMULATED_RANKS: its launch parameters hold 8 ranks); its collectives path (fused=False) up to 64.
+EP sizes: the forward and the fused backward take up to MAX_EMULATED_RANKS (64) ranks in one launch, at most one per
+persistent CTA (the device's SMs, or num_sms); up to 8 with every rank's kernel parameters in the parameter space,
+above that with them in device memory (the forward: each rank's scratch, ffi/include/mok/moe/forward_params.cuh,
+ManyParams; the backward: each rank's row of its flags scratch, ffi/include/mok/backward/params.cuh,
+ManyLaunchParams). The backward's collectives path (fused=False) takes up to 64 too.
 
 The backward at EP size > 1 is one fused kernel per rank (mok_jax.ops.experts_backward_ep: the token rows and the
 slots' dx rows cross NVLink inside it); its emulation runs every rank in one launch on an emulated workspace, as
@@ -186,8 +187,8 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         raise ValueError("fused=True runs the fused op; experts_fn replaces the op of the collectives path")
     if fused is None:
         fused = experts_fn is None and layer.FUSED_EP_BACKWARD
-    why = (f"the ranks one emulated launch of the fused backward, mok_jax.ops.experts_backward_ep, carries; "
-           f"fused=False takes up to {MAX_EMULATED_RANKS}" if fused else "as the forward's emulation")
+    why = ("the ranks one emulated launch of the fused backward, mok_jax.ops.experts_backward_ep, carries" if fused
+           else "as the forward's emulation")
     x, topk_idx, topk_weight = _check_emulated_args(
         x, topk_idx, topk_weight, weights, ep, EXPERTS_BACKWARD_MAX_EMULATED_RANKS if fused else MAX_EMULATED_RANKS,
         why)

@@ -1,17 +1,19 @@
 """The EP sizes the one-GPU emulation takes (CPU, no GPU needed): the forward up to MAX_EMULATED_RANKS (64) ranks in
-one launch and at most one per persistent CTA; the fused backward up to 8 (its launch parameters hold 8 ranks), its
-collectives path up to 64. Each refusal is a ValueError that names ``ep`` (the GPU side: tests/test_moe_ep64_gpu.py).
+one launch and at most one per persistent CTA, and so does the fused backward (above 8 ranks each rank's kernel
+parameters live in its flags scratch), its collectives path too. Each refusal is a ValueError that names ``ep`` (the
+GPU side: tests/test_moe_ep64_gpu.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 
 import jax.numpy as jnp
 import pytest
 from helpers import layer_shape, random_problem
 
-from mok_jax import emulation
+from mok_jax import _native, emulation
 from mok_jax.backward_types import EXPERTS_BACKWARD_MAX_EMULATED_RANKS
 from mok_jax.config import KernelConfig
 from mok_jax.emulation import MAX_EMULATED_RANKS, emulated_moe, emulated_moe_backward
@@ -26,7 +28,7 @@ def _args(ep: int, per_rank: int = 2, E: int | None = None):
 
 
 def test_the_limits_agree():
-    assert MAX_EMULATED_RANKS == 64 and EXPERTS_BACKWARD_MAX_EMULATED_RANKS == 8
+    assert MAX_EMULATED_RANKS == 64 and EXPERTS_BACKWARD_MAX_EMULATED_RANKS == 64
     op = importlib.import_module("mok_jax.ops.moe_forward")
     assert op._MAX_EMULATED_RANKS == MAX_EMULATED_RANKS  # kMaxEmulatedRanks, the op's check
 
@@ -70,12 +72,11 @@ def test_ep_must_fit_the_devices_sms():
         emulation._check_ep_fits(32, _Gpu(24), 100)  # num_sms above the SM count: every SM
 
 
-def test_fused_backward_stops_at_8_and_its_collectives_path_takes_64():
+def test_fused_backward_and_its_collectives_path_take_up_to_64():
     x, idx, w, W = _args(16)
-    with pytest.raises(ValueError, match=r"^ep must be an int in \[1, 8\] \(the ranks one emulated launch of the fused "
-                                         r"backward, mok_jax.ops.experts_backward_ep, carries; fused=False takes up to "
-                                         r"64\), got 16"):
-        emulated_moe_backward(x, idx, w, W, x, ep=16, fused=True)
+    with pytest.raises(ValueError, match=r"^ep must be an int in \[1, 64\] \(the ranks one emulated launch of the "
+                                         r"fused backward, mok_jax.ops.experts_backward_ep, carries\), got 65"):
+        emulated_moe_backward(x, idx, w, W, x, ep=65, fused=True)
     with pytest.raises(ValueError, match=r"^ep must be an int in \[1, 64\] \(as the forward's emulation\), got 65"):
         emulated_moe_backward(x, idx, w, W, x, ep=65, experts_fn=experts_backward_reference)
     # EP 16 on the collectives path runs (the op's reference per rank), with every expert on its own rank
@@ -91,3 +92,24 @@ def test_the_scratch_holds_the_rank_parameters_above_8_ranks():
     for ep in (1, 2, 8, 16, 64):
         term = layer_memory_per_rank(ep=ep, **kw)["forward.rank_params"]
         assert term == (2560 if ep > 8 else 0), ep
+
+
+@pytest.mark.skipif(_native.library() is None, reason=f"needs libmok_ffi.so: {_native.native_status()}")
+def test_the_backward_flags_rows_hold_the_rank_parameters_above_8_ranks():
+    """The expert-parallel backward's flags scratch per rank (the library's experts_backward_ep_flag_words): the
+    counters' words, the Python formula's, up to 8 ranks; above that a row is a multiple of 16 words (64-byte aligned
+    TMA descriptors) that holds the counters and then the rank's kernel parameters, the same size at every EP."""
+    mb = importlib.import_module("mok_jax.ops.moe_backward")
+    lib = _native.library()
+    native = lambda m, e, r: int(lib.mok_experts_backward_ep_flag_words(m, e, r))  # noqa: E731
+    lib.mok_experts_backward_ep_flag_words.argtypes = [ctypes.c_int64] * 3
+    lib.mok_experts_backward_ep_flag_words.restype = ctypes.c_int64
+    for m, e in ((128, 1), (1152, 4), (4096, 48)):
+        counters = mb._flag_words(m, e)
+        for ranks in (1, 2, 8):
+            assert native(m, e, ranks) == mb._ep_flag_words(m, e, ranks) == counters, (m, e, ranks)
+        params = native(m, e, 9) - -(-counters // 16) * 16
+        assert params > 0 and params % 16 == 0, (m, e, params)
+        for ranks in (9, 16, 64):
+            words = mb._ep_flag_words(m, e, ranks)
+            assert words == native(m, e, ranks) == -(-counters // 16) * 16 + params and words % 16 == 0, (m, e, ranks)

@@ -1,6 +1,7 @@
-"""GPU tests of the emulated forward above 8 ranks (issue 36, item 2): EP 16, 32 and 64 on one GPU, every rank in one
-launch of the kernel's form whose ranks' parameters live in device memory (forward_kernel_many: each rank's
-RankParams in its own scratch, ffi/include/mok/moe/forward_params.cuh).
+"""GPU tests of the emulation above 8 ranks (issue 36, item 2): EP 16, 32 and 64 on one GPU, every rank in one launch
+of the kernels' forms whose ranks' parameters live in device memory (forward_kernel_many: each rank's RankParams in
+its own scratch, ffi/include/mok/moe/forward_params.cuh; experts_backward_kernel_many: each rank's KernelParams in
+its row of the flags scratch, ffi/include/mok/backward/params.cuh).
 
 The combine is per slot (the owners push each slot's expert row and the origin sums w_j row_j over the slots in
 order), so y's bits do not depend on the EP size: each case compares the emulated y at EP 16-64 bit for bit with the
@@ -8,7 +9,9 @@ EP 1 layer (mok_jax.moe, implementation="mok") on the same global inputs, and th
 tests/test_moe_gpu.py's bound. Routing extremes at EP 64: every token to one rank's experts (63 ranks receive
 nothing), a handful of ranks receive everything, ranks and experts that receive nothing, masked slots and a rank
 whose every slot is masked (it sends nothing). Also the data path with identity experts against the numpy oracle,
-FP8 routed experts, and the lab form (skip_rank) at EP 16. Small shapes: each case runs in seconds.
+FP8 routed experts, and the lab form (skip_rank) at EP 16. The fused backward: every gradient at EP 16, 32 and 64
+the bits of jax.grad of the EP 1 layer (that one against the fp32 reference, per row), and the routing extremes at
+EP 64. Small shapes: each case runs in seconds.
 Set MOK_TEST_METRICS=path to append one JSON line of errors per case; MOK_TEST_SEED=<seed> draws a run again.
 """
 
@@ -22,12 +25,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import layer_problem, layer_shape, module_seed, record_metrics
+from helpers import GRAD_NAMES, layer_problem, layer_shape, module_seed, record_metrics
+from test_moe_backward_gpu import _check_layer
 from test_moe_gpu import _check_math
 
 import mok_jax as mj
 from mok_jax.config import KernelConfig
-from mok_jax.emulation import emulated_moe
+from mok_jax.emulation import emulated_moe, emulated_moe_backward
 from mok_jax.reference.comm import moe_identity_numpy
 from mok_jax.workspace import CommTimeoutError, Workspace
 
@@ -141,6 +145,79 @@ def test_routing_extremes_at_ep_64(case):
     if case == "masked":  # a masked slot's weight is ignored, whatever it is
         w_big = jnp.where(idx < 0, 1e30, w)
         _assert_ep_bits("ep64_masked_weights", 64, x, idx, w_big, W, y1)
+
+
+# ----------------------------------------------------------------------------- the fused backward at EP 16, 32, 64
+
+
+def _dy(case: str, x):
+    return jax.random.normal(jax.random.key(zlib.crc32(f"{_SEED}{case}dy".encode())), x.shape).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _grads(x, idx, w, W, dy, config):
+    """(dx, d topk_weight, d weights) of <moe(x), dy> at EP 1."""
+    def loss(x, w, W):
+        return jnp.sum(mj.moe(x, idx, w, W, config=config).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(x, w, W)
+
+
+def _assert_backward_ep_bits(case: str, ep: int, x, idx, w, W, dy, one, exact=GRAD_NAMES):
+    """The fused backward emulated at EP ``ep``: a clean status and the gradients named in ``exact`` bit for bit EP
+    1's (``one``). Without a shared expert that is every one (each slot has one owner; the layouts keep global slot
+    order, so the weight gradients' K order is EP 1's)."""
+    *got, status = emulated_moe_backward(x, idx, w, W, dy, ep=ep, kernel=_CFG, fused=True, return_status=True)
+    status = np.asarray(status)
+    assert status.shape == (ep,) and not status.any(), f"{case} EP {ep}: status {status}"
+    checked = 0
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
+        if name not in exact:
+            continue
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        differ = np.where((a.view(np.uint32) != b.view(np.uint32)).reshape(a.shape[0], -1).any(1))[0]
+        record_metrics(f"{case}_bwd_ep{ep}_{name}", _SEED, rows_differing=int(differ.size))
+        assert differ.size == 0, (f"{case} EP {ep}: {name}: {differ.size} rows differ from EP 1's, first "
+                                  f"{differ[:8].tolist()}")
+        checked += 1
+    assert checked == len([n for n in GRAD_NAMES[:4] if n in exact]), (case, checked)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_backward_bits_at_ep_16_32_64_are_those_of_ep_1(shared):
+    """64 experts (1 per rank at EP 64), k 6, zipf routing with a masked slot: the EP 1 layer's gradients against
+    the fp32 reference, then the fused backward at EP 16, 32 and 64 bit for bit those. With a shared expert its
+    backward runs per rank in XLA (at EP 1: in the op), so dx is checked against the reference instead, and the
+    routed experts' and router weights' gradients still bit for bit."""
+    case = f"ep64bwd_shared{shared}"
+    shape = layer_shape(64, 256, 128, 6, Is=128 if shared else 0)
+    x, idx, w, W = _problem(case, shape, _GLOBAL_TOKENS, "zipf")
+    idx = idx.at[5, 3].set(-1)
+    dy = _dy(case, x)
+    one = _grads(x, idx, w, W, dy, config=_mok())
+    _check_layer(f"{case}_ep1", x, idx, w, W, dy, got=one)
+    exact = ("d topk_weight", "d gate_up", "d down") if shared else GRAD_NAMES
+    for ep in (16, 32, 64):
+        _assert_backward_ep_bits(case, ep, x, idx, w, W, dy, one, exact)
+        if shared and ep == 64:
+            got = emulated_moe_backward(x, idx, w, W, dy, ep=ep, kernel=_CFG, fused=True)
+            _check_layer(f"{case}_ep{ep}", x, idx, w, W, dy, got=got)
+
+
+@pytest.mark.parametrize("case", ["one_rank", "few_ranks", "idle_experts", "masked"])
+def test_backward_routing_extremes_at_ep_64(case):
+    """The routing extremes of the forward's test (each with a shared expert) through the fused backward at EP 64:
+    the routed experts' and router weights' gradients bit for bit EP 1's; dx and the shared expert's gradients (its
+    backward runs per rank in XLA, at EP 1 in the op) against the fp32 reference, per row, as EP 1's are."""
+    x, idx, w, W = _extreme(case)
+    assert W.shared_gate_up is not None
+    dy = _dy(case, x)
+    one = _grads(x, idx, w, W, dy, config=_mok())
+    _check_layer(f"ep64bwd_{case}_ep1", x, idx, w, W, dy, got=one)
+    _assert_backward_ep_bits(f"ep64bwd_{case}", 64, x, idx, w, W, dy, one, ("d topk_weight", "d gate_up", "d down"))
+    got = emulated_moe_backward(x, idx, w, W, dy, ep=64, kernel=_CFG, fused=True)
+    _check_layer(f"ep64bwd_{case}_ep64", x, idx, w, W, dy, got=got)
 
 
 # ----------------------------------------------------------------------------- the data path, FP8, the lab form

@@ -3,6 +3,7 @@
 // entry, the checks and the launch.
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -59,10 +60,27 @@ __device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, u
   publish(p, comm::kBwdDone, epoch);
 }
 
+// An experts_backward_kernel_many launch found its KernelParams in global memory, where upload_rank_params stored
+// them through the generic proxy: each thread that reads a descriptor through the tensormap proxy (the prefetch,
+// the producer's TMA loads; all in warp 0) first acquires it (the CUDA Programming Guide's rule for a tensor map in
+// global memory; that launch released them).
+__device__ void acquire_descriptors(const Operands& o) {
+  auto acquire = [](const void* d) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" : : "l"(d) : "memory");
+  };
+  acquire(o.gu_a.get_tma_descriptor()), acquire(o.gu_b.get_tma_descriptor());
+  acquire(o.dh_a.get_tma_descriptor()), acquire(o.dh_b.get_tma_descriptor());
+  acquire(o.dx_a.get_tma_descriptor()), acquire(o.dx_b.get_tma_descriptor());
+  acquire(o.wd_a.get_tma_descriptor()), acquire(o.wd_b.get_tma_descriptor());
+  acquire(o.wg_a.get_tma_descriptor()), acquire(o.wg_b.get_tma_descriptor());
+  acquire(o.dh_gu.get_tma_descriptor());
+}
+
 // CTA b serves EP rank b % num_ranks (one rank, or every rank of an emulated group). kLab: the lab form, the only
-// one with the code of skip_rank (a fault-injection test), launched only for a call that sets it.
-template <bool kLab>
-__device__ void run(const LaunchParams& P) {
+// one with the code of skip_rank (a fault-injection test), launched only for a call that sets it. Launch:
+// LaunchParams (every rank's KernelParams in the parameter space) or ManyLaunchParams (in global memory).
+template <bool kLab, class Launch>
+__device__ void run(const Launch& P) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
   const int vr = int(blockIdx.x) % P.num_ranks;
@@ -70,10 +88,13 @@ __device__ void run(const LaunchParams& P) {
     if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
   }
   const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks, cta = int(blockIdx.x) / P.num_ranks;
-  const KernelParams& p = P.ranks[vr];
+  const KernelParams& p = rank_params(P, vr);
   const uint64_t epoch = p.ep > 1 ? comm::ld_volatile(&p.view.state()->bwd_epoch) + 1 : 0;
   const int warp = cutlass::canonical_warp_idx_sync();
   const int lane = threadIdx.x % 32;
+  if constexpr (std::is_same_v<Launch, ManyLaunchParams>) {
+    if (warp == 0) acquire_descriptors(p.routed);  // no shared expert at EP > 1: P.shared is never read
+  }
   if (warp == 0 && lane == 0) {
     TileKK::init_stages(s.stages);
     for (int i = 0; i < kWorkSlots; ++i) {
@@ -122,7 +143,42 @@ __global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __g
 #endif
 }
 
+// The same kernel for an emulated call of more than kExpertsBackwardParamRanks ranks (up to
+// kExpertsBackwardMaxRanks): its KernelParams are in global memory (ManyLaunchParams), stored there before it by
+// upload_rank_params. The same two forms.
+template <bool kLab>
+__global__ void __launch_bounds__(kThreads, 1)
+    experts_backward_kernel_many(const __grid_constant__ ManyLaunchParams params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  run<kLab>(params);
+#elif defined(__CUDA_ARCH__)
+  if (threadIdx.x == 0 && blockIdx.x < params.num_ranks)
+    atomicOr(rank_params(params, blockIdx.x).status, gemm::kStatusNoSm90a);
+#endif
+}
+
+constexpr int kUploadThreads = 256;
+
+// Stores up.count KernelParams from this launch's parameter space into their places in global memory, then
+// releases them to the tensormap proxy (params.cuh, RankUpload).
+__global__ void __launch_bounds__(kUploadThreads) upload_rank_params(const __grid_constant__ RankUpload up) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kVecs = int(sizeof(KernelParams) / 16);
+  for (int i = threadIdx.x; i < up.count * kVecs; i += blockDim.x) {
+    const int r = i / kVecs, v = i % kVecs;
+    reinterpret_cast<int4*>(up.dst + r * up.stride)[v] = reinterpret_cast<const int4*>(&up.ranks[r])[v];
+  }
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;" : : : "memory");
+#endif
+}
+
 }  // namespace
+
+int64_t experts_backward_ep_flag_words(int64_t rows, int64_t experts, int64_t ranks) {
+  const int64_t words = experts_backward_flag_words(rows, experts, 0);
+  if (ranks <= kExpertsBackwardParamRanks) return words;
+  return (words + 15) / 16 * 16 + int64_t(sizeof(KernelParams)) / 4;
+}
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   GroupedFfnParams f{p.x_e, p.group_sizes, p.gate_up, p.down, p.dx_e, p.gu, p.status, p.num_rows, p.hidden,
@@ -241,6 +297,43 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
   return cudaMemsetAsync(p.flags, 0, size_t(experts_backward_flag_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream);
 }
 
+// An emulated call of more than kExpertsBackwardParamRanks ranks: each rank's KernelParams go into its row of the
+// flags scratch, past its counters (experts_backward_ep_flag_words; the rows one stride apart, as the handler lays
+// them out), uploaded in launches of kUploadRanks on `stream` before the kernel, which reads them there.
+cudaError_t launch_many(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank, int grid,
+                        cudaStream_t stream) {
+  const ExpertsBackwardParams& p0 = ranks[0];
+  const int64_t at = (experts_backward_flag_words(p0.num_rows, p0.num_experts, 0) + 15) / 16 * 16 * 4;
+  auto* base0 = reinterpret_cast<uint8_t*>(p0.flags) + at;
+  const int64_t stride = reinterpret_cast<uint8_t*>(ranks[1].flags) - reinterpret_cast<uint8_t*>(p0.flags);
+  if (stride < at + int64_t(sizeof(KernelParams)) || stride % 64 || reinterpret_cast<uintptr_t>(base0) % 64)
+    return cudaErrorInvalidValue;  // the copies' TMA descriptors must be 64-byte aligned
+  for (int r = 0; r < num_ranks; ++r)
+    if (reinterpret_cast<uint8_t*>(ranks[r].flags) + at != base0 + r * stride ||
+        ranks[r].num_rows != p0.num_rows || ranks[r].num_experts != p0.num_experts)
+      return cudaErrorInvalidValue;
+  Operands unused{};  // fill_rank sets the shared expert's descriptors only with one (never at EP > 1)
+  RankUpload up{};    // tens of KB, like LaunchParams
+  up.stride = stride;
+  for (int r0 = 0; r0 < num_ranks; r0 += kUploadRanks) {
+    up.count = std::min(kUploadRanks, num_ranks - r0);
+    up.dst = base0 + r0 * stride;
+    for (int i = 0; i < up.count; ++i) {
+      const int r = r0 + i;
+      MOK_CUDA_RETURN_IF_ERROR(fill_rank(ranks[r], (grid - r + num_ranks - 1) / num_ranks, up.ranks[i], &unused,
+                                         stream));
+    }
+    MOK_CUDA_RETURN_IF_ERROR(launch_sm90a(&upload_rank_params, 1, kUploadThreads, 0, stream, up));
+  }
+  ManyLaunchParams mp{};
+  mp.num_ranks = num_ranks;
+  mp.skip_rank = skip_rank;
+  mp.rank_params = base0;
+  mp.rank_stride = stride;
+  return launch_sm90a(skip_rank >= 0 ? &experts_backward_kernel_many<true> : &experts_backward_kernel_many<false>,
+                      grid, kThreads, kSmemBytes, stream, mp);
+}
+
 }  // namespace
 
 cudaError_t launch_experts_backward_ranks(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank,
@@ -268,6 +361,7 @@ cudaError_t launch_experts_backward_ranks(const ExpertsBackwardParams* ranks, in
   int grid = 0;
   MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p0.num_sms, &grid));
   if (grid < num_ranks) return cudaErrorInvalidValue;  // every rank needs a CTA
+  if (num_ranks > kExpertsBackwardParamRanks) return launch_many(ranks, num_ranks, skip_rank, grid, stream);
   LaunchParams lp{};  // about 16 KB with 8 ranks: the launch copies it into the kernel's parameter space
   lp.num_ranks = num_ranks;
   lp.skip_rank = skip_rank;

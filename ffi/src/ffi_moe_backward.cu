@@ -8,7 +8,7 @@
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: bf16[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
-//      flags: s32[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4] (time words,
+//      flags: s32[60 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4] (time words,
 //      dependency counters; zeroed by the launcher)
 //   attrs: {num_sms: s32, 0 = all SMs}
 //
@@ -19,7 +19,8 @@
 //   group_sizes: s32[R, L], gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H], gu_in: bf16[R, M | 0, 2I],
 //   gu_part: bf16[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
 //   -> dx: f32[R, T, H], dw: f32[R, T, k], d_gate_up, d_down (as gate_up, down), status: s32[R], then the scratch
-//      of the EP-1 op with a leading R (x_e .. dw_e, flags)
+//      of the EP-1 op with a leading R (x_e .. dw_e), and flags: s32[R, mok_experts_backward_ep_flag_words(M, L, R)]
+//      (above 8 ranks each row also holds its rank's kernel parameters)
 //   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1; a
 //   fault-injection test mode: >= 0 in an emulated call runs the kernel's lab form, the only one with its code)}
 #include <vector>
@@ -318,7 +319,9 @@ ffi::Error experts_backward_ep_impl(
     return invalid(kOp, "x carries " + std::to_string(R) + " ranks but workspace " + std::to_string(attrs.ws_id) +
                             " has " + std::to_string(views.size()) + " on this device");
   if (R != 1 && R != ws.ep) return invalid(kOp, "an emulated call must carry every EP rank");
-  if (R > mok::kExpertsBackwardMaxRanks) return invalid(kOp, "an emulated call carries at most 8 ranks");
+  if (R > mok::kExpertsBackwardMaxRanks)
+    return invalid(kOp, "an emulated call carries at most " + std::to_string(mok::kExpertsBackwardMaxRanks) +
+                            " ranks");
   if (topk_idx.dimensions().size() != 3 || topk_idx.dimensions()[0] != R || topk_idx.dimensions()[1] != t)
     return invalid(kOp, "topk_idx must be [ranks, T, k], got " + dims_str(topk_idx.dimensions()));
   const int64_t k = topk_idx.dimensions()[2], n = t * ws.ep;
@@ -331,7 +334,7 @@ ffi::Error experts_backward_ep_impl(
   const int64_t m = src_slot.dimensions()[1], e = group_sizes.dimensions()[1], inter = gate_up.dimensions()[3] / 2;
   const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
   const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
-  const int64_t words = mok::experts_backward_flag_words(m, e, 0);
+  const int64_t words = mok::experts_backward_ep_flag_words(m, e, R);
   const Want checks[] = {
       {"dy", dy.dimensions(), {R, t, hidden}, "[ranks, T, H]"},
       {"topk_weight", topk_weight.dimensions(), {R, n, k}, "[ranks, ep T, k]"},
@@ -351,7 +354,7 @@ ffi::Error experts_backward_ep_impl(
       {"dw_part", dw_part->dimensions(), {R, m, n_blocks}, "[ranks, M, ceil(I / 256)]"},
       {"dx_e", dx_e->dimensions(), {R, m, hidden}, "[ranks, M, H]"},
       {"dw_e", dw_e->dimensions(), {R, m}, "[ranks, M]"},
-      {"flags", flags->dimensions(), {R, words}, "[ranks, experts_backward_flag_words(M, L, 0)]"},
+      {"flags", flags->dimensions(), {R, words}, "[ranks, experts_backward_ep_flag_words(M, L, ranks)]"},
   };
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
@@ -432,3 +435,10 @@ MOK_FFI_HANDLER(MokExpertsBackwardEp, experts_backward_ep_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>()  // d_gate_up
                     .Ret<ffi::Buffer<ffi::BF16>>()  // d_down
                     .Ret<ffi::Buffer<ffi::S32>>())); // status, then the scratch
+
+// The words of one rank's flags row of mok_experts_backward_ep (mok/experts_backward.cuh), for the Python side.
+extern "C" __attribute__((visibility("default"))) int64_t mok_experts_backward_ep_flag_words(int64_t rows,
+                                                                                            int64_t experts,
+                                                                                            int64_t ranks) {
+  return mok::experts_backward_ep_flag_words(rows, experts, ranks);
+}

@@ -23,16 +23,20 @@ gus, dgus, hws, dxs (their rows: T with a shared expert, else none).
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mok_jax._native import library as native_library
 from mok_jax._native import require_native
 from mok_jax.backward_types import (  # noqa: F401  (re-exported: the op's contract, shared with its reference)
     EXPERTS_BACKWARD_GROUP_ALIGN,
     EXPERTS_BACKWARD_MAX_EMULATED_RANKS,
     EXPERTS_BACKWARD_MAX_EXPERTS,
     EXPERTS_BACKWARD_MAX_TOP_K,
+    EXPERTS_BACKWARD_PARAM_RANKS,
     EXPERTS_BACKWARD_STATUS_COMM,
     EXPERTS_BACKWARD_STATUS_NEGATIVE_GROUP,
     EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW,
@@ -70,6 +74,20 @@ def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
     blocks = lambda n: -(-n // EXPERTS_BACKWARD_GROUP_ALIGN)  # noqa: E731
     words = _TIME_WORDS + 4 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 5
     return -(-words // 4) * 4  # a multiple of 4: each emulated rank's u64 time words stay 8-byte aligned
+
+
+def _ep_flag_words(rows: int, experts: int, ranks: int) -> int:
+    """s32 words of one rank's row of the expert-parallel op's flags (experts_backward_ep_flag_words in
+    experts_backward.cuh): ``_flag_words``, and in an emulated call of more than EXPERTS_BACKWARD_PARAM_RANKS ranks,
+    from the next multiple of 16 words, the rank's kernel parameters, whose size the native library gives."""
+    if ranks <= EXPERTS_BACKWARD_PARAM_RANKS:
+        return _flag_words(rows, experts)
+    lib = native_library()
+    if lib is None:
+        require_native("mok_jax.ops.experts_backward_ep")  # raises, naming why the library is missing
+    fn = lib.mok_experts_backward_ep_flag_words
+    fn.argtypes, fn.restype = [ctypes.c_int64] * 3, ctypes.c_int64
+    return int(fn(rows, experts, ranks))
 
 
 def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple = ()) -> tuple:
@@ -327,7 +345,7 @@ def experts_backward_ep(
         jax.ShapeDtypeStruct((R, L, H, 2 * inter), bf16),  # d_gate_up
         jax.ShapeDtypeStruct((R, L, inter, H), bf16),  # d_down
         jax.ShapeDtypeStruct((R,), jnp.int32),  # status
-        *_row_scratch(m, H, inter, _flag_words(m, L), lead=(R,)),
+        *_row_scratch(m, H, inter, _ep_flag_words(m, L, R), lead=(R,)),
     )
     # has_side_effect: the call talks to the peers through the workspace (as the comm ops and the forward)
     dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(

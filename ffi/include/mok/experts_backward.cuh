@@ -96,7 +96,8 @@ namespace mok {
 
 constexpr int32_t kExpertsBackwardStatusUnpadded = 4;
 constexpr int32_t kExpertsBackwardStatusComm = 8;  // expert parallel: a wait for a peer failed (workspace poisoned)
-constexpr int kExpertsBackwardMaxRanks = 8;        // ranks one emulated call carries (kernel-parameter budget)
+constexpr int kExpertsBackwardParamRanks = 8;   // ranks whose kernel parameters one launch's parameter space holds
+constexpr int kExpertsBackwardMaxRanks = 64;    // ranks one emulated call carries (above 8: experts_backward_ep_flag_words)
 constexpr int kExpertsBackwardRowBlock = 128;  // group sizes are multiples of this
 
 struct ExpertsBackwardParams {
@@ -168,6 +169,13 @@ constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int
                (shared_rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock) +
           2 * (experts + 1) + 5 + 3) / 4 * 4;
 }
+
+// One rank's flags scratch in a call of `ranks` ranks (the expert-parallel op; 1, or every rank of an emulated
+// group), in words: experts_backward_flag_words(rows, experts, 0), and in an emulated call of more than
+// kExpertsBackwardParamRanks ranks, from the next multiple of 16 words, the rank's kernel parameters (the launch
+// reads them there: experts_backward.cu, experts_backward_kernel_many; their TMA descriptors need 64 bytes of
+// alignment, so such a row is a multiple of 16 words too). mok_jax/ops/moe_backward.py asks the library for it.
+int64_t experts_backward_ep_flag_words(int64_t rows, int64_t experts, int64_t ranks);
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& params, cudaStream_t stream);

@@ -1,7 +1,8 @@
 // mok backward: the backward megakernel's types and constants (mok/experts_backward.cuh says what it computes).
 // The tiles of its five GEMMs, the CTA's roles and budgets (threads, setmaxnreg, blocking, the work ring), the
 // kinds of work item in their list's order, the TMA descriptors over one set of rows (Operands, and the host's
-// make_operands) and the kernel's parameters: one EP rank's (KernelParams) and the launch's (LaunchParams).
+// make_operands) and the kernel's parameters: one EP rank's (KernelParams) and the launch's (LaunchParams, or
+// ManyLaunchParams for an emulated call of more ranks than the parameter space holds).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
 #pragma once
 
@@ -143,9 +144,37 @@ struct KernelParams {  // one EP rank's
 struct LaunchParams {
   Operands shared;  // the shared expert's (EP 1 only), set when it has rows
   int32_t num_ranks, skip_rank;  // skip_rank: read by the lab form only (experts_backward_kernel<true>)
-  KernelParams ranks[kExpertsBackwardMaxRanks];
+  KernelParams ranks[kExpertsBackwardParamRanks];
 };
 static_assert(sizeof(LaunchParams) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
+static_assert(sizeof(KernelParams) % 64 == 0 && alignof(KernelParams) >= 64, "16-byte copies; 64-byte aligned tensormaps");
+
+// The launch of an emulated call of more than kExpertsBackwardParamRanks ranks (experts_backward_kernel_many): each
+// rank's KernelParams live in device memory, in its row of the flags scratch (experts_backward_ep_flag_words), where
+// upload_rank_params stored them before the launch. Such a call is expert parallel: no shared expert in the op.
+struct ManyLaunchParams {
+  Operands shared;  // unused (zeros): the run's code is LaunchParams'
+  int32_t num_ranks, skip_rank;
+  const uint8_t* rank_params;  // rank 0's KernelParams, 64-byte aligned
+  int64_t rank_stride;         // bytes from one rank's KernelParams to the next's
+};
+
+__device__ __forceinline__ const KernelParams& rank_params(const LaunchParams& P, int r) { return P.ranks[r]; }
+__device__ __forceinline__ const KernelParams& rank_params(const ManyLaunchParams& P, int r) {
+  return *reinterpret_cast<const KernelParams*>(P.rank_params + int64_t(r) * P.rank_stride);
+}
+
+// The launch that stores the KernelParams of an experts_backward_kernel_many launch: up to kUploadRanks of them in
+// its own parameter space (by value, so a CUDA graph that records the call holds them), stored with the generic proxy
+// and released to the tensormap proxy (the kernel's warp 0 acquires each descriptor before it uses it).
+constexpr int kUploadRanks = int(30000 / sizeof(KernelParams));
+struct RankUpload {
+  KernelParams ranks[kUploadRanks];
+  uint8_t* dst;    // where ranks[0] goes
+  int64_t stride;  // bytes from one rank's copy to the next's
+  int32_t count;   // KernelParams in this launch, <= kUploadRanks
+};
+static_assert(kUploadRanks >= 1 && sizeof(RankUpload) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
 
 }  // namespace
 }  // namespace mok
