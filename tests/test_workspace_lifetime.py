@@ -321,36 +321,61 @@ def test_create_other_failure_is_a_comm_error(fake):
     assert fake.names() == ["alloc", "release", "free"]
 
 
+class FakeStore:
+    """jax.distributed's key-value store, within this process: keys are set once, a missing key's get fails as the
+    store's does at its deadline."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+        self.deleted: list[str] = []
+
+    def key_value_set(self, key, value):
+        if key in self.values:
+            raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        if key not in self.values:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+        return self.values[key]
+
+    def key_value_delete(self, key):
+        self.deleted.append(key)
+        self.values.pop(key, None)
+
+
 def _fake_processes(monkeypatch, peer_failed: bool, agreed_id: int):
-    """This process is 0 of 2; the peer (process 1) holds EP rank 1, its handle bytes all 9."""
+    """This process is 0 of 2; the peer (process 1) holds EP rank 1, its handle bytes all 9 (its record is in the
+    store before this process publishes)."""
+    import json
+
     from jax.experimental import multihost_utils
 
-
+    from mok_jax.workspace import CommConfig, exchange
 
     barriers = []
+    store = FakeStore()
     monkeypatch.setattr(wcore, "_agreed_id", lambda ws_id: agreed_id)
-
-    def allgather(tree):
-        handles, present, failed = tree
-        peer_handles = np.zeros_like(handles)
-        peer_handles[0, 1] = 9
-        peer_present = np.zeros_like(present)
-        peer_present[0, 1] = 1
-        return (np.stack([handles, peer_handles]), np.stack([present, peer_present]),
-                np.asarray([failed, np.int32(peer_failed)]))
-
-    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    monkeypatch.setattr(exchange, "_client", lambda: store)
+    config = CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=2, num_experts=4)
+    record = {"fingerprint": wcore._fingerprint(config, (1, 2), FakeLib.HANDLE_BYTES),
+              "failure": "cudaMalloc failed there" if peer_failed else "",
+              "ranks": {} if peer_failed else {"0,1": bytes([9] * FakeLib.HANDLE_BYTES).hex()}}
+    store.key_value_set(exchange.key(agreed_id, 1), json.dumps(record))
     monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
-    return barriers
+    return barriers, store
 
 
 def test_create_spanning_processes_agrees_on_id_and_exchanges_handles(fake, monkeypatch):
     agreed = (12345 << 24) | 7
-    barriers = _fake_processes(monkeypatch, peer_failed=False, agreed_id=agreed)
+    barriers, store = _fake_processes(monkeypatch, peer_failed=False, agreed_id=agreed)
     ws = _create(FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)]))
     assert ws.id == agreed and ws.spans_processes
     assert fake.calls == [("alloc", agreed, 0, 0, 1), ("connect", agreed, 0, (1, 9))]
     assert barriers == [f"mok_comm_workspace_{agreed}_connected"]
+    from mok_jax.workspace import exchange
+
+    assert store.deleted == [exchange.key(agreed, 0)]  # its record, once every process has read it
     ws.close()
     assert barriers[-1] == f"mok_comm_workspace_{agreed}_released" and fake.names()[-2:] == ["release", "free"]
 
@@ -359,8 +384,9 @@ def test_create_spanning_processes_raises_when_a_peer_failed(fake, monkeypatch):
     """A process whose allocation failed still joins the exchange, so its peers raise instead of waiting."""
     from mok_jax.workspace import CommError
 
-    barriers = _fake_processes(monkeypatch, peer_failed=True, agreed_id=(7 << 24) | 1)
-    with pytest.raises(CommError, match=r"process\(es\) \[1\] could not allocate their EP ranks"):
+    barriers, _ = _fake_processes(monkeypatch, peer_failed=True, agreed_id=(7 << 24) | 1)
+    with pytest.raises(CommError, match=r"process\(es\) \[1\] could not allocate their EP ranks \(process 1: "
+                                        r"cudaMalloc failed there\)"):
         _create(FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)]))
     assert fake.names() == ["alloc", "release", "free"] and barriers == []
 

@@ -6,8 +6,9 @@ device-side epoch counters and a poison word. Each rank gets a device table of i
 addresses. Two backends sit behind the same interface:
 
 * one process driving every GPU of the EP group: per-device ``cudaMalloc`` + peer access;
-* one process per GPU (``jax.distributed``): CUDA IPC handles, exchanged between processes with
-  ``jax.experimental.multihost_utils.process_allgather``.
+* one process per GPU (``jax.distributed``): CUDA IPC handles, exchanged between processes through
+  ``jax.distributed``'s key-value store (``exchange``: bounded by a deadline; a process that never publishes, that
+  made its ranks with another shape or that failed to allocate is named in a CommError at set-up).
 
 EP rank = position along the mesh's ``axis_name`` axis; with other mesh axes there are several EP
 groups, each with its own peer table (one workspace covers them all).
@@ -62,7 +63,8 @@ could hang; the CUDA driver reclaims the memory and IPC mappings with the proces
 is never destroyed, so an XLA thread still running a handler then finds valid state.
 
 The package's modules: ``core`` (CommConfig, the ids, Workspace), ``cache`` (the layer's own workspaces),
-``errors`` (the exceptions) and ``native`` (the library's workspace functions).
+``errors`` (the exceptions), ``exchange`` (the handles between processes) and ``native`` (the library's workspace
+functions).
 """
 
 from mok_jax.workspace.cache import (cached_workspaces, close_cached_workspaces, emulated_workspace, local_workspace,

@@ -16,6 +16,7 @@ import numpy as np
 
 from mok_jax import _native
 from mok_jax.config import KernelConfig, _require
+from mok_jax.workspace import exchange
 from mok_jax.workspace.errors import (_ALLOC_OUT_OF_MEMORY, _TIMEOUT_CODES, CommError, CommTimeoutError,
                                       InvalidRoutingError, WorkspaceMemoryError, _out_of_memory_message)
 from mok_jax.workspace.native import _declare, _lib, describe_error
@@ -175,6 +176,13 @@ def _agreed_id(ws_id: int) -> int:
     return int.from_bytes(theirs.tobytes(), "little")
 
 
+def _fingerprint(config: CommConfig, groups_shape: tuple, handle_bytes: int) -> str:
+    """What every process of a workspace must agree on, as the handle exchange compares it."""
+    return (f"ep={config.ep} groups={groups_shape[0]} max_tokens={config.max_tokens} "
+            f"hidden_size={config.hidden_size} top_k={config.top_k} num_experts={config.num_experts} "
+            f"timeout_s={config.timeout_s:g} handle_bytes={handle_bytes}")
+
+
 def _spans_processes(devices) -> bool:
     """Whether some of ``devices`` belong to another process (then set-up and teardown are collective)."""
     me = jax.process_index()
@@ -254,7 +262,6 @@ class Workspace:
         ws_id = _agreed_id(_new_id()) if multi else _new_id()
         hbytes = int(lib.mok_comm_ipc_handle_bytes())
         handles = np.zeros((*groups.shape, hbytes), np.uint8)
-        present = np.zeros(groups.shape, np.int32)
         local: list[_LocalRank] = []
         err = ctypes.create_string_buffer(1024)
         try:
@@ -277,28 +284,20 @@ class Workspace:
                             raise CommError(f"{where}: {err.value.decode()}")
                         local.append(lr)
                         handles[g, r] = out
-                        present[g, r] = 1
             except CommError as e:
                 failure = e
             if multi:
-                from jax.experimental import multihost_utils
-
-                # Every process joins the exchange, also one whose allocation failed: its peers then raise
-                # instead of waiting for it forever.
-                all_handles, all_present, all_failed = multihost_utils.process_allgather(
-                    (handles, present, np.int32(failure is not None)))
-                failed = [int(i) for i in np.flatnonzero(np.asarray(all_failed))]
-                if failure is None and failed:
-                    failure = CommError(f"Workspace.create: process(es) {failed} could not allocate their EP ranks "
-                                        f"(their own error says why); no rank was connected")
-                if failure is None:
-                    all_present = np.asarray(all_present)
-                    all_handles = np.asarray(all_handles)
-                    owner = np.argmax(all_present, axis=0)  # [G, ep]: the process that holds each rank
-                    if not np.all(all_present.sum(axis=0) == 1):
-                        raise CommError("Workspace.create: every EP rank must be held by exactly one process")
-                    g_idx, r_idx = np.indices(groups.shape)
-                    handles = np.ascontiguousarray(all_handles[owner, g_idx, r_idx])
+                # Every process publishes its record, also one whose allocation failed: its peers then raise
+                # instead of waiting for it; one that never publishes is named after the exchange's deadline.
+                theirs = exchange.exchange_handles(
+                    ws_id, process=me, processes=sorted({d.process_index for d in groups.flat}),
+                    fingerprint=_fingerprint(config, groups.shape, hbytes),
+                    handles={(lr.group, lr.rank): handles[lr.group, lr.rank].tobytes() for lr in local},
+                    failure=None if failure is None else str(failure),
+                    ranks=[(g, r) for g in range(groups.shape[0]) for r in range(groups.shape[1])],
+                    timeout_s=max(config.timeout_s, exchange.EXCHANGE_TIMEOUT_S))
+                for (g, r), h in theirs.items():
+                    handles[g, r] = np.frombuffer(h, np.uint8)
             if failure is not None:
                 raise failure
             for lr in local:
@@ -311,6 +310,7 @@ class Workspace:
                 from jax.experimental import multihost_utils
 
                 multihost_utils.sync_global_devices(f"mok_comm_workspace_{ws_id}_connected")
+                exchange.forget(ws_id, me)  # every process has read it
         except BaseException:
             lib.mok_comm_release_peers(ws_id)
             lib.mok_comm_free(ws_id)
