@@ -35,12 +35,7 @@ constexpr int kUploadThreads = 256;
 // releases them to the tensormap proxy (forward_params.cuh, RankUpload).
 __global__ void __launch_bounds__(kUploadThreads) upload_rank_params(const __grid_constant__ RankUpload up) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kVecs = int(sizeof(RankParams) / 16);
-  for (int i = threadIdx.x; i < up.count * kVecs; i += blockDim.x) {
-    const int r = i / kVecs, v = i % kVecs;
-    reinterpret_cast<int4*>(up.dst + r * up.stride)[v] = reinterpret_cast<const int4*>(&up.ranks[r])[v];
-  }
-  asm volatile("fence.proxy.tensormap::generic.release.gpu;" : : : "memory");
+  store_rank_params(up);
 #endif
 }
 

@@ -35,4 +35,28 @@ cudaError_t launch_sm90a(void (*kernel)(Params), int grid, int threads, int smem
   return cudaGetLastError();
 }
 
+// Kernel parameters of more ranks than one launch's parameter space holds (an emulated group of more than 8): a
+// launch of one CTA carries up to N ranks' parameters T by value (so a CUDA graph that records the call holds them;
+// a copy from host memory would be read again at every replay), and store_rank_params puts them into device memory,
+// rank i's at dst + i stride, then releases them to the tensormap proxy: their TMA descriptors are read through it,
+// by a kernel that acquires each one first.
+template <class T, int N>
+struct ParamUpload {
+  T ranks[N];
+  uint8_t* dst;    // where ranks[0] goes
+  int64_t stride;  // bytes from one rank's copy to the next's
+  int32_t count;   // ranks in this launch, <= N
+};
+
+template <class T, int N>
+__device__ __forceinline__ void store_rank_params(const ParamUpload<T, N>& up) {
+  static_assert(sizeof(T) % 16 == 0, "16-byte copies");
+  constexpr int kVecs = int(sizeof(T) / 16);
+  for (int i = threadIdx.x; i < up.count * kVecs; i += blockDim.x) {
+    const int r = i / kVecs, v = i % kVecs;
+    reinterpret_cast<int4*>(up.dst + r * up.stride)[v] = reinterpret_cast<const int4*>(&up.ranks[r])[v];
+  }
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;" : : : "memory");
+}
+
 }  // namespace mok

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "mok/comm/workspace.cuh"
+#include "mok/common.cuh"
 #include "mok/experts_backward.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 #include "mok/gemm/sm90_weight_grad.cuh"
@@ -168,12 +169,7 @@ __device__ __forceinline__ const KernelParams& rank_params(const ManyLaunchParam
 // its own parameter space (by value, so a CUDA graph that records the call holds them), stored with the generic proxy
 // and released to the tensormap proxy (the kernel's warp 0 acquires each descriptor before it uses it).
 constexpr int kUploadRanks = int(30000 / sizeof(KernelParams));
-struct RankUpload {
-  KernelParams ranks[kUploadRanks];
-  uint8_t* dst;    // where ranks[0] goes
-  int64_t stride;  // bytes from one rank's copy to the next's
-  int32_t count;   // KernelParams in this launch, <= kUploadRanks
-};
+using RankUpload = ParamUpload<KernelParams, kUploadRanks>;  // mok/common.cuh
 static_assert(kUploadRanks >= 1 && sizeof(RankUpload) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "mok/comm/workspace.cuh"
+#include "mok/common.cuh"
 #include "mok/gemm/sm90_fp8_tile.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 #include "mok/moe/forward.cuh"
@@ -129,12 +130,7 @@ __device__ __forceinline__ const RankParams& rank_params(const ManyParams& P, in
 // read again, from a freed buffer, at every replay), and it stores them with the generic proxy, then releases them to
 // the tensormap proxy (the forward kernel acquires each descriptor before it uses it: acquire_descriptors).
 constexpr int kUploadRanks = 12;
-struct RankUpload {
-  RankParams ranks[kUploadRanks];
-  uint8_t* dst;    // where ranks[0] goes
-  int64_t stride;  // bytes from one rank's copy to the next's
-  int32_t count;   // RankParams in this launch, <= kUploadRanks
-};
+using RankUpload = ParamUpload<RankParams, kUploadRanks>;  // mok/common.cuh
 static_assert(sizeof(RankUpload) <= 32764, "kernel parameters (CUDA 12.1+ limit)");
 static_assert(sizeof(RankParams) % 16 == 0 && alignof(RankParams) >= 64, "16-byte copies; 64-byte aligned tensormaps");
 
