@@ -5,12 +5,14 @@ exchange and its failure cases run in CI).
 Cases, each a workspace id of its own in the same pair of processes: both publish and each gets every rank's
 handle; one never publishes and the other names it after the deadline (bounded: no hang); the two created their
 ranks with different shapes and each names the other's; one failed to allocate and the other raises its reason at
-once; a rank held by two processes; a rank held by none.
+once; a rank held by two processes; a rank held by none. And the rest of a set-up: the processes agree on the lowest
+one's id, or name it when it never publishes; a barrier one process never reaches is an error after the deadline.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -51,22 +53,45 @@ cases = {
     "twice": lambda: run(105, handles={(0, 0): b"x" * 8} if pid == 1 else None),
     "none": lambda: run(106, handles={} if pid == 1 else None),
 }
+def agree(procs_publish):
+    t0 = time.monotonic()
+    try:
+        if pid not in procs_publish and pid == 0:
+            return "skipped"
+        return {"ok": exchange.agree_id(1000 + pid, process=pid, processes=[0, 1], timeout_s=deadline),
+                "s": time.monotonic() - t0}
+    except CommError as e:
+        return {"error": str(e), "s": time.monotonic() - t0}
+
+def meet(arrive):
+    t0 = time.monotonic()
+    if not arrive:
+        return "skipped"
+    try:
+        exchange.barrier("mok_test_exchange_lonely", processes=[0, 1], timeout_s=deadline)
+        return {"ok": True, "s": time.monotonic() - t0}
+    except CommError as e:
+        return {"error": str(e), "s": time.monotonic() - t0}
+
+cases["agree"] = lambda: agree({0, 1})
+cases["noid"] = lambda: agree({1})  # process 0 never publishes the id
 out = {}
 for name, case in cases.items():  # one case at a time: a barrier after each
     out[name] = case()
     distributed.global_state.client.wait_at_barrier(f"mok_test_exchange_{name}", 60_000)
+out["lonely"] = meet(pid == 0)  # process 1 never comes (last: a failed barrier may end the job's barriers)
 print("RESULT", json.dumps(out), flush=True)
-jax.distributed.shutdown()
+time.sleep(deadline + 1)  # process 0 hosts the store: it outlives process 1's reads
+import os
+os._exit(0)
 """
 
 
 @pytest.fixture(scope="module")
 def results():
     port = free_port()
-    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    import os
-
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **env}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(REPO)}
     runs = run_processes([[sys.executable, "-c", _WORKER, str(i), str(port), str(DEADLINE_S)] for i in range(2)],
                          env=env, cwd=REPO, timeout=SUBPROCESS_TIMEOUT_S)
     out = []
@@ -85,7 +110,7 @@ def test_a_process_that_never_publishes_is_named_after_the_deadline(results):
     got = results[0]["silent"]
     assert "error" in got, got
     assert got["error"].startswith("Workspace.create (workspace 102): process(es) [1] did not publish their EP "
-                                   "ranks' handles within 3 s (timeout_s)"), got["error"]
+                                   "ranks' handles within 3 s: "), got["error"]
     assert "No rank was connected" in got["error"]
     assert DEADLINE_S - 0.5 <= got["s"] <= DEADLINE_S + 30, got["s"]  # bounded by the deadline: no hang
 
@@ -100,8 +125,8 @@ def test_different_shapes_are_named_on_both_sides(results):
 def test_a_failed_allocation_is_raised_by_its_peer_at_once(results):
     assert results[1]["failed"]["ok"] == {}  # the failed process only publishes; its caller raises its own error
     msg = results[0]["failed"]["error"]
-    assert msg == ("Workspace.create (workspace 104): process(es) [1] could not allocate their EP ranks (process 1: "
-                   "cudaMalloc: out of memory); no rank was connected"), msg
+    assert msg == ("Workspace.create (workspace 104): process 1 could not allocate its EP ranks (cudaMalloc: out of "
+                   "memory); no rank was connected"), msg
     assert results[0]["failed"]["s"] < DEADLINE_S, "the peer's failure is read at once, not at the deadline"
 
 
@@ -110,3 +135,20 @@ def test_every_rank_is_held_by_exactly_one_process(results, case, where):
     for pid in (0, 1):
         msg = results[pid][case]["error"]
         assert "every EP rank must be held by exactly one process" in msg and where in msg, msg
+
+
+def test_the_processes_agree_on_the_lowest_ones_id(results):
+    assert results[0]["agree"]["ok"] == results[1]["agree"]["ok"] == 1000
+
+
+def test_an_id_never_published_is_named_after_the_deadline(results):
+    msg = results[1]["noid"]["error"]
+    assert msg.startswith("Workspace.create: process 0 did not start workspace number 1 of processes [0, 1] within "
+                          "3 s"), msg
+    assert DEADLINE_S - 0.5 <= results[1]["noid"]["s"] <= DEADLINE_S + 30
+
+
+def test_a_barrier_a_process_never_reaches_is_an_error_not_a_hang(results):
+    got = results[0]["lonely"]
+    assert "error" in got and "not every process of [0, 1] reached 'mok_test_exchange_lonely' within 3 s" in got["error"]
+    assert got["s"] <= DEADLINE_S + 30

@@ -328,6 +328,7 @@ class FakeStore:
     def __init__(self):
         self.values: dict[str, str] = {}
         self.deleted: list[str] = []
+        self.barriers: list[tuple] = []
 
     def key_value_set(self, key, value):
         if key in self.values:
@@ -343,10 +344,14 @@ class FakeStore:
         self.deleted.append(key)
         self.values.pop(key, None)
 
+    def wait_at_barrier(self, name, timeout_in_ms, process_ids=None):
+        self.barriers.append((name, tuple(process_ids or ())))
 
-def _fake_processes(monkeypatch, peer_failed: bool, agreed_id: int):
-    """This process is 0 of 2; the peer (process 1) holds EP rank 1, its handle bytes all 9 (its record is in the
-    store before this process publishes)."""
+
+def _fake_processes(monkeypatch, peer: str, agreed_id: int):
+    """This process is 0 of 2; the peer (process 1) holds EP rank 1. ``peer``: "ok" (its record, handle bytes all 9,
+    is in the store before this process publishes), "failed" (its record says its allocation failed) or "missing"
+    (it never publishes). Returns (the close barriers, the store)."""
     import json
 
     from jax.experimental import multihost_utils
@@ -355,40 +360,71 @@ def _fake_processes(monkeypatch, peer_failed: bool, agreed_id: int):
 
     barriers = []
     store = FakeStore()
-    monkeypatch.setattr(wcore, "_agreed_id", lambda ws_id: agreed_id)
+    monkeypatch.setattr(wcore, "_agreed_id", lambda ws_id, *args: agreed_id)
     monkeypatch.setattr(exchange, "_client", lambda: store)
     config = CommConfig(ep=2, max_tokens=64, hidden_size=64, top_k=2, num_experts=4)
-    record = {"fingerprint": wcore._fingerprint(config, (1, 2), FakeLib.HANDLE_BYTES),
-              "failure": "cudaMalloc failed there" if peer_failed else "",
-              "ranks": {} if peer_failed else {"0,1": bytes([9] * FakeLib.HANDLE_BYTES).hex()}}
-    store.key_value_set(exchange.key(agreed_id, 1), json.dumps(record))
+    if peer != "missing":
+        record = {"fingerprint": wcore._fingerprint(config, (1, 2), FakeLib.HANDLE_BYTES),
+                  "failure": "cudaMalloc failed there" if peer == "failed" else "",
+                  "ranks": {} if peer == "failed" else {"0,1": bytes([9] * FakeLib.HANDLE_BYTES).hex()}}
+        store.key_value_set(exchange.key(agreed_id, 1), json.dumps(record))
     monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
     return barriers, store
 
 
+_SPANNING = FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)])
+
+
 def test_create_spanning_processes_agrees_on_id_and_exchanges_handles(fake, monkeypatch):
-    agreed = (12345 << 24) | 7
-    barriers, store = _fake_processes(monkeypatch, peer_failed=False, agreed_id=agreed)
-    ws = _create(FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)]))
-    assert ws.id == agreed and ws.spans_processes
-    assert fake.calls == [("alloc", agreed, 0, 0, 1), ("connect", agreed, 0, (1, 9))]
-    assert barriers == [f"mok_comm_workspace_{agreed}_connected"]
     from mok_jax.workspace import exchange
 
+    agreed = (12345 << 24) | 7
+    barriers, store = _fake_processes(monkeypatch, "ok", agreed_id=agreed)
+    ws = _create(_SPANNING)
+    assert ws.id == agreed and ws.spans_processes
+    assert fake.calls == [("alloc", agreed, 0, 0, 1), ("connect", agreed, 0, (1, 9))]
+    assert store.barriers == [(f"mok_comm_workspace_{agreed}_exchanged", (0, 1)),
+                              (f"mok_comm_workspace_{agreed}_connected", (0, 1))]
     assert store.deleted == [exchange.key(agreed, 0)]  # its record, once every process has read it
     ws.close()
-    assert barriers[-1] == f"mok_comm_workspace_{agreed}_released" and fake.names()[-2:] == ["release", "free"]
+    assert barriers == [f"mok_comm_workspace_{agreed}_released"] and fake.names()[-2:] == ["release", "free"]
 
 
 def test_create_spanning_processes_raises_when_a_peer_failed(fake, monkeypatch):
-    """A process whose allocation failed still joins the exchange, so its peers raise instead of waiting."""
+    """A process whose allocation failed still publishes, so its peers raise (at once) instead of waiting."""
     from mok_jax.workspace import CommError
 
-    barriers, _ = _fake_processes(monkeypatch, peer_failed=True, agreed_id=(7 << 24) | 1)
-    with pytest.raises(CommError, match=r"process\(es\) \[1\] could not allocate their EP ranks \(process 1: "
-                                        r"cudaMalloc failed there\)"):
-        _create(FakeMesh([FakeDevice(0, 0), FakeDevice(0, 1)]))
-    assert fake.names() == ["alloc", "release", "free"] and barriers == []
+    barriers, store = _fake_processes(monkeypatch, "failed", agreed_id=(7 << 24) | 1)
+    with pytest.raises(CommError, match=r"process 1 could not allocate its EP ranks \(cudaMalloc failed there\); "
+                                        r"no rank was connected"):
+        _create(_SPANNING)
+    assert fake.names() == ["alloc", "release", "free"] and barriers == [] and store.barriers == []
+
+
+def test_create_spanning_processes_names_a_peer_that_never_publishes(fake, monkeypatch):
+    from mok_jax.workspace import CommError
+
+    barriers, store = _fake_processes(monkeypatch, "missing", agreed_id=(7 << 24) | 2)
+    with pytest.raises(CommError, match=r"process\(es\) \[1\] did not publish their EP ranks' handles within 120 s"):
+        _create(_SPANNING)
+    assert fake.names() == ["alloc", "release", "free"] and barriers == [] and store.barriers == []
+
+
+def test_create_spanning_processes_own_failure_is_published_and_raised(fake, monkeypatch):
+    """This process's allocation fails: its record tells the peer why, it raises its own error (out of memory here),
+    frees what it holds and meets no barrier."""
+    import json
+
+    from mok_jax.workspace import WorkspaceMemoryError, exchange
+
+    agreed = (7 << 24) | 3
+    fake.alloc_rc = {0: 2}
+    barriers, store = _fake_processes(monkeypatch, "ok", agreed_id=agreed)
+    with pytest.raises(WorkspaceMemoryError, match=r"^Workspace.create: rank 0 of group 0 on FakeDevice\(0, process 0\)"):
+        _create(_SPANNING)
+    mine = json.loads(store.values[exchange.key(agreed, 0)])
+    assert mine["ranks"] == {} and mine["failure"].startswith("Workspace.create: rank 0 of group 0")
+    assert fake.names() == ["alloc", "release", "free"] and barriers == [] and store.barriers == []
 
 
 def test_create_emulated_out_of_memory_counts_every_rank(fake):

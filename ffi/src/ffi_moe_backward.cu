@@ -359,6 +359,10 @@ ffi::Error experts_backward_ep_impl(
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
       return invalid(kOp, std::string(c.name) + " must be " + c.shape + ", got " + dims_str(c.got));
+  if (R > mok::kExpertsBackwardParamRanks && reinterpret_cast<uintptr_t>(flags->untyped_data()) % 64 != 0)
+    return invalid(kOp, "flags: above " + std::to_string(mok::kExpertsBackwardParamRanks) +
+                            " ranks each row holds its rank's kernel parameters (TMA descriptors): the buffer must be "
+                            "64-byte aligned");
   bool kept = false, part = false;
   if (ffi::Error err = check_kept_gu(kOp, stream, R, m, inter, gu_in, gu_part, gu_part_row, gu_block, gu, &kept,
                                      &part);

@@ -165,15 +165,12 @@ def _new_id() -> int:
     return (tag << _ID_COUNTER_BITS) | n
 
 
-def _agreed_id(ws_id: int) -> int:
-    """Process 0's ``ws_id``, on every process (collective: a workspace that spans processes must carry one
-    id everywhere, its barriers are named by it). Sent as 8 bytes: without jax_enable_x64 an int64 would be
-    truncated."""
-    from jax.experimental import multihost_utils
-
-    mine = np.frombuffer(int(ws_id).to_bytes(8, "little"), np.uint8).copy()
-    theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8)
-    return int.from_bytes(theirs.tobytes(), "little")
+def _agreed_id(ws_id: int, processes=None, timeout_s: float = exchange.EXCHANGE_TIMEOUT_S) -> int:
+    """The ``ws_id`` of the lowest of ``processes`` (default: every process), on each of them: a workspace that
+    spans processes must carry one id everywhere, its keys and barriers are named by it. Through jax.distributed's
+    key-value store, bounded by ``timeout_s`` (exchange.agree_id)."""
+    procs = range(jax.process_count()) if processes is None else processes
+    return exchange.agree_id(ws_id, process=jax.process_index(), processes=procs, timeout_s=timeout_s)
 
 
 def _fingerprint(config: CommConfig, groups_shape: tuple, handle_bytes: int) -> str:
@@ -259,7 +256,9 @@ class Workspace:
                 raise ValueError(f"Workspace needs GPU devices; the mesh holds {d.platform} device {d}")
         me = jax.process_index()
         multi = _spans_processes(groups.flat)
-        ws_id = _agreed_id(_new_id()) if multi else _new_id()
+        procs = sorted({d.process_index for d in groups.flat})
+        setup_s = max(config.timeout_s, exchange.EXCHANGE_TIMEOUT_S)  # the set-up's deadline across processes
+        ws_id = _agreed_id(_new_id(), procs, setup_s) if multi else _new_id()
         hbytes = int(lib.mok_comm_ipc_handle_bytes())
         handles = np.zeros((*groups.shape, hbytes), np.uint8)
         local: list[_LocalRank] = []
@@ -290,16 +289,17 @@ class Workspace:
                 # Every process publishes its record, also one whose allocation failed: its peers then raise
                 # instead of waiting for it; one that never publishes is named after the exchange's deadline.
                 theirs = exchange.exchange_handles(
-                    ws_id, process=me, processes=sorted({d.process_index for d in groups.flat}),
-                    fingerprint=_fingerprint(config, groups.shape, hbytes),
+                    ws_id, process=me, processes=procs, fingerprint=_fingerprint(config, groups.shape, hbytes),
                     handles={(lr.group, lr.rank): handles[lr.group, lr.rank].tobytes() for lr in local},
                     failure=None if failure is None else str(failure),
                     ranks=[(g, r) for g in range(groups.shape[0]) for r in range(groups.shape[1])],
-                    timeout_s=max(config.timeout_s, exchange.EXCHANGE_TIMEOUT_S))
+                    timeout_s=setup_s)
                 for (g, r), h in theirs.items():
                     handles[g, r] = np.frombuffer(h, np.uint8)
             if failure is not None:
                 raise failure
+            if multi:  # every process read every record and found it sound, or each raises: none connects alone
+                exchange.barrier(f"mok_comm_workspace_{ws_id}_exchanged", processes=procs, timeout_s=setup_s)
             for lr in local:
                 table = np.ascontiguousarray(handles[lr.group])
                 rc = lib.mok_comm_connect(ws_id, lr.ordinal, table.ctypes.data, err, len(err))
@@ -307,9 +307,7 @@ class Workspace:
                     raise CommError(f"Workspace.create: connecting rank {lr.rank} of group {lr.group}: "
                                     f"{err.value.decode()}")
             if multi:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices(f"mok_comm_workspace_{ws_id}_connected")
+                exchange.barrier(f"mok_comm_workspace_{ws_id}_connected", processes=procs, timeout_s=setup_s)
                 exchange.forget(ws_id, me)  # every process has read it
         except BaseException:
             lib.mok_comm_release_peers(ws_id)

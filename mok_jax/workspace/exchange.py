@@ -12,6 +12,10 @@ connected and no kernel waits for a peer that will never come:
 * a process whose allocation failed (its own error says why);
 * an EP rank held by no process, or by two.
 
+The rest of a multi-process set-up goes through the same store with the same deadline: the processes agree on the
+lowest one's workspace id (``agree_id``) and meet at barriers after the exchange and after connecting (``barrier``),
+so a process that fails or never comes stops every other one with an error rather than a hang.
+
 A key-value store rather than a collective (``process_allgather``): a collective waits for every process with no
 bound and says nothing about who is missing; a blocking get has a deadline and a key names its process. The record
 is plain text (JSON, handles in hex), so any handle type fits (CUDA IPC handles today; the store does not care).
@@ -19,13 +23,15 @@ is plain text (JSON, handles in hex), so any handle type fits (CUDA IPC handles 
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 import time
 from collections.abc import Iterable, Mapping
 
 from mok_jax.workspace.errors import CommError
 
-__all__ = ["EXCHANGE_TIMEOUT_S", "exchange_handles", "forget"]
+__all__ = ["EXCHANGE_TIMEOUT_S", "agree_id", "barrier", "exchange_handles", "forget"]
 
 _PREFIX = "mok_jax/workspace"
 # The exchange's deadline at least (the workspace's timeout_s when longer): processes reach Workspace.create at
@@ -44,6 +50,59 @@ def _client():
     return client
 
 
+def _deadline_error(e: Exception) -> bool:
+    return "DEADLINE_EXCEEDED" in str(e)
+
+
+# Multi-process set-ups made so far by this process, per set of processes: the same count on every process of a
+# set, since they must create their workspaces in the same order; it names the key of the id they agree on.
+_creates: dict[tuple[int, ...], itertools.count] = {}
+_creates_lock = threading.Lock()
+
+
+def agree_id(ws_id: int, *, process: int, processes: Iterable[int], timeout_s: float, client=None) -> int:
+    """The workspace id of the lowest of ``processes`` (every process of a workspace must carry one id: its keys and
+    barriers are named by it), on each of them, through the store: the lowest publishes its own ``ws_id``, the
+    others read it within ``timeout_s``. Raises CommError naming that process if it did not publish."""
+    client = _client() if client is None else client
+    procs = tuple(sorted(set(processes)))
+    with _creates_lock:
+        seq = next(_creates.setdefault(procs, itertools.count()))
+    name = f"{_PREFIX}/create/{'-'.join(map(str, procs))}/{seq}"
+    if process == procs[0]:
+        _set(client, name, str(int(ws_id)))
+        return int(ws_id)
+    try:
+        return int(client.blocking_key_value_get(name, max(1, int(timeout_s * 1000))))
+    except Exception as e:  # noqa: BLE001 - the store's error type is jaxlib's; its code says what it was
+        if not _deadline_error(e):
+            raise CommError(f"Workspace.create: reading the workspace id of process {procs[0]} failed: {e}") from e
+        raise CommError(f"Workspace.create: process {procs[0]} did not start workspace number {seq} of processes "
+                        f"{list(procs)} within {timeout_s:g} s: every process must call Workspace.create on the same "
+                        f"mesh, in the same order as its other workspaces; a process that did not, or that died, "
+                        f"causes this") from None
+
+
+def barrier(name: str, *, processes: Iterable[int], timeout_s: float, client=None) -> None:
+    """Every one of ``processes`` reaches ``name`` within ``timeout_s``, or each that did raises CommError."""
+    client = _client() if client is None else client
+    procs = sorted(set(processes))
+    try:
+        client.wait_at_barrier(name, max(1, int(timeout_s * 1000)), procs)
+    except Exception as e:  # noqa: BLE001 - the store's error type is jaxlib's
+        raise CommError(f"Workspace.create: not every process of {procs} reached {name!r} within {timeout_s:g} s "
+                        f"(one failed, or never came: its own error says why); no rank of this process stays "
+                        f"connected: {e}") from e
+
+
+def _set(client, name: str, value: str) -> None:
+    try:
+        client.key_value_set(name, value)
+    except Exception as e:  # noqa: BLE001 - the store's error type is jaxlib's
+        raise CommError(f"Workspace.create: publishing {name!r} in jax.distributed's key-value store failed: "
+                        f"{e}") from e
+
+
 def key(ws_id: int, process: int) -> str:
     """Where process ``process`` publishes its record for workspace ``ws_id``."""
     return f"{_PREFIX}/{ws_id}/handles/{process}"
@@ -53,7 +112,7 @@ def exchange_handles(ws_id: int, *, process: int, processes: Iterable[int], fing
                      handles: Mapping[tuple[int, int], bytes], failure: str | None, ranks: Iterable[tuple[int, int]],
                      timeout_s: float, client=None) -> dict[tuple[int, int], bytes]:
     """Publish this process's record, read those of the other ``processes`` (the processes that hold the workspace's
-    devices), and return the handle of every (group, rank) in ``ranks``.
+    devices) within ``timeout_s``, and return the handle of every (group, rank) in ``ranks``.
 
     ``handles``: this process's own ranks' handles ({(group, rank): bytes}); ``failure``: why its allocation failed
     (None: it did not), published so that its peers raise at once instead of waiting for it; ``fingerprint``: the
@@ -65,9 +124,14 @@ def exchange_handles(ws_id: int, *, process: int, processes: Iterable[int], fing
     client = _client() if client is None else client
     record = {"fingerprint": fingerprint, "failure": failure or "",
               "ranks": {f"{g},{r}": bytes(h).hex() for (g, r), h in handles.items()}}
-    client.key_value_set(key(ws_id, process), json.dumps(record))
+    where = f"Workspace.create (workspace {ws_id})"
     if failure:
-        return {}  # its caller raises its own error; the peers read why from the record
+        try:  # its caller raises its own error; the peers read why from the record
+            client.key_value_set(key(ws_id, process), json.dumps(record))
+        except Exception:  # noqa: BLE001 - this process's own failure is the error to raise, not the store's
+            pass
+        return {}
+    _set(client, key(ws_id, process), json.dumps(record))
     records = {process: record}
     missing = []
     deadline = time.monotonic() + max(float(timeout_s), 0.0)
@@ -76,28 +140,25 @@ def exchange_handles(ws_id: int, *, process: int, processes: Iterable[int], fing
             continue
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            records[p] = json.loads(client.blocking_key_value_get(key(ws_id, p), left_ms))
+            records[p] = rec = json.loads(client.blocking_key_value_get(key(ws_id, p), left_ms))
         except Exception as e:  # noqa: BLE001 - the store's error type is jaxlib's; its code says what it was
-            if "DEADLINE_EXCEEDED" not in str(e):
+            if not _deadline_error(e):
                 raise CommError(f"Workspace.create: reading process {p}'s workspace handles failed: {e}") from e
             missing.append(p)
-    where = f"Workspace.create (workspace {ws_id})"
+            continue
+        if rec["failure"]:  # at once: no need to wait for the others
+            raise CommError(f"{where}: process {p} could not allocate its EP ranks ({rec['failure']}); no rank was "
+                            f"connected")
     if missing:
         raise CommError(f"{where}: process(es) {missing} did not publish their EP ranks' handles within "
-                        f"{timeout_s:g} s (timeout_s): each must call Workspace.create on the same mesh, in the same "
-                        f"order as its other workspaces; a process that did not, or that died, causes this. No rank "
-                        f"was connected")
+                        f"{timeout_s:g} s: each must call Workspace.create on the same mesh, in the same order as its "
+                        f"other workspaces; a process that did not, or that died, causes this. No rank was connected")
     differ = sorted(p for p, rec in records.items() if rec["fingerprint"] != fingerprint)
     if differ:
         theirs = "; ".join(f"process {p}: {records[p]['fingerprint']}" for p in differ)
         raise CommError(f"{where}: the processes created their EP ranks with different shapes (this process, "
                         f"{process}: {fingerprint}; {theirs}): every process must pass the same arguments. No rank "
                         f"was connected")
-    failed = sorted(p for p, rec in records.items() if rec["failure"])
-    if failed:
-        why = "; ".join(f"process {p}: {records[p]['failure']}" for p in failed)
-        raise CommError(f"{where}: process(es) {failed} could not allocate their EP ranks ({why}); no rank was "
-                        f"connected")
     owner: dict[tuple[int, int], list[int]] = {}
     table: dict[tuple[int, int], bytes] = {}
     for p in sorted(records):
