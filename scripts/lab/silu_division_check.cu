@@ -1,0 +1,66 @@
+// Lab check (issue 33): can the SwiGLU epilogue's silu(g) = g / (1 + exp(-g)) drop the compiler's checked division
+// (FCHK and a branch to the slow path around every value) for a branch-free sequence with the same bits?
+//
+// silu is a function of one fp32 value, so this checks every one of the 2^32 bit patterns of g on the GPU: where
+// the proposed in-range predicate holds (x = 1 + __expf(-g) below 2^126, |g| in [2^-100, 2^100]), the branch-free
+// sequence (the compiler's own fast path: rcp.approx, one Newton step, q0 = fma(g, r, +0), one residual step) must
+// give the bits of the compiled `g / x`. It prints the mismatches (must be 0), the first few, and how many g fall
+// outside the predicate (those would take the exact division after a warp vote, as the DH epilogue does).
+//
+//   nvcc -O3 -arch=sm_90a -o silu_division_check scripts/lab/silu_division_check.cu && ./silu_division_check
+#include <cstdint>
+#include <cstdio>
+
+#include <cuda_runtime.h>
+
+__device__ __forceinline__ float fast_div(float g, float x) {
+  float r, q0, q;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  r = __fmaf_rn(r, __fmaf_rn(-x, r, 1.0f), r);
+  asm("fma.rn.f32 %0, %1, %2, 0f00000000;" : "=f"(q0) : "f"(g), "f"(r));  // + 0: the sign of a zero product
+  q = __fmaf_rn(r, __fmaf_rn(-x, q0, g), q0);
+  return q;
+}
+
+__device__ __forceinline__ bool in_range(float g, float x) {
+  const float a = fabsf(g);
+  return x < 0x1p126f && a >= 0x1p-100f && a <= 0x1p100f;
+}
+
+__global__ void check(unsigned long long* counts, uint32_t* first, uint32_t start, uint32_t n) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+    const uint32_t bits = start + uint32_t(i);
+    const float g = __uint_as_float(bits);
+    const float x = 1.0f + __expf(-g);
+    if (!in_range(g, x)) {
+      atomicAdd(&counts[1], 1ull);
+      continue;
+    }
+    const float exact = g / x;
+    const float fast = fast_div(g, x);
+    if (__float_as_uint(exact) != __float_as_uint(fast)) {
+      const unsigned long long k = atomicAdd(&counts[0], 1ull);
+      if (k < 8) first[k] = bits;
+    }
+  }
+}
+
+int main() {
+  unsigned long long* counts;
+  uint32_t* first;
+  cudaMalloc(&counts, 2 * sizeof(unsigned long long));
+  cudaMalloc(&first, 8 * sizeof(uint32_t));
+  cudaMemset(counts, 0, 2 * sizeof(unsigned long long));
+  cudaMemset(first, 0xff, 8 * sizeof(uint32_t));
+  const uint32_t chunk = 1u << 30;
+  for (uint64_t s = 0; s < (1ull << 32); s += chunk) check<<<132 * 8, 256>>>(counts, first, uint32_t(s), chunk);
+  unsigned long long h[2];
+  uint32_t f[8];
+  cudaMemcpy(h, counts, sizeof(h), cudaMemcpyDeviceToHost);
+  cudaMemcpy(f, first, sizeof(f), cudaMemcpyDeviceToHost);
+  const cudaError_t err = cudaGetLastError();
+  printf("silu division check: %s; mismatches in range %llu, g outside the range %llu of 2^32\n",
+         cudaGetErrorString(err), h[0], h[1]);
+  for (int i = 0; i < 8 && i < int(h[0]); ++i) printf("  mismatch at g bits 0x%08x (%g)\n", f[i], *(float*)&f[i]);
+  return err != cudaSuccess || h[0] != 0;
+}
