@@ -6,6 +6,9 @@
 // sequence (the compiler's own fast path: rcp.approx, one Newton step, q0 = fma(g, r, +0), one residual step) must
 // give the bits of the compiled `g / x`. It prints the mismatches (must be 0), the first few, and how many g fall
 // outside the predicate (those would take the exact division after a warp vote, as the DH epilogue does).
+// It also checks, for every g, that x = 1 + exp(-g) has the same bits with __expf (whose non-FTZ form scales inputs
+// below -126 to return subnormals) as with a bare ex2.approx.ftz of the same product: 1 + a subnormal is 1, so the
+// three instructions of range handling per value (FSETP and two predicated FMULs) could go from both epilogues.
 //
 //   nvcc -O3 -arch=sm_90a -o silu_division_check scripts/lab/silu_division_check.cu && ./silu_division_check
 #include <cstdint>
@@ -27,11 +30,18 @@ __device__ __forceinline__ bool in_range(float g, float x) {
   return x < 0x1p126f && a >= 0x1p-100f && a <= 0x1p100f;
 }
 
+__device__ __forceinline__ float denominator_ftz(float g) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));  // __expf's product, negated
+  return 1.0f + e;
+}
+
 __global__ void check(unsigned long long* counts, uint32_t* first, uint32_t start, uint32_t n) {
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
     const uint32_t bits = start + uint32_t(i);
     const float g = __uint_as_float(bits);
     const float x = 1.0f + __expf(-g);
+    if (__float_as_uint(x) != __float_as_uint(denominator_ftz(g)) && !(x != x)) atomicAdd(&counts[2], 1ull);
     if (!in_range(g, x)) {
       atomicAdd(&counts[1], 1ull);
       continue;
@@ -48,19 +58,19 @@ __global__ void check(unsigned long long* counts, uint32_t* first, uint32_t star
 int main() {
   unsigned long long* counts;
   uint32_t* first;
-  cudaMalloc(&counts, 2 * sizeof(unsigned long long));
+  cudaMalloc(&counts, 3 * sizeof(unsigned long long));
   cudaMalloc(&first, 8 * sizeof(uint32_t));
-  cudaMemset(counts, 0, 2 * sizeof(unsigned long long));
+  cudaMemset(counts, 0, 3 * sizeof(unsigned long long));
   cudaMemset(first, 0xff, 8 * sizeof(uint32_t));
   const uint32_t chunk = 1u << 30;
   for (uint64_t s = 0; s < (1ull << 32); s += chunk) check<<<132 * 8, 256>>>(counts, first, uint32_t(s), chunk);
-  unsigned long long h[2];
+  unsigned long long h[3];
   uint32_t f[8];
   cudaMemcpy(h, counts, sizeof(h), cudaMemcpyDeviceToHost);
   cudaMemcpy(f, first, sizeof(f), cudaMemcpyDeviceToHost);
   const cudaError_t err = cudaGetLastError();
-  printf("silu division check: %s; mismatches in range %llu, g outside the range %llu of 2^32\n",
-         cudaGetErrorString(err), h[0], h[1]);
+  printf("silu division check: %s; mismatches in range %llu, g outside the range %llu of 2^32; denominators that "
+         "differ with ex2.approx.ftz %llu\n", cudaGetErrorString(err), h[0], h[1], h[2]);
   for (int i = 0; i < 8 && i < int(h[0]); ++i) printf("  mismatch at g bits 0x%08x (%g)\n", f[i], *(float*)&f[i]);
-  return err != cudaSuccess || h[0] != 0;
+  return err != cudaSuccess || h[0] != 0 || h[2] != 0;
 }
