@@ -6,7 +6,6 @@ GPU side: tests/test_moe_ep64_gpu.py).
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from mok_jax.config import KernelConfig
 from mok_jax.emulation import MAX_EMULATED_RANKS, emulated_moe, emulated_moe_backward
 from mok_jax.memory import layer_memory_per_rank
 from mok_jax.reference import experts_backward_reference
+from mok_jax.workspace import native as wnative
 
 
 def _args(ep: int, per_rank: int = 2, E: int | None = None):
@@ -100,10 +100,8 @@ def test_the_backward_flags_rows_hold_the_rank_parameters_above_8_ranks():
     counters' words, the Python formula's, up to 8 ranks; above that a row is a multiple of 16 words (64-byte aligned
     TMA descriptors) that holds the counters and then the rank's kernel parameters, the same size at every EP."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
-    lib = _native.library()
+    lib = wnative._host_lib()
     native = lambda m, e, r: int(lib.mok_experts_backward_ep_flag_words(m, e, r))  # noqa: E731
-    lib.mok_experts_backward_ep_flag_words.argtypes = [ctypes.c_int64] * 3
-    lib.mok_experts_backward_ep_flag_words.restype = ctypes.c_int64
     for m, e in ((128, 1), (1152, 4), (4096, 48)):
         counters = mb._flag_words(m, e)
         for ranks in (1, 2, 8):

@@ -23,13 +23,10 @@ gus, dgus, hws, dxs (their rows: T with a shared expert, else none).
 
 from __future__ import annotations
 
-import ctypes
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax._native import library as native_library
 from mok_jax._native import require_native
 from mok_jax.backward_types import (  # noqa: F401  (re-exported: the op's contract, shared with its reference)
     EXPERTS_BACKWARD_GROUP_ALIGN,
@@ -82,12 +79,9 @@ def _ep_flag_words(rows: int, experts: int, ranks: int) -> int:
     from the next multiple of 16 words, the rank's kernel parameters, whose size the native library gives."""
     if ranks <= EXPERTS_BACKWARD_PARAM_RANKS:
         return _flag_words(rows, experts)
-    lib = native_library()
-    if lib is None:
-        require_native("mok_jax.ops.experts_backward_ep")  # raises, naming why the library is missing
-    fn = lib.mok_experts_backward_ep_flag_words
-    fn.argtypes, fn.restype = [ctypes.c_int64] * 3, ctypes.c_int64
-    return int(fn(rows, experts, ranks))
+    from mok_jax.workspace.native import _host_lib  # the library's functions, declared for ctypes once
+
+    return int(_host_lib().mok_experts_backward_ep_flag_words(rows, experts, ranks))
 
 
 def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple = ()) -> tuple:
