@@ -44,6 +44,11 @@ __global__ void check(unsigned long long* counts, uint32_t* first, uint32_t star
     if (__float_as_uint(x) != __float_as_uint(denominator_ftz(g)) && !(x != x)) atomicAdd(&counts[2], 1ull);
     if (!in_range(g, x)) {
       atomicAdd(&counts[1], 1ull);
+      // outside the predicate: how many non-NaN g would the branch-free sequence still get right (to widen it)?
+      if (!(g != g) && __float_as_uint(g / x) != __float_as_uint(fast_div(g, x))) {
+        const unsigned long long k = atomicAdd(&counts[3], 1ull);
+        if (k < 8) first[8 + k] = bits;
+      }
       continue;
     }
     const float exact = g / x;
@@ -58,19 +63,22 @@ __global__ void check(unsigned long long* counts, uint32_t* first, uint32_t star
 int main() {
   unsigned long long* counts;
   uint32_t* first;
-  cudaMalloc(&counts, 3 * sizeof(unsigned long long));
-  cudaMalloc(&first, 8 * sizeof(uint32_t));
-  cudaMemset(counts, 0, 3 * sizeof(unsigned long long));
-  cudaMemset(first, 0xff, 8 * sizeof(uint32_t));
+  cudaMalloc(&counts, 4 * sizeof(unsigned long long));
+  cudaMalloc(&first, 16 * sizeof(uint32_t));
+  cudaMemset(counts, 0, 4 * sizeof(unsigned long long));
+  cudaMemset(first, 0xff, 16 * sizeof(uint32_t));
   const uint32_t chunk = 1u << 30;
   for (uint64_t s = 0; s < (1ull << 32); s += chunk) check<<<132 * 8, 256>>>(counts, first, uint32_t(s), chunk);
-  unsigned long long h[3];
-  uint32_t f[8];
+  unsigned long long h[4];
+  uint32_t f[16];
   cudaMemcpy(h, counts, sizeof(h), cudaMemcpyDeviceToHost);
   cudaMemcpy(f, first, sizeof(f), cudaMemcpyDeviceToHost);
   const cudaError_t err = cudaGetLastError();
   printf("silu division check: %s; mismatches in range %llu, g outside the range %llu of 2^32; denominators that "
          "differ with ex2.approx.ftz %llu\n", cudaGetErrorString(err), h[0], h[1], h[2]);
   for (int i = 0; i < 8 && i < int(h[0]); ++i) printf("  mismatch at g bits 0x%08x (%g)\n", f[i], *(float*)&f[i]);
+  printf("outside the range, non-NaN g where the branch-free sequence differs: %llu\n", h[3]);
+  for (int i = 0; i < 8 && i < int(h[3]); ++i)
+    printf("  outside: g bits 0x%08x (%g)\n", f[8 + i], *(float*)&f[8 + i]);
   return err != cudaSuccess || h[0] != 0 || h[2] != 0;
 }

@@ -37,6 +37,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/bfloat16.h>
 
+#include "mok/gemm/silu_math.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 
 namespace mok::gemm {
@@ -268,7 +269,26 @@ struct Sm90TileT {
   // wgmma accumulator fragment (PTX ISA, m64nNk16 f32 D): value i of thread (warp w, lane l) of the
   // warpgroup sits at row 16w + l/4 + 8*((i/2)%2), column 8*(i/4) + 2*(l%4) + i%2. For SwiGLU the up
   // partner of gate column c (< 128) is column c + 128, i.e. value i + 64 of the same thread.
-  __device__ static float silu(float g) { return g / (1.0f + __expf(-g)); }
+  // h = silu(gate) * up for the gate values i0 .. i0 + N - 1 of the thread (silu(g) = g / (1 + exp(-g))): the range of
+  // all N divisions is checked first and voted across the warp, so the N values are in flight together instead of one
+  // per branch (silu_math.cuh); the bits are those of the plain expression either way.
+  template <int N>
+  __device__ static void swiglu_values(const Accumulator& acc, int i0, float (&h)[N]) {
+    float x[N];
+    bool exact = false;
+    CUTE_UNROLL
+    for (int k = 0; k < N; ++k) {
+      x[k] = sigmoid_denominator(acc(i0 + k));
+      exact |= !div_in_range(acc(i0 + k), x[k]);
+    }
+    if (__any_sync(0xffffffffu, exact)) {
+      CUTE_UNROLL
+      for (int k = 0; k < N; ++k) h[k] = acc(i0 + k) / x[k] * acc(i0 + k + 64);
+    } else {
+      CUTE_UNROLL
+      for (int k = 0; k < N; ++k) h[k] = div_in_range_value(acc(i0 + k), x[k]) * acc(i0 + k + 64);
+    }
+  }
 
   __device__ static uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -294,22 +314,22 @@ struct Sm90TileT {
     const int r_base = 16 * warp + lane / 4;
     const int c_base = 2 * (lane % 4);
     const int row0 = st.row0 + kRowsPerConsumer * wg;
+    constexpr int kGroup = 8;  // SwiGLU values whose divisions share one range vote
     CUTE_UNROLL
     for (int pass = 0; pass < kOutCols / kEpiCols; ++pass) {
       CUTE_UNROLL
-      for (int j = 0; j < 32; j += 2) {
-        const int i = 32 * pass + j;
-        const int r = r_base + 8 * ((i >> 1) & 1);
-        const int c = 8 * ((i >> 2) - 8 * pass) + c_base;
-        float v0, v1;
-        if constexpr (kSwiGLU) {
-          v0 = silu(acc(i)) * acc(i + 64);
-          v1 = silu(acc(i + 1)) * acc(i + 65);
-        } else {
-          v0 = acc(i);
-          v1 = acc(i + 1);
+      for (int j0 = 0; j0 < 32; j0 += kGroup) {
+        float h[kGroup];
+        if constexpr (kSwiGLU) swiglu_values(acc, 32 * pass + j0, h);
+        CUTE_UNROLL
+        for (int j = j0; j < j0 + kGroup; j += 2) {
+          const int i = 32 * pass + j;
+          const int r = r_base + 8 * ((i >> 1) & 1);
+          const int c = 8 * ((i >> 2) - 8 * pass) + c_base;
+          const float v0 = kSwiGLU ? h[j - j0] : acc(i);
+          const float v1 = kSwiGLU ? h[j - j0 + 1] : acc(i + 1);
+          buf[r * kPitchWords + c / 2] = pack_bf16x2(v0, v1);
         }
-        buf[r * kPitchWords + c / 2] = pack_bf16x2(v0, v1);
       }
       named_barrier_sync(1 + wg, 128);
       CUTE_UNROLL

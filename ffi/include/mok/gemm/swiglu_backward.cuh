@@ -35,6 +35,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "mok/gemm/silu_math.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 
@@ -124,23 +125,11 @@ __device__ inline bool load_gu_chunks(const TmaGu& tma, StageRing& s, RingPos& p
 struct SwigluGrad {
   float dg, du, hw, h;
 };
-__device__ __forceinline__ float sigmoid_denominator(float g) { return 1.0f + __expf(-g); }
 __device__ __forceinline__ SwigluGrad swiglu_grad(float dhp, float g, float u, float w, float s) {
   const float silu = g * s;
   const float h = silu * u;
   const float dh = w * dhp;
   return SwigluGrad{dh * u * s * (1.0f + g * (1.0f - s)), dh * silu, w * h, h};
-}
-
-// 1 / x rounded to nearest for x in [1, 2^126): the sequence the compiler emits for 1.0f / x there (an approximate
-// reciprocal and one Newton step in fused multiply-adds; its error term 1 - x r is 0 or far from subnormal), without
-// the branch to its exact slow path, which it takes outside [2^-126, 2^126) and for NaN. So the result's bits are
-// 1.0f / x's, and the values of several columns can be in flight at once instead of one per branch.
-constexpr float kRcpInRangeEnd = 0x1p126f;
-__device__ __forceinline__ float rcp_in_range(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return __fmaf_rn(r, __fmaf_rn(-x, r, 1.0f), r);
 }
 
 // The router weights of the thread's two rows of the tile (see swiglu_backward_store: r_local and r_local + 8), 0
