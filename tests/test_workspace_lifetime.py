@@ -161,11 +161,12 @@ def test_registry_refuses_a_closed_id_and_never_reallocates_it():
     why = w.lookup_error(ws_id, 3)
     assert f"mok workspace {ws_id} was closed in this process" in why and "jax.clear_caches()" in why, why
     err = ctypes.create_string_buffer(1024)
-    handle = np.zeros(int(lib.mok_comm_ipc_handle_bytes()), np.uint8)
-    rc = lib.mok_comm_alloc(ws_id, 0, 0, 0, 1, 16, 64, 2, 4, 1.0, 0, handle.ctypes.data, err, len(err))
-    assert rc == 1 and "was closed in this process; ids are never reused" in err.value.decode()
-    rc = lib.mok_comm_alloc_emulated(ws_id, 0, 2, 16, 64, 2, 4, 1.0, err, len(err))
-    assert rc == 1 and "ids are never reused" in err.value.decode()
+    handle = np.zeros(int(lib.mok_comm_handle_bytes()), np.uint8)
+    for memory in (0, 1):  # ipc, vmm: the closed id is refused before any allocation
+        rc = lib.mok_comm_alloc(ws_id, 0, 0, 0, 1, 16, 64, 2, 4, 1.0, memory, 0, handle.ctypes.data, err, len(err))
+        assert rc == 1 and "was closed in this process; ids are never reused" in err.value.decode()
+        rc = lib.mok_comm_alloc_emulated(ws_id, 0, 2, 16, 64, 2, 4, 1.0, memory, err, len(err))
+        assert rc == 1 and "ids are never reused" in err.value.decode()
 
 
 _EXIT_WORKER = """
@@ -213,18 +214,18 @@ class FakeMesh:
 class FakeLib:
     """Records the native calls; alloc_rc[ordinal] (default 0) is what mok_comm_alloc returns there."""
 
-    HANDLE_BYTES = 64
+    HANDLE_BYTES = 96
 
     def __init__(self, alloc_rc=None, emulated_rc=0):
         self.calls: list[tuple] = []
         self.alloc_rc = alloc_rc or {}
         self.emulated_rc = emulated_rc
 
-    def mok_comm_ipc_handle_bytes(self):
+    def mok_comm_handle_bytes(self):
         return self.HANDLE_BYTES
 
-    def mok_comm_alloc(self, ws_id, g, ordinal, r, ep, T, H, k, E, timeout, want_ipc, out, err, err_len):
-        self.calls.append(("alloc", ws_id, ordinal, r, want_ipc))
+    def mok_comm_alloc(self, ws_id, g, ordinal, r, ep, T, H, k, E, timeout, memory, want_handle, out, err, err_len):
+        self.calls.append(("alloc", ws_id, ordinal, r, want_handle))
         rc = self.alloc_rc.get(ordinal, 0)
         if rc:
             err.value = (b"cudaMalloc of the N-byte workspace region: cudaErrorMemoryAllocation (out of memory) "
@@ -233,7 +234,7 @@ class FakeLib:
             ctypes.memset(out, ordinal + 1, self.HANDLE_BYTES)
         return rc
 
-    def mok_comm_alloc_emulated(self, ws_id, ordinal, ep, T, H, k, E, timeout, err, err_len):
+    def mok_comm_alloc_emulated(self, ws_id, ordinal, ep, T, H, k, E, timeout, memory, err, err_len):
         self.calls.append(("alloc_emulated", ws_id, ordinal, ep))
         if self.emulated_rc:
             err.value = b"emulated rank 2: cudaMalloc ...: cudaErrorMemoryAllocation (out of memory)"

@@ -2,14 +2,15 @@
 // preloading, error reporting and teardown, as plain C functions that Python calls through ctypes.
 //
 // Life cycle, per workspace id and EP group (Python: mok_jax/workspace/core.py):
-//   1. mok_comm_alloc     on every local rank: cudaMalloc one region of make_layout().total_bytes,
-//                         zero it, a host-mapped pinned error word, a device peer table, preload every
-//                         comm kernel on that device (lazy loading can deadlock a kernel that spins on
-//                         a peer), and export a CUDA IPC handle of the region.
-//   2. (multi-process)    Python all-gathers the IPC handles between processes.
+//   1. mok_comm_alloc     on every local rank: allocate one region of make_layout().total_bytes (cudaMalloc,
+//                         or CUDA VMM: workspace_memory.h), zero it, a host-mapped pinned error word, a device
+//                         peer table, preload every comm kernel on that device (lazy loading can deadlock a
+//                         kernel that spins on a peer), and export the region's handle (memory::WireHandle).
+//   2. (multi-process)    Python exchanges the handles between processes (jax.distributed's key-value store).
 //   3. mok_comm_connect   fills the peer table: a rank of this process is reached through peer access
-//                         (cudaDeviceEnablePeerAccess), a rank of another process through
-//                         cudaIpcOpenMemHandle; the table is copied to the device.
+//                         (cudaDeviceEnablePeerAccess, or cuMemSetAccess for a VMM region), a rank of another
+//                         process by mapping its handle (memory::import_handle); the table is copied to the
+//                         device.
 //   4. mok_comm_release_peers, then (after a barrier between processes) mok_comm_free, which also marks the
 //      id closed for the rest of the process: a later lookup or alloc of it is refused, naming why.
 // NVLink multicast is never used.
@@ -19,7 +20,7 @@
 // names an id this registry does not hold, and its handler fails with a message that says so instead of
 // binding to an unrelated workspace.
 //
-// Memory: every region is a plain cudaMalloc, outside XLA's pool, so it comes out of what XLA's
+// Memory: every region is allocated outside XLA's pool (cudaMalloc or cuMemCreate), so it comes out of what XLA's
 // preallocation (by default 75% of the GPU) leaves free. A cudaErrorMemoryAllocation anywhere in
 // mok_comm_alloc / mok_comm_alloc_emulated returns kAllocOutOfMemory, the message naming the bytes asked
 // for and the device's free memory; Python adds the remedy (mok_jax/workspace/errors.py).
@@ -42,6 +43,7 @@
 #include "mok/comm/dispatch.cuh"
 #include "mok/comm/registry.h"
 #include "mok/moe/forward.cuh"
+#include "workspace_memory.h"
 
 namespace mok::comm {
 namespace {
@@ -52,12 +54,13 @@ struct RankEntry {
   CommShape shape{};
   SymLayout layout{};
   uint64_t timeout_ns = 0;
-  uint8_t* base = nullptr;
+  memory::Region region;  // the rank's own region
+  uint8_t* base = nullptr;  // region.ptr
   uint8_t** d_peer_bases = nullptr;
   uint64_t* host_error = nullptr;      // host address of the mapped words: [0] poison mirror, [1] call error
   uint64_t* host_error_dev = nullptr;  // their device address
   std::vector<uint8_t*> peers;
-  std::vector<bool> ipc_opened;
+  std::vector<memory::Region> imported;  // [ep]: peers' regions mapped into this process (empty: not mapped)
   bool connected = false;
   CommView view{};
 };
@@ -139,9 +142,8 @@ void free_entry(RankEntry& e) {
   DeviceGuard guard;
   cudaSetDevice(e.device);
   cudaDeviceSynchronize();
-  for (size_t p = 0; p < e.peers.size(); ++p)
-    if (e.ipc_opened[p] && e.peers[p] != nullptr) cudaIpcCloseMemHandle(e.peers[p]);
-  if (e.base) cudaFree(e.base);
+  for (memory::Region& r : e.imported) memory::release(&r);
+  memory::release(&e.region);
   if (e.d_peer_bases) cudaFree(e.d_peer_bases);
   if (e.host_error) cudaFreeHost(e.host_error);
   cudaGetLastError();  // teardown is best effort; never leave a sticky error for the next call
@@ -247,7 +249,8 @@ MOK_EXPORT int64_t mok_comm_workspace_bytes(int32_t ep, int32_t max_tokens, int3
   return int64_t(make_layout(s).total_bytes);
 }
 
-MOK_EXPORT int32_t mok_comm_ipc_handle_bytes() { return int32_t(sizeof(cudaIpcMemHandle_t)); }
+// The bytes of one rank's handle as the processes exchange it (memory::WireHandle; opaque to Python).
+MOK_EXPORT int32_t mok_comm_handle_bytes() { return memory::handle_bytes(); }
 
 namespace {
 
@@ -262,15 +265,16 @@ std::string free_memory_note(int device) {
          std::to_string(total_b >> 20) + " MiB free)";
 }
 
-// Allocates one rank's region, error words and peer table on `device`, preloads every kernel that spins
-// on a peer, and (want_ipc) exports an IPC handle of the region. Returns "" or why not; *out_of_memory
-// tells whether a CUDA call failed for want of device memory.
+// Allocates one rank's region (of memory kind `kind`), error words and peer table on `device`, preloads every
+// kernel that spins on a peer, and (handle_out) exports the region's handle. Returns "" or why not;
+// *out_of_memory tells whether a CUDA call failed for want of device memory.
 std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t rank, const CommShape& shape,
-                       double timeout_s, bool want_ipc, uint8_t* ipc_handle_out, bool shared_device,
+                       double timeout_s, memory::Kind kind, uint8_t* handle_out, bool shared_device,
                        bool* out_of_memory) {
   *out_of_memory = false;
   if (std::string why = validate_shape(shape, rank); !why.empty()) return why;
   if (!(timeout_s > 0.0)) return "timeout_s must be > 0";
+  if (*memory::kind_name(kind) == '\0') return "memory must be \"ipc\" or \"vmm\"";
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_closed.count(ws_id))
@@ -289,7 +293,7 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
   e->layout = make_layout(shape);
   e->timeout_ns = uint64_t(timeout_s * 1e9);
   e->peers.assign(shape.ep, nullptr);
-  e->ipc_opened.assign(shape.ep, false);
+  e->imported.assign(shape.ep, memory::Region{});
   auto fail = [&](const std::string& msg) {
     free_entry(*e);
     return msg;
@@ -306,8 +310,21 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
   };
   cudaError_t st = cudaSetDevice(device);
   if (st != cudaSuccess) return fail_cuda("cudaSetDevice(" + std::to_string(device) + ")", st);
-  if ((st = cudaMalloc(reinterpret_cast<void**>(&e->base), e->layout.total_bytes)) != cudaSuccess)
-    return fail_cuda("cudaMalloc of the " + std::to_string(e->layout.total_bytes) + "-byte workspace region", st);
+  {
+    bool oom = false;
+    // An emulated VMM workspace exports too: its ranks map each other's regions through the handles (connect).
+    const bool want_export = handle_out != nullptr || kind == memory::kMemoryVmm;
+    std::string why = memory::allocate(kind, device, e->layout.total_bytes, want_export, &e->region, &oom);
+    if (!why.empty()) {
+      if (oom) {
+        *out_of_memory = true;
+        cudaGetLastError();
+        why += free_memory_note(device);
+      }
+      return fail(why);
+    }
+    e->base = e->region.ptr;
+  }
   if ((st = cudaMemset(e->base, 0, e->layout.total_bytes)) != cudaSuccess) return fail_cuda("cudaMemset", st);
   if ((st = cudaMalloc(reinterpret_cast<void**>(&e->d_peer_bases), sizeof(uint8_t*) * shape.ep)) != cudaSuccess)
     return fail_cuda("cudaMalloc of the peer table", st);
@@ -322,10 +339,10 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
   if ((st = preload_combine_kernels()) != cudaSuccess) return fail_cuda("preloading combine kernels", st);
   if ((st = mok::moe::preload_forward_kernel()) != cudaSuccess)
     return fail_cuda("preloading the MoE forward kernel", st);
-  if (want_ipc) {
-    cudaIpcMemHandle_t h;
-    if ((st = cudaIpcGetMemHandle(&h, e->base)) != cudaSuccess) return fail_cuda("cudaIpcGetMemHandle", st);
-    std::memcpy(ipc_handle_out, &h, sizeof(h));
+  if (handle_out != nullptr) {
+    memory::WireHandle h;
+    if (std::string why = memory::export_handle(e->region, &h); !why.empty()) return fail(why);
+    std::memcpy(handle_out, &h, sizeof(h));
   }
   if ((st = cudaDeviceSynchronize()) != cudaSuccess) return fail_cuda("cudaDeviceSynchronize", st);
   std::lock_guard<std::mutex> lock(g_mu);
@@ -334,8 +351,10 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
 }
 
 // Fills e's peer table (g_mu held): a rank on the same device is reached directly, one on another device of
-// this process through peer access, one of another process through its IPC handle.
-std::string connect_entry(RankEntry& e, const uint8_t* ipc_handles) {
+// this process through peer access (cuMemSetAccess for a VMM region), one of another process by mapping its
+// handle (handles: [ep] memory::WireHandle). In an emulated VMM workspace a rank maps its peers' regions through
+// their handles too, so that one GPU runs the import path that other processes take.
+std::string connect_entry(RankEntry& e, const uint8_t* handles) {
   DeviceGuard guard;
   cudaError_t st = cudaSetDevice(e.device);
   if (st != cudaSuccess) return cuda_msg("cudaSetDevice", st);
@@ -349,7 +368,14 @@ std::string connect_entry(RankEntry& e, const uint8_t* ipc_handles) {
       const RankEntry& o = *kv.second;
       if (o.ws_id == e.ws_id && o.group == e.group && o.rank == p) local_peer = &o;
     }
-    if (local_peer != nullptr && local_peer->device == e.device) {
+    const std::string peer = "EP rank " + std::to_string(p);
+    if (local_peer != nullptr && local_peer->device == e.device && e.region.kind == memory::kMemoryVmm) {
+      memory::WireHandle h;
+      std::string why = memory::export_handle(local_peer->region, &h);
+      if (why.empty()) why = memory::import_handle(h, e.device, peer, &e.imported[p]);
+      if (!why.empty()) return why;
+      e.peers[p] = e.imported[p].ptr;
+    } else if (local_peer != nullptr && local_peer->device == e.device) {
       e.peers[p] = local_peer->base;
     } else if (local_peer != nullptr) {
       int can = 0;
@@ -357,23 +383,26 @@ std::string connect_entry(RankEntry& e, const uint8_t* ipc_handles) {
       if (!can)
         return "CUDA device " + std::to_string(e.device) + " cannot access device " +
                std::to_string(local_peer->device) + " as a peer (no NVLink/P2P path)";
-      st = cudaDeviceEnablePeerAccess(local_peer->device, 0);
-      if (st == cudaErrorPeerAccessAlreadyEnabled) {
-        cudaGetLastError();
-      } else if (st != cudaSuccess) {
-        return cuda_msg("cudaDeviceEnablePeerAccess", st);
+      if (local_peer->region.kind == memory::kMemoryVmm) {
+        if (std::string why = memory::grant_access(local_peer->region, e.device, peer); !why.empty()) return why;
+      } else {
+        st = cudaDeviceEnablePeerAccess(local_peer->device, 0);
+        if (st == cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+        } else if (st != cudaSuccess) {
+          return cuda_msg("cudaDeviceEnablePeerAccess", st);
+        }
       }
       e.peers[p] = local_peer->base;
     } else {
-      if (ipc_handles == nullptr)
-        return "EP rank " + std::to_string(p) + " is not in this process and no IPC handle was given";
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, ipc_handles + size_t(p) * sizeof(h), sizeof(h));
-      void* ptr = nullptr;
-      st = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
-      if (st != cudaSuccess) return cuda_msg("cudaIpcOpenMemHandle of EP rank " + std::to_string(p), st);
-      e.peers[p] = static_cast<uint8_t*>(ptr);
-      e.ipc_opened[p] = true;
+      if (handles == nullptr) return peer + " is not in this process and no handle was given";
+      memory::WireHandle h;
+      std::memcpy(&h, handles + size_t(p) * sizeof(h), sizeof(h));
+      if (h.type != memory::kHandleIpc && e.region.kind == memory::kMemoryIpc)
+        return peer + " sent a " + std::string(h.type == memory::kHandleFabric ? "FABRIC" : "VMM") +
+               " handle to a process whose workspace uses memory=\"ipc\": every process must pass the same memory";
+      if (std::string why = memory::import_handle(h, e.device, peer, &e.imported[p]); !why.empty()) return why;
+      e.peers[p] = e.imported[p].ptr;
     }
   }
   st = cudaMemcpy(e.d_peer_bases, e.peers.data(), sizeof(uint8_t*) * e.shape.ep, cudaMemcpyHostToDevice);
@@ -392,14 +421,15 @@ std::string connect_entry(RankEntry& e, const uint8_t* ipc_handles) {
 
 }  // namespace
 
+// memory: memory::Kind; want_handle: export the region's handle into handle_out (mok_comm_handle_bytes()).
 MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, int32_t rank, int32_t ep,
                                   int32_t max_tokens, int32_t hidden, int32_t top_k, int32_t num_experts,
-                                  double timeout_s, int32_t want_ipc, uint8_t* ipc_handle_out, char* err,
-                                  int32_t err_len) {
+                                  double timeout_s, int32_t memory, int32_t want_handle, uint8_t* handle_out,
+                                  char* err, int32_t err_len) {
   const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
   bool oom = false;
-  const std::string why = alloc_rank(ws_id, group, device, rank, shape, timeout_s, want_ipc != 0, ipc_handle_out,
-                                     /*shared_device=*/false, &oom);
+  const std::string why = alloc_rank(ws_id, group, device, rank, shape, timeout_s, memory::Kind(memory),
+                                     want_handle ? handle_out : nullptr, /*shared_device=*/false, &oom);
   if (why.empty()) return kAllocOk;
   set_err(err, err_len, why);
   return oom ? kAllocOutOfMemory : kAllocFailed;
@@ -408,12 +438,13 @@ MOK_EXPORT int32_t mok_comm_alloc(int64_t ws_id, int32_t group, int32_t device, 
 // An emulated workspace: all `ep` ranks of one EP group on one device, connected to each other.
 MOK_EXPORT int32_t mok_comm_alloc_emulated(int64_t ws_id, int32_t device, int32_t ep, int32_t max_tokens,
                                            int32_t hidden, int32_t top_k, int32_t num_experts, double timeout_s,
-                                           char* err, int32_t err_len) {
+                                           int32_t memory, char* err, int32_t err_len) {
   const CommShape shape{ep, max_tokens, hidden, top_k, num_experts};
   for (int r = 0; r < ep; ++r) {
     bool oom = false;
     const std::string why =
-        alloc_rank(ws_id, 0, device, r, shape, timeout_s, false, nullptr, /*shared_device=*/true, &oom);
+        alloc_rank(ws_id, 0, device, r, shape, timeout_s, memory::Kind(memory), nullptr, /*shared_device=*/true,
+                   &oom);
     if (!why.empty()) {
       set_err(err, err_len, "emulated rank " + std::to_string(r) + ": " + why);
       return oom ? kAllocOutOfMemory : kAllocFailed;
@@ -444,7 +475,22 @@ MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t
   return 1;
 }
 
-// Waits for each local device of the workspace and unmaps the peers this process opened through IPC.
+// What memory the workspace's first rank on `device` uses, in words: "ipc", or "vmm (FABRIC handles)", or "vmm
+// (POSIX descriptors; <why no FABRIC>)". 1 when there is no such rank.
+MOK_EXPORT int32_t mok_comm_memory_info(int64_t ws_id, int32_t device, char* out, int32_t out_len) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const std::vector<RankEntry*> found = entries_on(ws_id, device);
+  if (found.empty()) return 1;
+  const memory::Region& r = found[0]->region;
+  std::string what = memory::kind_name(r.kind);
+  if (r.kind == memory::kMemoryVmm)
+    what += r.handle_type == memory::kHandleFabric ? " (FABRIC handles)"
+                                                   : " (POSIX descriptors; " + r.fabric_note + ")";
+  set_err(out, out_len, what);
+  return 0;
+}
+
+// Waits for each local device of the workspace and unmaps the peers this process mapped (its imported regions).
 MOK_EXPORT int32_t mok_comm_release_peers(int64_t ws_id) {
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceGuard guard;
@@ -453,11 +499,8 @@ MOK_EXPORT int32_t mok_comm_release_peers(int64_t ws_id) {
     if (e.ws_id != ws_id) continue;
     cudaSetDevice(e.device);
     cudaDeviceSynchronize();
-    for (size_t p = 0; p < e.peers.size(); ++p) {
-      if (e.ipc_opened[p] && e.peers[p] != nullptr) cudaIpcCloseMemHandle(e.peers[p]);
-      e.ipc_opened[p] = false;
-      e.peers[p] = nullptr;
-    }
+    for (memory::Region& r : e.imported) memory::release(&r);
+    for (uint8_t*& peer : e.peers) peer = nullptr;
     e.connected = false;
   }
   cudaGetLastError();

@@ -173,11 +173,23 @@ def _agreed_id(ws_id: int, processes=None, timeout_s: float = exchange.EXCHANGE_
     return exchange.agree_id(ws_id, process=jax.process_index(), processes=procs, timeout_s=timeout_s)
 
 
-def _fingerprint(config: CommConfig, groups_shape: tuple, handle_bytes: int) -> str:
+def _fingerprint(config: CommConfig, groups_shape: tuple, handle_bytes: int, memory: str = "ipc") -> str:
     """What every process of a workspace must agree on, as the handle exchange compares it."""
     return (f"ep={config.ep} groups={groups_shape[0]} max_tokens={config.max_tokens} "
             f"hidden_size={config.hidden_size} top_k={config.top_k} num_experts={config.num_experts} "
-            f"timeout_s={config.timeout_s:g} handle_bytes={handle_bytes}")
+            f"timeout_s={config.timeout_s:g} handle_bytes={handle_bytes} memory={memory}")
+
+
+# The memory behind a workspace region (ffi/src/workspace_memory.h): "ipc", cudaMalloc exported as CUDA IPC handles
+# (one host); "vmm", CUDA virtual memory management exported as FABRIC handles where the driver supports them and an
+# IMEX channel is open (the form that crosses the hosts of an NVL72 rack), else as POSIX file descriptors (one host).
+MEMORY_KINDS = {"ipc": 0, "vmm": 1}
+
+
+def _memory_arg(what: str, memory) -> int:
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"{what}: memory must be one of {sorted(MEMORY_KINDS)}, got {memory!r}")
+    return MEMORY_KINDS[memory]
 
 
 def _spans_processes(devices) -> bool:
@@ -238,13 +250,17 @@ class Workspace:
     @classmethod
     def create(cls, mesh: jax.sharding.Mesh, axis_name: str = "ep", *, max_tokens: int, hidden_size: int,
                top_k: int, num_experts: int, dtype=jnp.bfloat16, timeout_s: float = 10.0,
-               kernel: KernelConfig | None = None, **removed) -> "Workspace":
+               kernel: KernelConfig | None = None, memory: str = "ipc", **removed) -> "Workspace":
         """Allocate and connect the workspace on every local device of the mesh. When the mesh spans
         processes it is collective: every process must call it, in the same order as its other workspaces
         (they agree on process 0's id). Raises :class:`WorkspaceMemoryError` when a GPU lacks the memory.
 
-        kernel: the comm ops' default tuning (None: ``KernelConfig()``); see :class:`CommConfig`."""
+        kernel: the comm ops' default tuning (None: ``KernelConfig()``); see :class:`CommConfig`.
+        memory: what backs each rank's region (``MEMORY_KINDS``): "ipc" (cudaMalloc and CUDA IPC handles, one host)
+        or "vmm" (CUDA VMM: FABRIC handles where the driver and an IMEX channel allow, else POSIX descriptors
+        within one host). Every process must pass the same; :attr:`memory` says what was used."""
         kernel = _kernel_arg("Workspace.create", kernel, removed)
+        memory_kind = _memory_arg("Workspace.create", memory)
         if jnp.dtype(dtype) != jnp.bfloat16:
             raise NotImplementedError(f"Workspace: only bfloat16 rows are supported, got {jnp.dtype(dtype)}")
         groups = ep_groups(mesh, axis_name)
@@ -259,7 +275,7 @@ class Workspace:
         procs = sorted({d.process_index for d in groups.flat})
         setup_s = max(config.timeout_s, exchange.EXCHANGE_TIMEOUT_S)  # the set-up's deadline across processes
         ws_id = _agreed_id(_new_id(), procs, setup_s) if multi else _new_id()
-        hbytes = int(lib.mok_comm_ipc_handle_bytes())
+        hbytes = int(lib.mok_comm_handle_bytes())
         handles = np.zeros((*groups.shape, hbytes), np.uint8)
         local: list[_LocalRank] = []
         err = ctypes.create_string_buffer(1024)
@@ -274,7 +290,8 @@ class Workspace:
                         out = np.zeros(hbytes, np.uint8)
                         rc = lib.mok_comm_alloc(ws_id, g, lr.ordinal, r, config.ep, config.max_tokens,
                                                 config.hidden_size, config.top_k, config.num_experts,
-                                                config.timeout_s, int(multi), out.ctypes.data, err, len(err))
+                                                config.timeout_s, memory_kind, int(multi), out.ctypes.data, err,
+                                                len(err))
                         where = f"Workspace.create: rank {r} of group {g} on {d}"
                         if rc == _ALLOC_OUT_OF_MEMORY:
                             raise WorkspaceMemoryError(_out_of_memory_message(where, config.workspace_bytes(),
@@ -289,7 +306,7 @@ class Workspace:
                 # Every process publishes its record, also one whose allocation failed: its peers then raise
                 # instead of waiting for it; one that never publishes is named after the exchange's deadline.
                 theirs = exchange.exchange_handles(
-                    ws_id, process=me, processes=procs, fingerprint=_fingerprint(config, groups.shape, hbytes),
+                    ws_id, process=me, processes=procs, fingerprint=_fingerprint(config, groups.shape, hbytes, memory),
                     handles={(lr.group, lr.rank): handles[lr.group, lr.rank].tobytes() for lr in local},
                     failure=None if failure is None else str(failure),
                     ranks=[(g, r) for g in range(groups.shape[0]) for r in range(groups.shape[1])],
@@ -318,12 +335,15 @@ class Workspace:
     @classmethod
     def create_emulated(cls, device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
                         num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
-                        **removed) -> "Workspace":
+                        memory: str = "ipc", **removed) -> "Workspace":
         """All ``ep`` ranks of one EP group on one GPU, each with its own region, connected to each other:
         the one-GPU emulation (docs/design.md, "EP on one GPU (emulation)"). Only the megakernel runs on
         it (``mok_jax.emulation``); the standalone comm ops need one rank per device, so ``kernel`` (kept
-        in :class:`CommConfig` like :meth:`create`'s) sets nothing that runs here."""
+        in :class:`CommConfig` like :meth:`create`'s) sets nothing that runs here. memory: as :meth:`create`'s;
+        with "vmm" each rank maps its peers' regions through their exported handles, the path another process
+        takes, so one GPU runs it."""
         kernel = _kernel_arg("Workspace.create_emulated", kernel, removed)
+        memory_kind = _memory_arg("Workspace.create_emulated", memory)
         config = CommConfig(ep=ep, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k,
                             num_experts=num_experts, timeout_s=float(timeout_s), kernel=kernel)
         if device.platform != "gpu":
@@ -333,7 +353,7 @@ class Workspace:
         err = ctypes.create_string_buffer(1024)
         ordinal = int(device.local_hardware_id)
         rc = lib.mok_comm_alloc_emulated(ws_id, ordinal, ep, max_tokens, hidden_size, top_k, num_experts,
-                                         config.timeout_s, err, len(err))
+                                         config.timeout_s, memory_kind, err, len(err))
         if rc != 0:
             lib.mok_comm_release_peers(ws_id)
             lib.mok_comm_free(ws_id)
@@ -378,6 +398,17 @@ class Workspace:
     def spans_processes(self) -> bool:
         """Whether the workspace's mesh holds devices of other processes (its create and close are collective)."""
         return self.mesh is not None and _spans_processes(np.asarray(self.mesh.devices).flat)
+
+    @property
+    def memory(self) -> str | None:
+        """What backs this process's first rank, in words: "ipc", "vmm (FABRIC handles)" or "vmm (POSIX descriptors;
+        why not FABRIC)"; None when it holds no rank or is closed."""
+        if not self._local or self._closed:
+            return None
+        buf = ctypes.create_string_buffer(512)
+        if _lib().mok_comm_memory_info(self.id, self._local[0].ordinal, buf, len(buf)) != 0:
+            return None
+        return buf.value.decode()
 
     @property
     def device_kind(self) -> str | None:

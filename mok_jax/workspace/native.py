@@ -21,9 +21,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, i64, u64, p = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
         lib.mok_comm_workspace_bytes.argtypes = [i32] * 5
         lib.mok_comm_workspace_bytes.restype = i64
-        lib.mok_comm_ipc_handle_bytes.argtypes = []
-        lib.mok_comm_ipc_handle_bytes.restype = i32
-        lib.mok_comm_alloc.argtypes = [i64, i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_double, i32, p, p, i32]
+        lib.mok_comm_handle_bytes.argtypes = []
+        lib.mok_comm_handle_bytes.restype = i32
+        lib.mok_comm_alloc.argtypes = [i64, i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_double, i32, i32, p, p,
+                                       i32]
         lib.mok_comm_alloc.restype = i32
         lib.mok_comm_connect.argtypes = [i64, i32, p, p, i32]
         lib.mok_comm_connect.restype = i32
@@ -39,8 +40,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_comm_lookup_error.restype = i32
         lib.mok_comm_read_state.argtypes = [i64, i32, p]
         lib.mok_comm_read_state.restype = i32
-        lib.mok_comm_alloc_emulated.argtypes = [i64, i32, i32, i32, i32, i32, i32, ctypes.c_double, p, i32]
+        lib.mok_comm_alloc_emulated.argtypes = [i64, i32, i32, i32, i32, i32, i32, ctypes.c_double, i32, p, i32]
         lib.mok_comm_alloc_emulated.restype = i32
+        lib.mok_comm_memory_info.argtypes = [i64, i32, p, i32]
+        lib.mok_comm_memory_info.restype = i32
         lib.mok_moe_error_words.argtypes = [i64, i32, i32, p]
         lib.mok_moe_error_words.restype = i32
         lib.mok_moe_clear_call_error.argtypes = [i64, i32]
