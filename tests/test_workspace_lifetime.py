@@ -387,8 +387,28 @@ def test_create_spanning_processes_agrees_on_id_and_exchanges_handles(fake, monk
     assert store.barriers == [(f"mok_comm_workspace_{agreed}_exchanged", (0, 1)),
                               (f"mok_comm_workspace_{agreed}_connected", (0, 1))]
     assert store.deleted == [exchange.key(agreed, 0)]  # its record, once every process has read it
-    ws.close()
-    assert barriers == [f"mok_comm_workspace_{agreed}_released"] and fake.names()[-2:] == ["release", "free"]
+    ws.close()  # released, then the barrier through the store, then freed: no device collective
+    assert store.barriers[-1] == (f"mok_comm_workspace_{agreed}_released", (0, 1)) and barriers == []
+    assert fake.names()[-2:] == ["release", "free"]
+
+
+def test_close_spanning_processes_keeps_its_regions_when_a_peer_never_releases(fake, monkeypatch):
+    """A peer that never reaches close's barrier: this process raises, naming the barrier, after releasing its peer
+    mappings, and does not free its own regions (the peer may still map them)."""
+    from mok_jax.workspace import CommError
+
+    agreed = (7 << 24) | 4
+    barriers, store = _fake_processes(monkeypatch, "ok", agreed_id=agreed)
+    ws = _create(_SPANNING)
+
+    def never(name, timeout_in_ms, process_ids=None):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {name} timed out")
+
+    store.wait_at_barrier = never
+    with pytest.raises(CommError, match=rf"Workspace.close: not every process of \[0, 1\] reached "
+                                        rf"'mok_comm_workspace_{agreed}_released' within 120 s.*stay allocated"):
+        ws.close()
+    assert fake.names()[-1] == "release" and "free" not in fake.names() and ws.closed and barriers == []
 
 
 def test_create_spanning_processes_raises_when_a_peer_failed(fake, monkeypatch):

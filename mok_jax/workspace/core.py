@@ -369,7 +369,8 @@ class Workspace:
         """Free every device allocation and remove the id from the native registry; a program still
         compiled against this workspace then fails with an error saying it was closed. Waits first for the
         work already dispatched to the local devices. Idempotent; drops the workspace from the layer's
-        cache. Collective across processes when the mesh spans processes, like :meth:`create`."""
+        cache. Collective across processes when the mesh spans processes, like :meth:`create`: every process must
+        close it, within the set-up's deadline, or each that did raises CommError naming the barrier."""
         if self._closed:
             return
         self._closed = True
@@ -379,9 +380,13 @@ class Workspace:
         _drain({lr.device for lr in self._local})
         lib.mok_comm_release_peers(self.id)
         if self.spans_processes:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"mok_comm_workspace_{self.id}_released")
+            # Every process has unmapped its peers before any frees its own regions; bounded like the set-up. A
+            # process that never comes leaves this one's regions allocated: it may still map them.
+            procs = sorted({d.process_index for d in np.asarray(self.mesh.devices).flat})
+            exchange.barrier(f"mok_comm_workspace_{self.id}_released", processes=procs,
+                             timeout_s=max(self.config.timeout_s, exchange.EXCHANGE_TIMEOUT_S), what="Workspace.close",
+                             consequence="this process's regions stay allocated until it exits (a peer may still "
+                                         "map them); its peer mappings are released")
         lib.mok_comm_free(self.id)
 
     def __enter__(self) -> "Workspace":

@@ -83,16 +83,17 @@ def agree_id(ws_id: int, *, process: int, processes: Iterable[int], timeout_s: f
                         f"causes this") from None
 
 
-def barrier(name: str, *, processes: Iterable[int], timeout_s: float, client=None) -> None:
-    """Every one of ``processes`` reaches ``name`` within ``timeout_s``, or each that did raises CommError."""
+def barrier(name: str, *, processes: Iterable[int], timeout_s: float, client=None, what: str = "Workspace.create",
+            consequence: str = "no rank of this process stays connected") -> None:
+    """Every one of ``processes`` reaches ``name`` within ``timeout_s``, or each that did raises CommError (``what``
+    names the caller, ``consequence`` what the failure leaves)."""
     client = _client() if client is None else client
     procs = sorted(set(processes))
     try:
         client.wait_at_barrier(name, max(1, int(timeout_s * 1000)), procs)
     except Exception as e:  # noqa: BLE001 - the store's error type is jaxlib's
-        raise CommError(f"Workspace.create: not every process of {procs} reached {name!r} within {timeout_s:g} s "
-                        f"(one failed, or never came: its own error says why); no rank of this process stays "
-                        f"connected: {e}") from e
+        raise CommError(f"{what}: not every process of {procs} reached {name!r} within {timeout_s:g} s "
+                        f"(one failed, or never came: its own error says why); {consequence}: {e}") from e
 
 
 def _set(client, name: str, value: str) -> None:
