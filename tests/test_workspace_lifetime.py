@@ -475,9 +475,10 @@ def test_layer_cache_supersedes_lists_and_closes(fake, monkeypatch, cpu_devices)
 
     made = []
 
-    def fake_create(mesh, axis_name="ep", **kw):
+    def fake_create(mesh, axis_name="ep", memory="ipc", **kw):
         ws = w.Workspace(ws_id=wcore._new_id(), config=w.CommConfig(ep=mesh.shape[axis_name], **kw), mesh=mesh,
                          axis_name=axis_name, local=[])
+        ws.fake_memory = memory
         made.append(ws)
         return ws
 
@@ -494,9 +495,13 @@ def test_layer_cache_supersedes_lists_and_closes(fake, monkeypatch, cpu_devices)
     assert w.cached_workspaces() == [a, b, c]
     b.close()
     assert w.cached_workspaces() == [a, c] and get(64) is not b  # a new one replaces the closed b
-    assert w.close_cached_workspaces() == 3 and all(ws.closed for ws in made)
+    v = w.moe_workspace(mesh, "ep", max_tokens=64, hidden_size=128, top_k=2, num_experts=4, memory="vmm")
+    assert v is not c and v.fake_memory == "vmm" and c.fake_memory == "ipc"  # each memory kind its own workspace
+    with pytest.raises(ValueError, match=r"moe_workspace: memory must be one of \['ipc', 'vmm'\], got 'cuda'"):
+        w.moe_workspace(mesh, "ep", max_tokens=64, hidden_size=128, top_k=2, num_experts=4, memory="cuda")
+    assert w.close_cached_workspaces() == 4 and all(ws.closed for ws in made)
     assert w.cached_workspaces() == [] and w.close_cached_workspaces() == 0
-    assert [n for n in fake.names()] == ["release", "free"] * 4
+    assert [n for n in fake.names()] == ["release", "free"] * 5
     assert sorted(c[1] for c in fake.calls if c[0] == "free") == sorted(ws.id for ws in made)
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from mok_jax.config import KernelConfig
-from mok_jax.workspace.core import Workspace, _kernel_arg, _on_close
+from mok_jax.workspace.core import Workspace, _kernel_arg, _memory_arg, _on_close
 from mok_jax.workspace.errors import CommError
 
 __all__ = ["cached_workspaces", "close_cached_workspaces", "emulated_workspace", "local_workspace", "moe_workspace"]
@@ -63,20 +63,23 @@ def close_cached_workspaces() -> int:
 
 
 def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, hidden_size: int, top_k: int,
-                  num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None,
+                  num_experts: int, timeout_s: float = 10.0, kernel: KernelConfig | None = None, memory: str = "ipc",
                   **removed) -> Workspace:
     """The workspace the megakernel uses over ``mesh[axis_name]`` for this shape (created on first use,
     outside jit: call it before tracing, as ``mok_jax.expert_parallel_moe`` does).
 
     kernel only sets the standalone comm ops' defaults (:class:`CommConfig`): the megakernel takes its
     resolved KernelConfig per call (``mok_jax.ops.moe_forward``), so its callers leave it None and share one
-    workspace; each other kernel config gets a workspace of its own."""
+    workspace; each other kernel config gets a workspace of its own. memory: what backs the regions, as
+    :meth:`Workspace.create`'s ("ipc" or "vmm"); each kind gets a workspace of its own."""
     kernel = _kernel_arg("moe_workspace", kernel, removed)
+    _memory_arg("moe_workspace", memory)
     key = ("mesh", tuple(d.id for d in np.asarray(mesh.devices).flat), tuple(mesh.axis_names),
-           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts, timeout_s, kernel)
+           tuple(np.asarray(mesh.devices).shape), axis_name, hidden_size, top_k, num_experts, timeout_s, kernel,
+           memory)
     return _cached(key, max_tokens, lambda: Workspace.create(
         mesh, axis_name, max_tokens=max_tokens, hidden_size=hidden_size, top_k=top_k, num_experts=num_experts,
-        timeout_s=timeout_s, kernel=kernel))
+        timeout_s=timeout_s, kernel=kernel, memory=memory))
 
 
 def local_workspace(*, max_tokens: int, hidden_size: int, top_k: int, num_experts: int,
