@@ -214,7 +214,7 @@ class FakeMesh:
 class FakeLib:
     """Records the native calls; alloc_rc[ordinal] (default 0) is what mok_comm_alloc returns there."""
 
-    HANDLE_BYTES = 96
+    HANDLE_BYTES = 104
 
     def __init__(self, alloc_rc=None, emulated_rc=0):
         self.calls: list[tuple] = []
@@ -225,7 +225,7 @@ class FakeLib:
         return self.HANDLE_BYTES
 
     def mok_comm_alloc(self, ws_id, g, ordinal, r, ep, T, H, k, E, timeout, memory, want_handle, out, err, err_len):
-        self.calls.append(("alloc", ws_id, ordinal, r, want_handle))
+        self.calls.append(("alloc", ws_id, ordinal, r, want_handle) + ((memory,) if memory else ()))
         rc = self.alloc_rc.get(ordinal, 0)
         if rc:
             err.value = (b"cudaMalloc of the N-byte workspace region: cudaErrorMemoryAllocation (out of memory) "
@@ -409,6 +409,36 @@ def test_close_spanning_processes_keeps_its_regions_when_a_peer_never_releases(f
                                         rf"'mok_comm_workspace_{agreed}_released' within 120 s.*stay allocated"):
         ws.close()
     assert fake.names()[-1] == "release" and "free" not in fake.names() and ws.closed and barriers == []
+
+
+def test_create_and_close_spanning_processes_with_vmm_memory(fake, monkeypatch):
+    """memory="vmm" reaches the library's alloc (kind 1) and the exchange's fingerprint (a peer that made its ranks
+    with "ipc" is refused there); a close whose barrier times out frees the VMM regions all the same."""
+    import json
+
+    from mok_jax.workspace import CommError, exchange
+
+    agreed = (7 << 24) | 5
+    barriers, store = _fake_processes(monkeypatch, "ok", agreed_id=agreed)
+    with pytest.raises(CommError, match=r"memory=ipc.*memory=vmm|memory=vmm.*memory=ipc"):
+        _create(_SPANNING, memory="vmm")  # the peer's record (ipc) does not match
+    assert fake.calls[0] == ("alloc", agreed, 0, 0, 1, 1) and fake.names()[-2:] == ["release", "free"]
+    agreed = (7 << 24) | 6
+    fake.calls.clear()
+    barriers, store = _fake_processes(monkeypatch, "ok", agreed_id=agreed)
+    record = json.loads(store.values[exchange.key(agreed, 1)])
+    record["fingerprint"] = record["fingerprint"].replace("memory=ipc", "memory=vmm")
+    store.values[exchange.key(agreed, 1)] = json.dumps(record)
+    ws = _create(_SPANNING, memory="vmm")
+    assert ws.memory_kind == "vmm" and fake.calls[0] == ("alloc", agreed, 0, 0, 1, 1)
+
+    def never(name, timeout_in_ms, process_ids=None):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {name} timed out")
+
+    store.wait_at_barrier = never
+    with pytest.raises(CommError, match=r"released' within 120 s.*VMM regions freed"):
+        ws.close()
+    assert fake.names()[-2:] == ["release", "free"]
 
 
 def test_create_spanning_processes_raises_when_a_peer_failed(fake, monkeypatch):

@@ -6,14 +6,18 @@ process takes, so the forward megakernel's and the fused backward's communicatio
 - The forward y and every gradient of the fused EP backward have the bits of the same calls on a cudaMalloc ("ipc")
   workspace, at EP 2 and 4, on fresh random inputs (the seed is printed; MOK_TEST_SEED draws them again).
 - The data path alone (identity experts) equals the numpy oracle bit for bit on the VMM workspace.
-- The workspace says what it used: "vmm (FABRIC handles)" or "vmm (POSIX descriptors; why not FABRIC)".
-- Closing it unmaps and frees everything: a new VMM workspace of the same shape follows, and a bad ``memory`` is a
-  ValueError naming the argument before anything is allocated.
+- The workspace says what it used: "vmm (FABRIC handles)" or "vmm (POSIX descriptors; why not FABRIC)", and that
+  each rank maps its ep - 1 peers through their handles (not through the peers' own pointers).
+- Closing it unmaps and frees everything: the native registry no longer knows it, the process holds no more file
+  descriptors than before (the exported ones are closed), a new VMM workspace of the same shape follows, and a bad
+  ``memory`` is a ValueError naming the argument before anything is allocated.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 import jax
 import numpy as np
@@ -51,15 +55,17 @@ def test_vmm_workspace_gives_the_bits_of_the_cudamalloc_one(ep):
     for memory in ("ipc", "vmm"):
         with _workspace(memory, ep, tokens, shape) as ws:
             if memory == "vmm":
-                assert ws.memory.startswith("vmm ("), ws.memory
+                assert ws.memory.startswith("vmm (") and f"; {ep - 1} peer region(s) mapped" in ws.memory, ws.memory
             else:
-                assert ws.memory == "ipc", ws.memory
+                assert ws.memory == "ipc; 0 peer region(s) mapped through handles", ws.memory
             y, status = emulated_moe(x, idx, w, W, ep=ep, workspace=ws)
             assert not np.asarray(status).any(), f"{memory}: status {np.asarray(status)}"
             grads = emulated_moe_backward(x, idx, w, W, dy, ep=ep, workspace=ws, fused=True)
             results[memory] = [_bits(y)] + [_bits(g) for g in jax.tree.leaves(grads)]
+    assert len(results["ipc"]) == len(results["vmm"]) > 3
     names = ["y"] + [f"gradient {i}" for i in range(len(results["ipc"]) - 1)]
     for name, a, b in zip(names, results["ipc"], results["vmm"]):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
         rows = np.where((a != b).reshape(a.shape[0], -1).any(1))[0]
         assert rows.size == 0, f"EP {ep}: {name} differs on the VMM workspace in rows {rows[:8].tolist()}"
 
@@ -79,11 +85,18 @@ def test_vmm_workspace_data_path_matches_the_oracle():
 
 
 def test_vmm_workspace_closes_and_a_new_one_follows():
+    from mok_jax.workspace import native
+
+    lib = native._host_lib()
     shape = layer_shape(8, 128, 128, 2)
-    for _ in range(3):  # unmapped and freed each time: the same shape again, no growth, no error
+    fds = len(os.listdir("/proc/self/fd"))
+    buf = ctypes.create_string_buffer(512)
+    for _ in range(3):  # unmapped and freed each time: the same shape again, no error
         ws = _workspace("vmm", 2, 64, shape)
-        assert ws.memory.startswith("vmm")
+        assert ws.memory.startswith("vmm") and "; 1 peer region(s) mapped" in ws.memory, ws.memory
+        ordinal = int(jax.devices("gpu")[0].local_hardware_id)
         ws.close()
-        assert ws.memory is None
+        assert lib.mok_comm_memory_info(ws.id, ordinal, buf, len(buf)) == 1  # the registry no longer holds it
+    assert len(os.listdir("/proc/self/fd")) == fds  # every exported descriptor closed
     with pytest.raises(ValueError, match="memory must be one of"):
         _workspace("nvshmem", 2, 64, shape)

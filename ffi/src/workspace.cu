@@ -313,7 +313,7 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
   {
     bool oom = false;
     // An emulated VMM workspace exports too: its ranks map each other's regions through the handles (connect).
-    const bool want_export = handle_out != nullptr || kind == memory::kMemoryVmm;
+    const bool want_export = handle_out != nullptr || (kind == memory::kMemoryVmm && shared_device);
     std::string why = memory::allocate(kind, device, e->layout.total_bytes, want_export, &e->region, &oom);
     if (!why.empty()) {
       if (oom) {
@@ -355,6 +355,7 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
 // handle (handles: [ep] memory::WireHandle). In an emulated VMM workspace a rank maps its peers' regions through
 // their handles too, so that one GPU runs the import path that other processes take.
 std::string connect_entry(RankEntry& e, const uint8_t* handles) {
+  if (e.connected) return "EP rank " + std::to_string(e.rank) + " is connected already";
   DeviceGuard guard;
   cudaError_t st = cudaSetDevice(e.device);
   if (st != cudaSuccess) return cuda_msg("cudaSetDevice", st);
@@ -372,7 +373,7 @@ std::string connect_entry(RankEntry& e, const uint8_t* handles) {
     if (local_peer != nullptr && local_peer->device == e.device && e.region.kind == memory::kMemoryVmm) {
       memory::WireHandle h;
       std::string why = memory::export_handle(local_peer->region, &h);
-      if (why.empty()) why = memory::import_handle(h, e.device, peer, &e.imported[p]);
+      if (why.empty()) why = memory::import_handle(h, e.device, e.layout.total_bytes, peer, &e.imported[p]);
       if (!why.empty()) return why;
       e.peers[p] = e.imported[p].ptr;
     } else if (local_peer != nullptr && local_peer->device == e.device) {
@@ -398,10 +399,13 @@ std::string connect_entry(RankEntry& e, const uint8_t* handles) {
       if (handles == nullptr) return peer + " is not in this process and no handle was given";
       memory::WireHandle h;
       std::memcpy(&h, handles + size_t(p) * sizeof(h), sizeof(h));
-      if (h.type != memory::kHandleIpc && e.region.kind == memory::kMemoryIpc)
-        return peer + " sent a " + std::string(h.type == memory::kHandleFabric ? "FABRIC" : "VMM") +
-               " handle to a process whose workspace uses memory=\"ipc\": every process must pass the same memory";
-      if (std::string why = memory::import_handle(h, e.device, peer, &e.imported[p]); !why.empty()) return why;
+      const bool peer_ipc = h.type == memory::kHandleIpc;
+      if (peer_ipc != (e.region.kind == memory::kMemoryIpc))
+        return peer + "'s workspace uses memory=\"" + (peer_ipc ? "ipc" : "vmm") + "\" and this one memory=\"" +
+               memory::kind_name(e.region.kind) + "\": every process must pass the same memory";
+      if (std::string why = memory::import_handle(h, e.device, e.layout.total_bytes, peer, &e.imported[p]);
+          !why.empty())
+        return why;
       e.peers[p] = e.imported[p].ptr;
     }
   }
@@ -476,7 +480,8 @@ MOK_EXPORT int32_t mok_comm_connect(int64_t ws_id, int32_t device, const uint8_t
 }
 
 // What memory the workspace's first rank on `device` uses, in words: "ipc", or "vmm (FABRIC handles)", or "vmm
-// (POSIX descriptors; <why no FABRIC>)". 1 when there is no such rank.
+// (POSIX descriptors; <why no FABRIC>)", then how many of its peers it maps through their handles. 1 when there is
+// no such rank.
 MOK_EXPORT int32_t mok_comm_memory_info(int64_t ws_id, int32_t device, char* out, int32_t out_len) {
   std::lock_guard<std::mutex> lock(g_mu);
   const std::vector<RankEntry*> found = entries_on(ws_id, device);
@@ -485,7 +490,11 @@ MOK_EXPORT int32_t mok_comm_memory_info(int64_t ws_id, int32_t device, char* out
   std::string what = memory::kind_name(r.kind);
   if (r.kind == memory::kMemoryVmm)
     what += r.handle_type == memory::kHandleFabric ? " (FABRIC handles)"
-                                                   : " (POSIX descriptors; " + r.fabric_note + ")";
+            : r.handle_type == memory::kHandlePosixFd ? " (POSIX descriptors; " + r.fabric_note + ")"
+                                                      : " (not exported; " + r.fabric_note + ")";
+  int mapped = 0;  // peers reached through a mapping of their exported handle
+  for (const memory::Region& m : found[0]->imported) mapped += m.ptr != nullptr;
+  what += "; " + std::to_string(mapped) + " peer region(s) mapped through handles";
   set_err(out, out_len, what);
   return 0;
 }

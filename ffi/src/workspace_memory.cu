@@ -4,6 +4,7 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -78,8 +79,14 @@ std::string rt_msg(const std::string& what, cudaError_t e) {
   return what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
-// Which host this process runs on: the FNV-1a hash of the kernel's boot id (of the host name where it cannot be
-// read). Two processes with the same value share the host's process ids and file descriptors.
+uint64_t fnv1a(const char* p, size_t n, uint64_t h = 1469598103934665603ull) {
+  for (size_t i = 0; i < n; ++i) h = (h ^ uint8_t(p[i])) * 1099511628211ull;
+  return h;
+}
+
+// Whose process ids this process sees: the FNV-1a hash of the kernel's boot id (the host name where it cannot be
+// read) and of its pid namespace. Two processes with the same value can name each other's descriptors by pid (two
+// containers of one host share the boot id, not the pid namespace).
 uint64_t host_id() {
   static const uint64_t id = [] {
     char buf[256] = {};
@@ -89,9 +96,23 @@ uint64_t host_id() {
       std::fclose(f);
     }
     if (n == 0 && gethostname(buf, sizeof(buf) - 1) == 0) n = std::strlen(buf);
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; ++i) h = (h ^ uint8_t(buf[i])) * 1099511628211ull;
-    return h;
+    uint64_t h = fnv1a(buf, n);
+    char ns[128] = {};
+    const ssize_t m = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+    return m > 0 ? fnv1a(ns, size_t(m), h) : h;
+  }();
+  return id;
+}
+
+// A value drawn once per process (a handle with it comes from this very process, whatever its pid reads).
+uint64_t process_id() {
+  static const uint64_t id = [] {
+    uint64_t v = 0;
+    if (FILE* f = std::fopen("/dev/urandom", "rb")) {
+      if (std::fread(&v, sizeof(v), 1, f) != 1) v = 0;
+      std::fclose(f);
+    }
+    return v ^ (uint64_t(getpid()) << 32) ^ uint64_t(reinterpret_cast<uintptr_t>(&v));
   }();
   return id;
 }
@@ -131,27 +152,34 @@ std::string map_for(CUmemGenericAllocationHandle h, int device, size_t align, Re
   return "";
 }
 
-// A descriptor of process `pid` (same host), duplicated into this one.
-std::string take_descriptor(int32_t pid, int32_t fd, const std::string& peer, int* out) {
-  if (pid == int32_t(getpid())) {
-    *out = dup(fd);
-    if (*out < 0) return "dup of " + peer + "'s descriptor: " + std::strerror(errno);
+// A descriptor of process `pid` (same host and pid namespace; `local`: this very process), duplicated into this one.
+std::string take_descriptor(bool local, int32_t pid, int32_t fd, const std::string& peer, int* out) {
+  if (local) {
+    *out = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (*out < 0) {
+      const int err = errno;
+      return "dup of " + peer + "'s descriptor: " + std::strerror(err);
+    }
     return "";
   }
 #if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
   const long pidfd = syscall(SYS_pidfd_open, pid, 0);
-  if (pidfd < 0)
-    return "pidfd_open of process " + std::to_string(pid) + " (" + peer + "): " + std::strerror(errno) +
-           (errno == ESRCH ? " (the process is gone)" : "");
+  if (pidfd < 0) {
+    const int err = errno;
+    return "pidfd_open of process " + std::to_string(pid) + " (" + peer + "): " + std::strerror(err) +
+           (err == ESRCH ? " (the process is gone)" : "");
+  }
   const long got = syscall(SYS_pidfd_getfd, int(pidfd), fd, 0);
   const int err = errno;
   close(int(pidfd));
   if (got < 0)
     return "pidfd_getfd of " + peer + "'s memory descriptor in process " + std::to_string(pid) + ": " +
            std::strerror(err) +
-           (err == EPERM ? " (the kernel's ptrace policy forbids taking another process's descriptors: run the "
-                           "ranks' processes as one user without Yama ptrace restrictions, or use FABRIC handles)"
-                         : "");
+           (err == EPERM || err == ENOSYS
+                ? " (taking another process's descriptor needs ptrace permission over it: Yama's ptrace_scope 0 or "
+                  "CAP_SYS_PTRACE, and a seccomp profile that allows pidfd_getfd; or use FABRIC handles, or "
+                  "memory=\"ipc\" within one host)"
+                : "");
   *out = int(got);
   return "";
 #else
@@ -190,9 +218,10 @@ std::string allocate(Kind kind, int device, size_t bytes, bool want_export, Regi
   CUresult rc = d.device_get(&dev, device);
   if (rc != CUDA_SUCCESS) return cu_msg("cuDeviceGet(" + std::to_string(device) + ")", rc);
   int vmm = 0, fabric = 0;
-  d.device_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+  if ((rc = d.device_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev)) != CUDA_SUCCESS)
+    return cu_msg("cuDeviceGetAttribute (virtual memory management)", rc);
   if (!vmm) return "CUDA device " + std::to_string(device) + " does not support virtual memory management";
-  d.device_attribute(&fabric, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev);
+  if (d.device_attribute(&fabric, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, dev) != CUDA_SUCCESS) fabric = 0;
   // FABRIC first (it crosses hosts and also serves one host); without it, a POSIX descriptor (one host).
   CUmemGenericAllocationHandle h = 0;
   size_t align = 0;
@@ -205,8 +234,20 @@ std::string allocate(Kind kind, int device, size_t bytes, bool want_export, Regi
     out->bytes = (bytes + align - 1) / align * align;
     rc = d.create(&h, out->bytes, &prop, 0);
     if (rc == CUDA_SUCCESS) {
-      allocated = true;
-      out->handle_type = kHandleFabric;
+      // The allocation may succeed where the export does not (no IMEX channel open to this process): try it now,
+      // so that such a region falls back to a descriptor instead of failing at connect.
+      CUmemFabricHandle trial;
+      const CUresult ex = d.export_handle(&trial, h, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+      if (ex == CUDA_SUCCESS) {
+        allocated = true;
+        out->handle_type = kHandleFabric;
+      } else {
+        d.release(h);
+        h = 0;
+        out->fabric_note = cu_msg("cuMemExportToShareableHandle (FABRIC)", ex) +
+                           " (FABRIC handles need an IMEX channel: /dev/nvidia-caps-imex-channels/channel0 and a "
+                           "running nvidia-imex service)";
+      }
     } else if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
       *out_of_memory = true;
       return cu_msg("cuMemCreate of the " + std::to_string(out->bytes) + "-byte workspace region", rc);
@@ -240,6 +281,7 @@ std::string allocate(Kind kind, int device, size_t bytes, bool want_export, Regi
       release(out);
       return cu_msg("cuMemExportToShareableHandle (POSIX descriptor)", rc);
     }
+    fcntl(fd, F_SETFD, FD_CLOEXEC);  // a child process (a compiler XLA runs) must not keep the memory alive
     out->exported_fd = fd;
   }
   return "";
@@ -249,6 +291,7 @@ std::string export_handle(const Region& r, WireHandle* out) {
   *out = WireHandle{};
   out->type = r.handle_type;
   out->host = host_id();
+  out->process = process_id();
   out->bytes = r.bytes;
   out->pid = int32_t(getpid());
   out->fd = -1;
@@ -279,8 +322,12 @@ std::string export_handle(const Region& r, WireHandle* out) {
   }
 }
 
-std::string import_handle(const WireHandle& h, int device, const std::string& peer, Region* out) {
+std::string import_handle(const WireHandle& h, int device, size_t min_bytes, const std::string& peer, Region* out) {
+  if (out->ptr != nullptr) return peer + "'s region is mapped already (the workspace was connected twice)";
   *out = Region{};
+  if (h.bytes < min_bytes)
+    return peer + "'s region has " + std::to_string(h.bytes) + " bytes where this workspace needs " +
+           std::to_string(min_bytes) + " (its processes were created with different shapes)";
   if (h.type == kHandleIpc) {
     cudaIpcMemHandle_t ih;
     std::memcpy(&ih, h.data, sizeof(ih));
@@ -308,20 +355,26 @@ std::string import_handle(const WireHandle& h, int device, const std::string& pe
              " (importing needs an IMEX channel on this host and the peer in the same NVLink domain)";
   } else {
     if (h.host != host_id())
-      return peer + " runs on another host and its memory is exported as a POSIX file descriptor, which only "
-                    "reaches processes of its own host: crossing hosts needs FABRIC handles (an IMEX channel on "
-                    "every host: /dev/nvidia-caps-imex-channels/channel0)";
+      return peer + " runs on another host (or in another pid namespace) and its memory is exported as a POSIX file "
+                    "descriptor, which only reaches processes that share its host and pid namespace: crossing hosts "
+                    "needs FABRIC handles (an IMEX channel on every host: /dev/nvidia-caps-imex-channels/channel0)";
     int fd = -1;
-    if (std::string why = take_descriptor(h.pid, h.fd, peer, &fd); !why.empty()) return why;
+    if (std::string why = take_descriptor(h.process == process_id(), h.pid, h.fd, peer, &fd); !why.empty()) return why;
     rc = d.import_handle(&mh, reinterpret_cast<void*>(uintptr_t(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
     close(fd);
     if (rc != CUDA_SUCCESS) return cu_msg("cuMemImportFromShareableHandle of " + peer + "'s descriptor", rc);
   }
-  CUmemAllocationProp prop = device_prop(device, CUmemAllocationHandleType(0));
+  CUmemAllocationProp prop = device_prop(
+      device, h.type == kHandleFabric ? CU_MEM_HANDLE_TYPE_FABRIC : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   size_t align = 0;
   if ((rc = d.granularity(&align, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS) {
     d.release(mh);
     return cu_msg("cuMemGetAllocationGranularity", rc);
+  }
+  if (align == 0 || h.bytes % align != 0) {
+    d.release(mh);
+    return peer + "'s region of " + std::to_string(h.bytes) + " bytes is not a multiple of this device's mapping "
+                  "granularity (" + std::to_string(align) + " bytes)";
   }
   out->kind = kMemoryVmm;
   out->bytes = h.bytes;

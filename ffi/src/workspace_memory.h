@@ -27,11 +27,12 @@ struct WireHandle {
   int32_t pid;         // kHandlePosixFd: the exporting process and its descriptor
   int32_t fd;
   uint32_t reserved;
-  uint64_t host;       // a hash of the exporter's boot id: which host it runs on
+  uint64_t host;       // a hash of the exporter's boot id and pid namespace: whose process ids and descriptors
+  uint64_t process;    // a random value drawn once per process: the handle comes from this very process
   uint64_t bytes;      // the mapped size (a multiple of the allocation granularity for VMM)
   uint8_t data[64];    // the cudaIpcMemHandle_t or the CUmemFabricHandle
 };
-static_assert(sizeof(WireHandle) == 96, "the wire form's size is part of the exchange's fingerprint");
+static_assert(sizeof(WireHandle) == 104, "the wire form's size is part of the exchange's fingerprint");
 constexpr int32_t handle_bytes() { return int32_t(sizeof(WireHandle)); }
 
 // One region: owned (allocated here) or imported (a peer's, mapped into this process).
@@ -56,8 +57,9 @@ std::string allocate(Kind kind, int device, size_t bytes, bool want_export, Regi
 // The wire form of an owned region (its handle; for a descriptor, this process's pid and the descriptor).
 std::string export_handle(const Region& r, WireHandle* out);
 
-// Maps a peer's region into this process for access from `device`. `peer` names the peer in messages.
-std::string import_handle(const WireHandle& h, int device, const std::string& peer, Region* out);
+// Maps a peer's region of at least min_bytes into this process for access from `device` (*out must hold no
+// mapping). `peer` names the peer in messages.
+std::string import_handle(const WireHandle& h, int device, size_t min_bytes, const std::string& peer, Region* out);
 
 // Grants `device` access to an owned VMM region of another device of this process (peer access does not cover
 // VMM mappings). A no-op for kMemoryIpc regions (the caller enables peer access for those).

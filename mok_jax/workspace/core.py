@@ -187,7 +187,7 @@ MEMORY_KINDS = {"ipc": 0, "vmm": 1}
 
 
 def _memory_arg(what: str, memory) -> int:
-    if memory not in MEMORY_KINDS:
+    if not isinstance(memory, str) or memory not in MEMORY_KINDS:
         raise ValueError(f"{what}: memory must be one of {sorted(MEMORY_KINDS)}, got {memory!r}")
     return MEMORY_KINDS[memory]
 
@@ -237,8 +237,9 @@ class Workspace:
     """
 
     def __init__(self, *, ws_id: int, config: CommConfig, mesh: jax.sharding.Mesh | None, axis_name: str | None,
-                 local: list[_LocalRank], emulated: bool = False):
+                 local: list[_LocalRank], emulated: bool = False, memory_kind: str = "ipc"):
         self.id = ws_id
+        self.memory_kind = memory_kind  # what create() was asked for ("ipc" or "vmm"); memory says what it got
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name
@@ -330,7 +331,7 @@ class Workspace:
             lib.mok_comm_release_peers(ws_id)
             lib.mok_comm_free(ws_id)
             raise
-        return cls(ws_id=ws_id, config=config, mesh=mesh, axis_name=axis_name, local=local)
+        return cls(ws_id=ws_id, config=config, mesh=mesh, axis_name=axis_name, local=local, memory_kind=memory)
 
     @classmethod
     def create_emulated(cls, device: jax.Device, ep: int, *, max_tokens: int, hidden_size: int, top_k: int,
@@ -363,7 +364,7 @@ class Workspace:
                                                                   err.value.decode()))
             raise CommError(f"{where}: {err.value.decode()}")
         return cls(ws_id=ws_id, config=config, mesh=None, axis_name=None,
-                   local=[_LocalRank(device, 0, r) for r in range(ep)], emulated=True)
+                   local=[_LocalRank(device, 0, r) for r in range(ep)], emulated=True, memory_kind=memory)
 
     def close(self) -> None:
         """Free every device allocation and remove the id from the native registry; a program still
@@ -381,12 +382,22 @@ class Workspace:
         lib.mok_comm_release_peers(self.id)
         if self.spans_processes:
             # Every process has unmapped its peers before any frees its own regions; bounded like the set-up. A
-            # process that never comes leaves this one's regions allocated: it may still map them.
+            # process that never comes: a VMM region is freed all the same (each process that maps it holds its own
+            # reference to the memory), a cudaMalloc one stays allocated until this process exits (the late peer may
+            # still map it).
+            vmm = self.memory_kind == "vmm"
             procs = sorted({d.process_index for d in np.asarray(self.mesh.devices).flat})
-            exchange.barrier(f"mok_comm_workspace_{self.id}_released", processes=procs,
-                             timeout_s=max(self.config.timeout_s, exchange.EXCHANGE_TIMEOUT_S), what="Workspace.close",
-                             consequence="this process's regions stay allocated until it exits (a peer may still "
-                                         "map them); its peer mappings are released")
+            try:
+                exchange.barrier(
+                    f"mok_comm_workspace_{self.id}_released", processes=procs,
+                    timeout_s=max(self.config.timeout_s, exchange.EXCHANGE_TIMEOUT_S), what="Workspace.close",
+                    consequence="its peer mappings are released and " + (
+                        "its VMM regions freed (a late peer keeps its own reference)" if vmm else
+                        "its regions stay allocated until this process exits (a peer may still map them)"))
+            except CommError:
+                if vmm:
+                    lib.mok_comm_free(self.id)
+                raise
         lib.mok_comm_free(self.id)
 
     def __enter__(self) -> "Workspace":
@@ -407,7 +418,8 @@ class Workspace:
     @property
     def memory(self) -> str | None:
         """What backs this process's first rank, in words: "ipc", "vmm (FABRIC handles)" or "vmm (POSIX descriptors;
-        why not FABRIC)"; None when it holds no rank or is closed."""
+        why not FABRIC)", then how many peer regions it maps through their handles; None when it holds no rank or
+        is closed."""
         if not self._local or self._closed:
             return None
         buf = ctypes.create_string_buffer(512)
