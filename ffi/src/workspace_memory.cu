@@ -126,6 +126,14 @@ CUmemAllocationProp device_prop(int device, CUmemAllocationHandleType types) {
   return prop;
 }
 
+CUmemAccessDesc read_write(int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return access;
+}
+
 // Reserves an address range of r->bytes, maps vmm handle h there and gives `device` read-write access.
 std::string map_for(CUmemGenericAllocationHandle h, int device, size_t align, Region* r, const std::string& what) {
   const Driver& d = driver();
@@ -136,10 +144,7 @@ std::string map_for(CUmemGenericAllocationHandle h, int device, size_t align, Re
     d.address_free(va, r->bytes);
     return cu_msg("cuMemMap of " + what, rc);
   }
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc access = read_write(device);
   if ((rc = d.set_access(va, r->bytes, &access, 1)) != CUDA_SUCCESS) {
     d.unmap(va, r->bytes);
     d.address_free(va, r->bytes);
@@ -388,10 +393,7 @@ std::string import_handle(const WireHandle& h, int device, size_t min_bytes, con
 
 std::string grant_access(const Region& r, int device, const std::string& peer) {
   if (r.kind != kMemoryVmm) return "";
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUmemAccessDesc access = read_write(device);
   const CUresult rc = driver().set_access(CUdeviceptr(r.ptr), r.bytes, &access, 1);
   if (rc != CUDA_SUCCESS)
     return cu_msg("cuMemSetAccess of " + peer + "'s region for CUDA device " + std::to_string(device) +
