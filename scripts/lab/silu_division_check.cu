@@ -10,49 +10,38 @@
 // below -126 to return subnormals) as with a bare ex2.approx.ftz of the same product: 1 + a subnormal is 1, so the
 // three instructions of range handling per value (FSETP and two predicated FMULs) could go from both epilogues.
 //
-//   nvcc -O3 -arch=sm_90a -o silu_division_check scripts/lab/silu_division_check.cu && ./silu_division_check
+//   nvcc -O3 -arch=sm_90a -I ffi/include -o silu_division_check scripts/lab/silu_division_check.cu
+//   ./silu_division_check
 #include <cstdint>
 #include <cstdio>
 
 #include <cuda_runtime.h>
 
-__device__ __forceinline__ float fast_div(float g, float x) {
-  float r, q0, q;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  r = __fmaf_rn(r, __fmaf_rn(-x, r, 1.0f), r);
-  asm("fma.rn.f32 %0, %1, %2, 0f00000000;" : "=f"(q0) : "f"(g), "f"(r));  // + 0: the sign of a zero product
-  q = __fmaf_rn(r, __fmaf_rn(-x, q0, g), q0);
-  return q;
-}
+#include "mok/gemm/silu_math.cuh"
 
-__device__ __forceinline__ bool in_range(float g, float x) {
-  const float a = fabsf(g);
-  return x < 0x1p126f && a >= 0x1p-100f && a <= 0x1p100f;
-}
-
-__device__ __forceinline__ float denominator_ftz(float g) {
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));  // __expf's product, negated
-  return 1.0f + e;
-}
+// The sequences under test are the epilogues' own (mok/gemm/silu_math.cuh): div_in_range_value (the fast division),
+// div_in_range (its predicate) and sigmoid_denominator (the bare ex2.approx.ftz denominator).
+using mok::gemm::div_in_range;
+using mok::gemm::div_in_range_value;
+using mok::gemm::sigmoid_denominator;
 
 __global__ void check(unsigned long long* counts, uint32_t* first, uint32_t start, uint32_t n) {
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
     const uint32_t bits = start + uint32_t(i);
     const float g = __uint_as_float(bits);
     const float x = 1.0f + __expf(-g);
-    if (__float_as_uint(x) != __float_as_uint(denominator_ftz(g)) && !(x != x)) atomicAdd(&counts[2], 1ull);
-    if (!in_range(g, x)) {
+    if (__float_as_uint(x) != __float_as_uint(sigmoid_denominator(g)) && !(x != x)) atomicAdd(&counts[2], 1ull);
+    if (!div_in_range(g, x)) {
       atomicAdd(&counts[1], 1ull);
       // outside the predicate: how many non-NaN g would the branch-free sequence still get right (to widen it)?
-      if (!(g != g) && __float_as_uint(g / x) != __float_as_uint(fast_div(g, x))) {
+      if (!(g != g) && __float_as_uint(g / x) != __float_as_uint(div_in_range_value(g, x))) {
         const unsigned long long k = atomicAdd(&counts[3], 1ull);
         if (k < 8) first[8 + k] = bits;
       }
       continue;
     }
     const float exact = g / x;
-    const float fast = fast_div(g, x);
+    const float fast = div_in_range_value(g, x);
     if (__float_as_uint(exact) != __float_as_uint(fast)) {
       const unsigned long long k = atomicAdd(&counts[0], 1ull);
       if (k < 8) first[k] = bits;
