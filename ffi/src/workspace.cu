@@ -54,8 +54,7 @@ struct RankEntry {
   CommShape shape{};
   SymLayout layout{};
   uint64_t timeout_ns = 0;
-  memory::Region region;  // the rank's own region
-  uint8_t* base = nullptr;  // region.ptr
+  memory::Region region;  // the rank's own region (region.ptr: its base)
   uint8_t** d_peer_bases = nullptr;
   uint64_t* host_error = nullptr;      // host address of the mapped words: [0] poison mirror, [1] call error
   uint64_t* host_error_dev = nullptr;  // their device address
@@ -323,9 +322,8 @@ std::string alloc_rank(int64_t ws_id, int32_t group, int32_t device, int32_t ran
       }
       return fail(why);
     }
-    e->base = e->region.ptr;
   }
-  if ((st = cudaMemset(e->base, 0, e->layout.total_bytes)) != cudaSuccess) return fail_cuda("cudaMemset", st);
+  if ((st = cudaMemset(e->region.ptr, 0, e->layout.total_bytes)) != cudaSuccess) return fail_cuda("cudaMemset", st);
   if ((st = cudaMalloc(reinterpret_cast<void**>(&e->d_peer_bases), sizeof(uint8_t*) * shape.ep)) != cudaSuccess)
     return fail_cuda("cudaMalloc of the peer table", st);
   if ((st = cudaHostAlloc(reinterpret_cast<void**>(&e->host_error), 2 * sizeof(uint64_t),
@@ -361,7 +359,7 @@ std::string connect_entry(RankEntry& e, const uint8_t* handles) {
   if (st != cudaSuccess) return cuda_msg("cudaSetDevice", st);
   for (int p = 0; p < e.shape.ep; ++p) {
     if (p == e.rank) {
-      e.peers[p] = e.base;
+      e.peers[p] = e.region.ptr;
       continue;
     }
     const RankEntry* local_peer = nullptr;
@@ -377,7 +375,7 @@ std::string connect_entry(RankEntry& e, const uint8_t* handles) {
       if (!why.empty()) return why;
       e.peers[p] = e.imported[p].ptr;
     } else if (local_peer != nullptr && local_peer->device == e.device) {
-      e.peers[p] = local_peer->base;
+      e.peers[p] = local_peer->region.ptr;
     } else if (local_peer != nullptr) {
       int can = 0;
       cudaDeviceCanAccessPeer(&can, e.device, local_peer->device);
@@ -394,7 +392,7 @@ std::string connect_entry(RankEntry& e, const uint8_t* handles) {
           return cuda_msg("cudaDeviceEnablePeerAccess", st);
         }
       }
-      e.peers[p] = local_peer->base;
+      e.peers[p] = local_peer->region.ptr;
     } else {
       if (handles == nullptr) return peer + " is not in this process and no handle was given";
       memory::WireHandle h;
@@ -411,7 +409,7 @@ std::string connect_entry(RankEntry& e, const uint8_t* handles) {
   }
   st = cudaMemcpy(e.d_peer_bases, e.peers.data(), sizeof(uint8_t*) * e.shape.ep, cudaMemcpyHostToDevice);
   if (st != cudaSuccess) return cuda_msg("copying the peer table", st);
-  e.view.base = e.base;
+  e.view.base = e.region.ptr;
   e.view.peer_bases = e.d_peer_bases;
   e.view.host_error = e.host_error_dev;
   e.view.host_call_error = e.host_error_dev + 1;
@@ -587,8 +585,8 @@ MOK_EXPORT int32_t mok_comm_read_state(int64_t ws_id, int32_t device, uint64_t* 
   cudaSetDevice(e.device);
   LocalState st{};
   uint64_t err_word = 0;
-  if (cudaMemcpy(&st, e.base + e.layout.state, sizeof(st), cudaMemcpyDeviceToHost) != cudaSuccess ||
-      cudaMemcpy(&err_word, e.base + e.layout.error, sizeof(err_word), cudaMemcpyDeviceToHost) != cudaSuccess) {
+  if (cudaMemcpy(&st, e.region.ptr + e.layout.state, sizeof(st), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(&err_word, e.region.ptr + e.layout.error, sizeof(err_word), cudaMemcpyDeviceToHost) != cudaSuccess) {
     cudaGetLastError();
     return 1;
   }

@@ -126,12 +126,21 @@ CUmemAllocationProp device_prop(int device, CUmemAllocationHandleType types) {
   return prop;
 }
 
-CUmemAccessDesc read_write(int device) {
+// What a FABRIC handle needs that a failed FABRIC call most likely lacked.
+constexpr const char* kImexHint =
+    " (FABRIC handles need an IMEX channel: /dev/nvidia-caps-imex-channels/channel0 and a running nvidia-imex service)";
+
+// Gives `device` read-write access to the mapping [va, va + bytes) (`what` names it in the message).
+std::string allow_access(CUdeviceptr va, size_t bytes, int device, const std::string& what) {
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return access;
+  const CUresult rc = driver().set_access(va, bytes, &access, 1);
+  if (rc == CUDA_SUCCESS) return "";
+  return cu_msg("cuMemSetAccess of " + what + " for CUDA device " + std::to_string(device) +
+                    " (is there an NVLink or PCIe peer path between the two GPUs?)",
+                rc);
 }
 
 // Reserves an address range of r->bytes, maps vmm handle h there and gives `device` read-write access.
@@ -144,13 +153,10 @@ std::string map_for(CUmemGenericAllocationHandle h, int device, size_t align, Re
     d.address_free(va, r->bytes);
     return cu_msg("cuMemMap of " + what, rc);
   }
-  const CUmemAccessDesc access = read_write(device);
-  if ((rc = d.set_access(va, r->bytes, &access, 1)) != CUDA_SUCCESS) {
+  if (std::string why = allow_access(va, r->bytes, device, what); !why.empty()) {
     d.unmap(va, r->bytes);
     d.address_free(va, r->bytes);
-    return cu_msg("cuMemSetAccess of " + what + " for CUDA device " + std::to_string(device) +
-                      " (is there an NVLink or PCIe peer path between the two GPUs?)",
-                  rc);
+    return why;
   }
   r->ptr = reinterpret_cast<uint8_t*>(va);
   r->vmm_handle = uint64_t(h);
@@ -230,14 +236,20 @@ std::string allocate(Kind kind, int device, size_t bytes, bool want_export, Regi
   // FABRIC first (it crosses hosts and also serves one host); without it, a POSIX descriptor (one host).
   CUmemGenericAllocationHandle h = 0;
   size_t align = 0;
+  // h with handle types `types`, of `bytes` rounded up to their recommended granularity (align, out->bytes): ""
+  // and *created = cuMemCreate's result, or why the granularity query failed.
+  auto create = [&](CUmemAllocationHandleType types, CUresult* created) -> std::string {
+    CUmemAllocationProp prop = device_prop(device, types);
+    const CUresult g = d.granularity(&align, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+    if (g != CUDA_SUCCESS) return cu_msg("cuMemGetAllocationGranularity", g);
+    out->bytes = (bytes + align - 1) / align * align;
+    *created = d.create(&h, out->bytes, &prop, 0);
+    return "";
+  };
   bool allocated = false;
   if (fabric) {
     const auto types = CUmemAllocationHandleType(CU_MEM_HANDLE_TYPE_FABRIC | CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    CUmemAllocationProp prop = device_prop(device, types);
-    if ((rc = d.granularity(&align, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS)
-      return cu_msg("cuMemGetAllocationGranularity", rc);
-    out->bytes = (bytes + align - 1) / align * align;
-    rc = d.create(&h, out->bytes, &prop, 0);
+    if (std::string why = create(types, &rc); !why.empty()) return why;
     if (rc == CUDA_SUCCESS) {
       // The allocation may succeed where the export does not (no IMEX channel open to this process): try it now,
       // so that such a region falls back to a descriptor instead of failing at connect.
@@ -249,27 +261,20 @@ std::string allocate(Kind kind, int device, size_t bytes, bool want_export, Regi
       } else {
         d.release(h);
         h = 0;
-        out->fabric_note = cu_msg("cuMemExportToShareableHandle (FABRIC)", ex) +
-                           " (FABRIC handles need an IMEX channel: /dev/nvidia-caps-imex-channels/channel0 and a "
-                           "running nvidia-imex service)";
+        out->fabric_note = cu_msg("cuMemExportToShareableHandle (FABRIC)", ex) + kImexHint;
       }
     } else if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
       *out_of_memory = true;
       return cu_msg("cuMemCreate of the " + std::to_string(out->bytes) + "-byte workspace region", rc);
     } else {
-      out->fabric_note = cu_msg("cuMemCreate with a FABRIC handle type", rc) +
-                         " (FABRIC handles need an IMEX channel: /dev/nvidia-caps-imex-channels/channel0 and a "
-                         "running nvidia-imex service)";
+      out->fabric_note = cu_msg("cuMemCreate with a FABRIC handle type", rc) + kImexHint;
     }
   } else {
     out->fabric_note = "CUDA device " + std::to_string(device) + " does not support FABRIC handles";
   }
   if (!allocated) {
-    CUmemAllocationProp prop = device_prop(device, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    if ((rc = d.granularity(&align, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS)
-      return cu_msg("cuMemGetAllocationGranularity", rc);
-    out->bytes = (bytes + align - 1) / align * align;
-    if ((rc = d.create(&h, out->bytes, &prop, 0)) != CUDA_SUCCESS) {
+    if (std::string why = create(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, &rc); !why.empty()) return why;
+    if (rc != CUDA_SUCCESS) {
       *out_of_memory = rc == CUDA_ERROR_OUT_OF_MEMORY;
       return cu_msg("cuMemCreate of the " + std::to_string(out->bytes) + "-byte workspace region", rc);
     }
@@ -393,13 +398,7 @@ std::string import_handle(const WireHandle& h, int device, size_t min_bytes, con
 
 std::string grant_access(const Region& r, int device, const std::string& peer) {
   if (r.kind != kMemoryVmm) return "";
-  const CUmemAccessDesc access = read_write(device);
-  const CUresult rc = driver().set_access(CUdeviceptr(r.ptr), r.bytes, &access, 1);
-  if (rc != CUDA_SUCCESS)
-    return cu_msg("cuMemSetAccess of " + peer + "'s region for CUDA device " + std::to_string(device) +
-                      " (is there an NVLink or PCIe peer path between the two GPUs?)",
-                  rc);
-  return "";
+  return allow_access(CUdeviceptr(r.ptr), r.bytes, device, peer + "'s region");
 }
 
 void release(Region* r) {
