@@ -163,7 +163,7 @@ if p.exists():
         print(f"    comm bench EP {ep} FAILED: {err[:300]}")
 
 p = work / "layer_bench.json"
-base = pathlib.Path("benchmarks/results/baselines_h200x2/headline.json")
+base = pathlib.Path("benchmarks/results/comm_ep2/baselines/headline.json")
 if p.exists():
     d = json.loads(p.read_text())
     ref = {}
@@ -172,7 +172,7 @@ if p.exists():
             if r.get("median_ms"):
                 ref.setdefault((r["model"], r["pass"], r["impl"]), r["median_ms"])
     print("\nwhole layer (mok-bench), ep64-slice, 2048 tokens/GPU, bf16, uniform; "
-          "EP 2 ms: the committed 2-GPU baseline (benchmarks/results/baselines_h200x2)")
+          "EP 2 ms: the committed 2-GPU baseline (benchmarks/results/comm_ep2/baselines)")
     print("| model | pass | impl | GPUs | ms | TFLOP/s | EP 2 ms | note |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in d["results"]:

@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(shared equally by the EP sizes)")
     ap.add_argument("--peer-gbps", type=float, default=PEER_COPY_GBPS,
                     help="per-GPU peer bandwidth that %% of peer refers to (default: 2-GPU NV18 measurement)")
-    ap.add_argument("--out", default="benchmarks/results/comm_h200x2.json")
+    ap.add_argument("--out", default="out/comm_ep2/comm.json")
     args = ap.parse_args(argv)
     if args.experts_per_gpu < 0:
         ap.error("--experts-per-gpu must be >= 0")

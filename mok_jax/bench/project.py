@@ -55,17 +55,17 @@ DW_BYTES = 4  # the backward's f32 d topk_weight per slot row
 GROUP_ALIGN = 128  # EXPERTS_BACKWARD_GROUP_ALIGN: the backward layout's M = ep T k + 128 L rows
 
 # The files the measured inputs come from (under RESULTS).
-FWD_JSON = "training_h200/headline_fwd.json"  # mok and dense fwd, one H200, E/32, T 2048 (eighteenth session)
-FWD_BWD_JSON = "training_h200/headline_fwd_bwd.json"  # the same, fwd+bwd
-BREAKDOWN_JSON = "moe_forward_h200/breakdown.json"  # the forward's parts: grouped FFN, shared FFN, row moves twice
-ITEMS_JSON = "moe_backward_h200/where_session18.json"  # the backward's ms per SM per kind of item (kept g, u)
-COMM_JSONS = {"run 3": "comm_h200x2.json", "run 2": "comm_h200x2_run2.json",
-              "run 4 (bulk movers, reverted)": "comm_h200x2_run4_bulk.json"}
-EP2_LAYER_JSONS = ("baselines_h200x2/headline.json", "baselines_h200x2/sweep.json")
-EP1_LAYER_JSONS = {"fwd": ("moe_forward_h200/headline.json", "moe_forward_h200/sweep.json"),
-                   "fwd+bwd": ("moe_backward_h200/train.json",)}
+FWD_JSON = "forward/headline.json"  # mok and dense fwd, one H200, E/32, T 2048 (eighteenth session)
+FWD_BWD_JSON = "training/headline.json"  # the same, fwd+bwd
+BREAKDOWN_JSON = "forward/breakdown.json"  # the forward's parts: grouped FFN, shared FFN, row moves twice
+ITEMS_JSON = "training/where.json"  # the backward's ms per SM per kind of item (kept g, u)
+COMM_JSONS = {"run 3": "comm_ep2/comm.json", "run 2": "comm_ep2/comm_run2.json",
+              "run 4 (bulk movers, reverted)": "comm_ep2/comm_run4_bulk.json"}
+EP2_LAYER_JSONS = ("comm_ep2/baselines/headline.json", "comm_ep2/baselines/sweep.json")
+EP1_LAYER_JSONS = {"fwd": ("forward/headline_f32_baselines.json", "forward/sweep.json"),
+                   "fwd+bwd": ("training/fwd_bwd_f32_baselines.json",)}
 
-# Measured on the 2-GPU H200 machine (HARDWARE.md; comm_h200x2.md): copy-engine peer copies, and the per-SM ceilings
+# Measured on the 2-GPU H200 machine (HARDWARE.md; benchmarks/results/comm_ep2.md): copy-engine peer copies, and the per-SM ceilings
 # of run 4's microbenchmark ("registers" rows), used only by the EP-2 validation's roofline of the standalone ops.
 P2P_ONE_WAY_GBPS = 394.0  # GPU0 -> GPU1, one direction
 P2P_BOTH_TOTAL_GBPS = 563.0  # both directions at once, total: 281.5 per direction
@@ -77,7 +77,7 @@ SM_PEER_GBPS = 26.2  # register loads from the peer per SM (8 SMs; the link caps
 PULL_RECORD = {"op": "dispatch", "mode": "pull", "note": "token_major", "tokens": 4096, "num_sms": 24}
 PUSH_RECORD = {"op": "combine", "mode": "push", "tokens": 4096, "num_sms": 24}
 COMM_SMS = 24  # comm_sms_fwd and comm_sms_bwd of every tuned H200 entry; the mover rates above are at 24 SMs
-SWEEP_JSON = "moe_forward_h200/sweep.json"  # mok fwd of kimi-k2 at 16384 tokens, granularity 512..8192, one H200
+SWEEP_JSON = "forward/sweep.json"  # mok fwd of kimi-k2 at 16384 tokens, granularity 512..8192, one H200
 GRANULARITIES = (2048, 1024, 512)  # what the tuner may pick at T = 2048 (multiples of 64, >= 512)
 
 # The Mixture-of-Kittens paper's EP-64 layer figures, as the project's summary of it gives them (the shared seed,
@@ -217,7 +217,7 @@ def _xla_fit(records: list[dict]) -> tuple[float, float]:
 
 
 def load_rates(root: pathlib.Path | None = None) -> Rates:
-    """The H200 rates: the peer copies of HARDWARE.md, the mover and XLA rates from comm_h200x2.json (run 3)."""
+    """The H200 rates: the peer copies of HARDWARE.md, the mover and XLA rates from comm_ep2/comm.json (run 3)."""
     recs = _load(COMM_JSONS["run 3"], root)["records"]
     pick = lambda want: next(r for r in recs if all(r.get(k) == v for k, v in want.items()))  # noqa: E731
     lat, gbps = _xla_fit([r for r in recs if r["op"] == "xla_all_to_all"])

@@ -24,7 +24,7 @@ __all__ = ["assumptions", "format_table", "format_validation", "main", "report",
 # ----------------------------------------------------------------------------------------------- validation (EP 2)
 
 def _op_rows(rec: dict, T: int, k: int, L: int, ep: int) -> tuple[float, float, float]:
-    """(local rows stored, local rows loaded, rows over the link) per GPU of one standalone op of comm_h200x2.md, as
+    """(local rows stored, local rows loaded, rows over the link) per GPU of one standalone op of benchmarks/results/comm_ep2.md, as
     its floors table counts them: U rows a token's remote owner needs, X = T k expanded slot rows an owner holds,
     own = its own tokens with a local slot, P padding rows of the zeroed expert-major output."""
     rows = remote_rows(ep, L, k)
@@ -101,7 +101,7 @@ def validate_comm_ops(root: pathlib.Path | None = None, rates: Rates | None = No
 
 
 def validate_layers(root: pathlib.Path | None = None, rates: Rates | None = None) -> list[dict]:
-    """The two XLA baseline layers on two H200s (baselines_h200x2), predicted as this model predicts its a2a layer:
+    """The two XLA baseline layers on two H200s (comm_ep2/baselines), predicted as this model predicts its a2a layer:
     the same implementation's one-GPU time (same problem: E/32 experts on one GPU; the same code's form of the same
     days) plus its all_to_alls (two forward, two more backward; the rows it really sends: capacity-padded for
     xla-capacity, T per expert for xla) at the fitted XLA rate, plus the shared expert's weight-gradient all-reduce
@@ -163,7 +163,7 @@ def assumptions(rates: Rates | None = None) -> list[dict[str, Any]]:
         {"name": "XLA collectives", "value": f"{rates.xla_latency_us:.1f} us + bytes at {rates.xla_gbps:.1f} GB/s",
          "source": rates.sources["xla"]},
         {"name": "local staging copies", "value": f"{COMM_SMS} SMs x {SM_STORE_GBPS} GB/s",
-         "source": "comm_h200x2.md, run 4's per-SM microbenchmark"},
+         "source": "comm_ep2.md, run 4's per-SM microbenchmark"},
         {"name": "knobs at EP > 1", "value": "the H200 tuned entry of the one-GPU problem (24 comm SMs; "
          "granularity 2048, glm-5 1024)", "source": "configs/tuned/nvidia-h200/kernel.toml"},
         {"name": "per-owner rows", "value": "(ep-1)(1 - C(ep L - L, k)/C(ep L, k)) per token", "source":
@@ -216,7 +216,7 @@ def format_table(rows: list[dict], *, markdown: bool = False) -> str:
 
 def format_validation(v: dict) -> str:
     lines = ["EP 2 check: measured / predicted (1.00 = exact; > 1: the model is optimistic)",
-             "  standalone ops on two H200s (comm_h200x2*.json): link model | per-SM roofline (median, range)"]
+             "  standalone ops on two H200s (comm_ep2/comm*.json): link model | per-SM roofline (median, range)"]
     for f in v["comm_ops"]["families"]:
         s = f["link"]
         other = f.get("roofline") or f.get("fit")
@@ -224,7 +224,7 @@ def format_validation(v: dict) -> str:
         lines.append(f"    {f['run']:<30} {f['family']:<44} n={s['n']:<3} link {s['median']:.2f} "
                      f"({s['min']:.2f}-{s['max']:.2f}) | {label} {other['median']:.2f} "
                      f"({other['min']:.2f}-{other['max']:.2f})")
-    lines.append("  XLA baseline layers on two H200s (baselines_h200x2): one-GPU time + all_to_alls at the XLA fit")
+    lines.append("  XLA baseline layers on two H200s (comm_ep2/baselines): one-GPU time + all_to_alls at the XLA fit")
     for r in v["layers"]:
         lines.append(f"    {r['model']:<18} {r['impl']:<13} {r['pass']:<8} T={r['tokens']:<6} EP-1 {r['ep1_ms']:7.2f}"
                      f" + comm {r['comm_ms']:5.2f} = {r['predicted_ms']:7.2f} ms, measured {r['measured_ms']:7.2f}"
