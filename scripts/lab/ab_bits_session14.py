@@ -2,7 +2,7 @@
 bench problems (mok_jax.bench.breakdown._problem, two seeds): run once per library (MOK_JAX_LIB) and diff the lines.
     python scripts/lab/ab_bits_session14.py kimi-k2,qwen3.5-397b-a17b
 
-A lab script (the fourteenth session's A/B of benchmarks/results/moe_backward_h200.md), not part of the package.
+A lab script (the fourteenth session's A/B; docs/performance_history.md), not part of the package.
 """
 import argparse, dataclasses, zlib
 import jax, jax.numpy as jnp, numpy as np

@@ -4,7 +4,7 @@ the big kernels' durations, the SM clock sampled beside each.
 
     PYTHONPATH=. python3 scripts/lab/sustained_loop_session16.py kimi-k2,qwen3.5-397b-a17b
 
-A lab script (the sixteenth session's of benchmarks/results/moe_backward_h200.md), not part of the package. It writes
+A lab script (the sixteenth session's; docs/performance_history.md), not part of the package. It writes
 $OUT/gap.json (OUT defaults to /tmp/out); GAP_CALLS sets the traced loop's length (40).
 """
 import argparse, json, os, statistics, time
