@@ -223,7 +223,7 @@ class MoEConfig:
             ep T' k rows with T' <= ring_slots * granularity the ring's tokens per rank, bounded by the ring, not
             by T (when every token fits in the ring it keeps what "everything" keeps).
         The gradients are the same bits for each. The default (None) is "balanced" with precision "bf16" and
-        "nothing" with "fp8". Measured on one H200 (benchmarks/results/moe_backward_h200.md), keeping g | u takes
+        "nothing" with "fp8". Measured on one H200 (benchmarks/results/training.md), keeping g | u takes
         11.7-13.8% off the fwd+bwd of the five benchmark problems. Ignored by ``implementation="xla"``.
     precision: the routed experts' forward on ``implementation="mok"``: "bf16", or "fp8": E4M3 with DeepSeek-V3
         block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source stages it

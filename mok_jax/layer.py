@@ -427,7 +427,7 @@ def finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, fail
 # Whether at EP 1 the experts' backward op also runs the shared expert's backward (mok_jax.ops.experts_backward
 # with its weights: its tiles in the same kernel) rather than XLA (as at EP > 1). Off: measured on the H200 at
 # the bench shapes, the op with the shared expert's tiles took about 0.1-0.2 ms more than the routed op and XLA's
-# five shared matmuls (benchmarks/results/moe_backward_h200.md). Read at trace time; not a user setting: the two
+# five shared matmuls (docs/performance_history.md). Read at trace time; not a user setting: the two
 # give different bits. mok_jax.bench.backward times both in one process.
 _SHARED_IN_OP = False
 
@@ -435,8 +435,9 @@ _SHARED_IN_OP = False
 # kernel per rank, the rows crossing NVLink inside it; memory T k H per rank) rather than the op between XLA
 # collectives (an all-gather of x and dy, a reduce-scatter of P T k H slot rows). Both give the bits of EP 1. On:
 # the fused kernel passed its tests on an H200 with every rank emulated on one GPU (emulated EP 2/4/8 the bits of
-# EP 1, with the shared expert and kept g, u; a rank that skips a call times out with its status), ninth session,
-# benchmarks/results/moe_backward_h200.md; it has not yet run over real NVLink (issue 13). Read at trace time.
+# EP 1, with the shared expert and kept g, u; a rank that skips a call times out with its status), ninth session
+# (git show 6bd8602:benchmarks/results/moe_backward_h200.md); it has not yet run over real NVLink (issue 13). Read at
+# trace time.
 FUSED_EP_BACKWARD = True
 
 

@@ -200,7 +200,7 @@ def test_experts_per_gpu_errors():
                                                              ("qwen3.5-397b-a17b", 16, 0.70, 2.10),
                                                              ("deepseek-v4-pro", 12, 2.35, 7.05)])
 def test_one_gpu_e32_matches_hardware_md(name, experts, fwd_ms, fwd_bwd_ms):
-    # The one-H200 layer table (benchmarks/results/moe_forward_h200.md): E/32 experts, the floors of the 2-GPU ep64-slice setting
+    # The one-H200 layer table (benchmarks/results/forward.md): E/32 experts, the floors of the 2-GPU ep64-slice setting
     model = load_model(name)
     s = acc.bench_shape(model, 1, "ep64-slice", experts_per_gpu="E/32")
     assert s.experts_per_gpu == s.total_experts == experts

@@ -9,7 +9,7 @@ import pytest
 
 import mok_jax as mj
 
-# The benchmark shapes (README, benchmarks/results/moe_forward_h200.md): (routed experts, hidden, intermediate, top-k)
+# The benchmark shapes (README, benchmarks/results/forward.md): (routed experts, hidden, intermediate, top-k)
 BENCH_SHAPES = {
     "kimi-k2": (384, 7168, 2048, 8),
     "glm-5": (256, 6144, 2048, 8),

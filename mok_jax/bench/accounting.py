@@ -8,7 +8,7 @@ routed experts and ``tokens`` tokens; every token picks ``top_k`` of the ``total
   per-GPU work matches the paper's headline setting on however many GPUs are here
   (total experts = num_gpus * E/64).
 - ``--experts-per-gpu`` (N, or ``E/d``: the model's E experts divided by d) overrides either split: each
-  GPU holds that many experts (total num_gpus * that). The one-GPU table (benchmarks/results/moe_forward_h200.md) is E/32 on one GPU: the
+  GPU holds that many experts (total num_gpus * that). The one-GPU table (benchmarks/results/forward.md) is E/32 on one GPU: the
   whole 2-GPU ep64-slice problem (2 * E/64 experts), with the same per-GPU FLOPs. ``ep_mode`` then names
   the split: ``E/32``, or ``12/gpu`` for a plain count.
 

@@ -65,7 +65,7 @@ EP2_LAYER_JSONS = ("comm_ep2/baselines/headline.json", "comm_ep2/baselines/sweep
 EP1_LAYER_JSONS = {"fwd": ("forward/headline_f32_baselines.json", "forward/sweep.json"),
                    "fwd+bwd": ("training/fwd_bwd_f32_baselines.json",)}
 
-# Measured on the 2-GPU H200 machine (HARDWARE.md; benchmarks/results/comm_ep2.md): copy-engine peer copies, and the per-SM ceilings
+# Measured on the 2-GPU H200 machine (HARDWARE.md; comm_ep2.md): copy-engine peer copies, and the per-SM ceilings
 # of run 4's microbenchmark ("registers" rows), used only by the EP-2 validation's roofline of the standalone ops.
 P2P_ONE_WAY_GBPS = 394.0  # GPU0 -> GPU1, one direction
 P2P_BOTH_TOTAL_GBPS = 563.0  # both directions at once, total: 281.5 per direction

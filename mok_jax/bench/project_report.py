@@ -24,7 +24,7 @@ __all__ = ["assumptions", "format_table", "format_validation", "main", "report",
 # ----------------------------------------------------------------------------------------------- validation (EP 2)
 
 def _op_rows(rec: dict, T: int, k: int, L: int, ep: int) -> tuple[float, float, float]:
-    """(local rows stored, local rows loaded, rows over the link) per GPU of one standalone op of benchmarks/results/comm_ep2.md, as
+    """(local rows stored, local rows loaded, rows over the link) per GPU of one standalone op of comm_ep2.md, as
     its floors table counts them: U rows a token's remote owner needs, X = T k expanded slot rows an owner holds,
     own = its own tokens with a local slot, P padding rows of the zeroed expert-major output."""
     rows = remote_rows(ep, L, k)
