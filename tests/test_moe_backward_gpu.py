@@ -435,6 +435,37 @@ def test_emulated_ep_backward_gives_the_bits_of_ep_one(ep, Is, fused):
         _check_layer(f"grad:emulated_ep{ep}", x, idx, w, W, dy, got=got)
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_masked_slot_weight_reaches_no_gradient(poison):
+    """A masked slot (-1) whose weight is NaN or inf (a top-k over -inf logits can give one; issue 35): on the mok
+    path, y (EP 1 and emulated EP 2) and every gradient (EP 1, and the fused emulated EP 2 and 4 backward) are finite
+    and the bits of the same routing with 0 in those slots, and a masked slot's weight gradient is 0."""
+    from mok_jax.emulation import emulated_moe, emulated_moe_backward
+
+    E, H, I, k, Is, T = 16, 256, 384, 4, 192, 192
+    x, idx, w, W, dy = _problem(f"poison:{poison}", _shape(E, H, I, k, Is), T, "masked")
+    masked = np.asarray(idx) < 0
+    assert masked.any() and (~masked).any()
+    poisoned, zeroed = jnp.where(masked, poison, w), jnp.where(masked, 0.0, w)
+    forwards = {"EP 1": jax.jit(lambda x, w: mj.moe(x, idx, w, W, config=_MOK)),
+                "EP 2": jax.jit(lambda x, w: emulated_moe(x, idx, w, W, ep=2))}
+    for label, f in forwards.items():
+        got, want = f(x, poisoned), f(x, zeroed)
+        assert np.isfinite(np.asarray(got, _F32)).all(), f"{label}: y"
+        np.testing.assert_array_equal(_bits(got), _bits(want), f"{label}: y")
+    backwards = {"EP 1": _mok_grads}
+    for ep in (2, 4):
+        backwards[f"EP {ep}"] = jax.jit(functools.partial(
+            lambda x, w, W, idx, dy, ep: emulated_moe_backward(x, idx, w, W, dy, ep=ep, fused=True), ep=ep))
+    for label, f in backwards.items():
+        got, want = jax.tree.leaves(f(x, poisoned, W, idx, dy)), jax.tree.leaves(f(x, zeroed, W, idx, dy))
+        assert len(got) == len(GRAD_NAMES)
+        for name, a, b in zip(GRAD_NAMES, got, want):
+            assert np.isfinite(np.asarray(a, _F32)).all(), f"{label}: {name} has NaN/Inf"
+            np.testing.assert_array_equal(_bits(a), _bits(b), f"{label}: {name}")
+        assert not np.asarray(got[1])[masked].any(), f"{label}: a masked slot's weight gradient must be 0"
+
+
 @pytest.mark.parametrize("ep,case,per_rank", [(2, "one_expert", 64), (4, "empty_experts", 40), (8, "uniform", 1),
                                                (2, "masked", 130)])
 def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
