@@ -3,7 +3,7 @@
 docs/design.md, "EP on one GPU (emulation)": the kernels take their EP rank and peer table as parameters,
 so ``ep`` ranks run against ``ep`` workspaces on one device, in one launch whose CTAs split into the
 ranks. Everything of the real protocol runs (routing exchange, schedule, pull/push dispatch through the
-peers' staging buffers, the ring, push/pull combine, the epoch-stamped flags, timeouts); only NVLink is
+peers' staging buffers, the ring, push/pull combine, the epoch stamps, timeouts); only NVLink is
 replaced by the device's own memory, so this checks correctness at any EP size, not NVLink speed.
 
     y, status = emulated_moe(x, topk_idx, topk_weight, weights, ep=4)   # x: [4 * T, H], weights: all E experts
@@ -14,7 +14,7 @@ Rank r holds tokens [r*T, (r+1)*T) and experts [r*E/ep, (r+1)*E/ep), as under ``
 EP sizes: the forward and the fused backward take up to MAX_EMULATED_RANKS (64) ranks in one launch, at most one per
 persistent CTA (the device's SMs, or num_sms); up to 8 with every rank's kernel parameters in the parameter space,
 above that with them in device memory (the forward: each rank's scratch, ffi/include/mok/moe/forward_params.cuh,
-ManyParams; the backward: each rank's row of its flags scratch, ffi/include/mok/backward/params.cuh,
+ManyParams; the backward: each rank's row of its counters scratch, ffi/include/mok/backward/params.cuh,
 ManyLaunchParams). The backward's collectives path (fused=False) takes up to 64 too.
 
 The backward at EP size > 1 is one fused kernel per rank (mok_jax.ops.experts_backward_ep: the token rows and the

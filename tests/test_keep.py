@@ -348,7 +348,7 @@ def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused)
 
 def test_keep_ring_lowers_to_a_part_kept_forward_and_backward(monkeypatch):
     """jax.grad of the real ops with keep="ring" and tokens past the ring: the forward returns keep_gu bf16[1, (T -
-    t0) k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the block flags [ceil(M / 128)], and its gu
+    t0) k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the kept blocks [ceil(M / 128)], and its gu
     scratch is its own (no alias)."""
     T, H, I, E, k = 1200, 64, 32, 4, 2
     M, rows = T * k + 128 * E, (T - 512) * k

@@ -78,7 +78,7 @@ def test_workspace_terms_sum_to_the_native_layout(name):
         native = CommConfig(ep=ep, max_tokens=s["tokens"], hidden_size=s["hidden"], top_k=s["top_k"],
                             num_experts=ep * s["local_experts"]).workspace_bytes()
         assert sum(terms.values()) == native, (ep, terms, native)
-        fused = [terms[f"workspace.{b}"] for b in ("bwd_flags", "bwd_x_dy", "bwd_dx", "bwd_dw")]
+        fused = [terms[f"workspace.{b}"] for b in ("bwd_stamps", "bwd_x_dy", "bwd_dx", "bwd_dw")]
         assert all(fused) if ep > 1 else not any(fused), (ep, fused)  # the fused EP backward's buffers: ep > 1 only
         stage, comb = terms["workspace.stage"], terms["workspace.comb"]
         row = s["tokens"] * s["hidden"] * 2  # bf16 [T][H]
@@ -147,7 +147,7 @@ def test_kept_term_is_the_layers_kept_rows(name):
 
 
 _GRADIENTS = ("dx", "dw", "d_gate_up", "d_down", "status")  # the op's first results, in its order
-_SCRATCH = ("x_e", "dy_e", "w_e", "gu", "dgu", "hw", "dw_partials", "dx_e", "dw_e", "flags")  # then _row_scratch's
+_SCRATCH = ("x_e", "dy_e", "w_e", "gu", "dgu", "hw", "dw_partials", "dx_e", "dw_e", "counters")  # then _row_scratch's
 _LAYOUT_OPERANDS = {3: "pos", 4: "src_slot", 5: "group_sizes", 10: "gu_part_row", 11: "gu_block"}  # at EP 1
 _KEPT_OPERANDS = (8, 9)  # gu_in, gu_part
 

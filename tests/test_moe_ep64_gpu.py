@@ -1,7 +1,7 @@
 """GPU tests of the emulation above 8 ranks (issue 36, item 2): EP 16, 32 and 64 on one GPU, every rank in one launch
 of the kernels' forms whose ranks' parameters live in device memory (forward_kernel_many: each rank's RankParams in
 its own scratch, ffi/include/mok/moe/forward_params.cuh; experts_backward_kernel_many: each rank's KernelParams in
-its row of the flags scratch, ffi/include/mok/backward/params.cuh).
+its row of the counters scratch, ffi/include/mok/backward/params.cuh).
 
 The combine is per slot (the owners push each slot's expert row and the origin sums w_j row_j over the slots in
 order), so y's bits do not depend on the EP size: each case compares the emulated y at EP 16-64 bit for bit with the

@@ -197,7 +197,7 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
   if (const char* why = mok::moe::forward_unsupported(shape, knobs)) return invalid(kOp, why);
   const mok::moe::ScratchLayout sl = mok::moe::forward_scratch_layout(shape, knobs);
   if (ws.ep > 1 && sl.microbatches > mok::comm::max_microbatches(ws.max_tokens))
-    return invalid(kOp, "more microbatches than the workspace has flags for");
+    return invalid(kOp, "more microbatches than the workspace has stamps for");
   if (!dims_are(y->dimensions(), {R, T, H})) return invalid(kOp, "y must be [ranks, tokens, hidden]");
   if (!dims_are(status->dimensions(), {R, 4})) return invalid(kOp, "status must be [ranks, 4]");
   if (scratch->dimensions().size() != 2 || scratch->dimensions()[0] != R ||

@@ -59,7 +59,7 @@ class DispatchLayout(NamedTuple):
 # so back-to-back rounds of one op never mix; a dispatch's layout is an output, so interleaving with combine
 # does not matter either. "expand_dims"/"broadcast_all" are not an option: the handlers take unbatched
 # ranks (x [T, H], ...) and would reject a batch dimension; a batched protocol does not exist.
-# The megakernel (ops/moe_forward.py) declares the same for the same reasons (its flags are epoch stamps,
+# The megakernel (ops/moe_forward.py) declares the same for the same reasons (its signals are epoch stamps,
 # one epoch per call); its per-call scratch output is unused, so jit drops it from the loop's outputs
 # rather than stacking it once per element. (Folding a vmapped batch into the token dimension of one
 # call would be faster, but can pass the workspace's max_tokens; not done.)

@@ -1,7 +1,7 @@
 """Symmetric communication workspaces: set up outside ``jit``, used by the comm ops inside it.
 
 A :class:`Workspace` owns, for one layer instance, one device region per EP rank, laid out at the same
-offsets on every rank (``ffi/include/mok/comm/workspace.cuh``): staging buffers, routing, flags, the
+offsets on every rank (``ffi/include/mok/comm/workspace.cuh``): row buffers, routing, signals and epoch stamps, the
 device-side epoch counters and a poison word. Each rank gets a device table of its peers' base
 addresses. Two backends sit behind the same interface:
 

@@ -1,6 +1,6 @@
 // mok backward: the backward megakernel's list of work items and its dependency counters. The CTA's shared
 // memory (SharedStorage), the list's shape (make_shape: where each kind's items begin), an item decoded from its
-// index (decode), and the counters in p.flags by which an item waits for earlier ones (flags, wait_count).
+// index (decode), and the counters in p.counters by which an item waits for earlier ones (counters, wait_count).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
 #pragma once
 
@@ -45,8 +45,8 @@ struct SharedStorage {
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
 
-// ---- the dependency counters (p.flags) ------------------------------------------------------------------
-struct Flags {
+// ---- the dependency counters (p.counters) ------------------------------------------------------------------
+struct Counters {
   unsigned long long* busy_ns;  // [kind]: consumers' time in items of that kind, over the CTAs
   unsigned long long* wait_ns;  // [kind]: time spent waiting for their inputs
   unsigned long long* epi_ns;   // [kind]: of busy_ns, a GEMM tile's time after its last MMA (its epilogue)
@@ -57,14 +57,14 @@ struct Flags {
   int32_t* gathered_e;  // [E + 1]: GATHER items of expert e done
   int32_t* dh_e;        // [E + 1]: DH tiles of expert e done (index E: the shared expert's)
   int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets, [3] SEND items, [4] STAGE items (not
-                        // the last item of either: that one stamps the peers' flags)
+                        // the last item of either: that one stamps the peers' bwd_stamps)
 };
-__device__ __forceinline__ Flags flags(const KernelParams& p) {
+__device__ __forceinline__ Counters counters(const KernelParams& p) {
   const int mbs = ceil_div(p.M, kBlockM) + p.E + ceil_div(p.Ts, kBlockM);
-  auto* ns = reinterpret_cast<unsigned long long*>(p.flags);
-  int32_t* c = p.flags + kExpertsBackwardTimeWords;
+  auto* ns = reinterpret_cast<unsigned long long*>(p.counters);
+  int32_t* c = p.counters + kExpertsBackwardTimeWords;
   const int es = p.E + 1;  // the experts, then the shared expert (index E)
-  return Flags{ns, ns + kKinds, ns + 2 * kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
+  return Counters{ns, ns + kKinds, ns + 2 * kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
                c + 4 * mbs + 2 * es};
 }
 

@@ -127,7 +127,7 @@ struct KernelParams {  // one EP rank's
   Bf16* d_gate_up;
   Bf16* d_down;
   int32_t* status;
-  int32_t* flags;
+  int32_t* counters;
   gemm::SwigluBackwardOut sbwd;  // the shared expert's epilogue: weight 1, no dw partials
   __nv_bfloat16* gus;
   float* dxs;
@@ -151,7 +151,7 @@ static_assert(sizeof(LaunchParams) <= 32764, "kernel parameters (CUDA 12.1+ limi
 static_assert(sizeof(KernelParams) % 64 == 0 && alignof(KernelParams) >= 64, "16-byte copies; 64-byte aligned tensormaps");
 
 // The launch of an emulated call of more than kExpertsBackwardParamRanks ranks (experts_backward_kernel_many): each
-// rank's KernelParams live in device memory, in its row of the flags scratch (experts_backward_ep_flag_words), where
+// rank's KernelParams live in device memory, in its row of the counters scratch (experts_backward_ep_counter_words), where
 // upload_rank_params stored them before the launch. Such a call is expert parallel: no shared expert in the op.
 struct ManyLaunchParams {
   Operands shared;  // unused (zeros): the run's code is LaunchParams'

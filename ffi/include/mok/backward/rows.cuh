@@ -21,13 +21,13 @@ namespace mok {
 namespace {
 
 // ---- consumers: row items --------------------------------------------------------------------------------
-// Expert parallel, one thread: this call's epoch into row `row` of every peer's bwd_flags (after a system fence
+// Expert parallel, one thread: this call's epoch into row `row` of every peer's bwd_stamps (after a system fence
 // that orders every store this rank's items made before, through the counters the caller acquired).
 __device__ void publish(const KernelParams& p, int row, uint64_t epoch) {
-  comm::publish_stamps(p.view, p.view.layout.bwd_flags, row, epoch);
+  comm::publish_stamps(p.view, p.view.layout.bwd_stamps, row, epoch);
 }
 
-// The consumers wait until every peer stamped flag row `row` of this rank's region with at least `target` (one
+// The consumers wait until every peer stamped row `row` of this rank's bwd_stamps with at least `target` (one
 // thread waits, bounded; a timeout poisons the workspace, a poisoned one stops it). On failure the status bits
 // stop every other wait of the rank too. Its verdict has its own word (SharedStorage::peer_ok): an item makes at
 // most one such wait and one consumers_wait, in either order.
@@ -35,7 +35,7 @@ __device__ bool consumers_wait_peers(SharedStorage& s, const KernelParams& p, in
                                      uint64_t epoch, unsigned long long* wait_ns, int ct) {
   if (ct == 0) {
     const uint64_t t0 = gemm::global_timer_ns();
-    const bool ok = comm::wait_stamps(p.view, p.view.layout.bwd_flags, row, target, code, comm::kOpMoeBackward, epoch);
+    const bool ok = comm::wait_stamps(p.view, p.view.layout.bwd_stamps, row, target, code, comm::kOpMoeBackward, epoch);
     if (!ok) atomicOr(p.status, gemm::kStatusWaitTimeout | kExpertsBackwardStatusComm);
     s.peer_ok = ok;
     atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));

@@ -19,7 +19,7 @@
 //   chunk_base  i32[ep][num_chunks][L]   schedule scratch: first output row of each of those
 //   route_idx   i32[ep][route_stride]    topk_idx of rank s (T*k used, k <= top_k)
 //   route_w     f32[ep][route_stride]    topk_weight of rank s
-//   moe_flags   u64[kMoeFlagRows + max_microbatches][ep]   the MoE megakernel's flags (mok/moe/forward.cuh):
+//   moe_stamps  u64[kMoeStampRows + max_microbatches][ep]   the MoE megakernel's epoch stamps (mok/moe/forward.cuh):
 //                                        row kMoeSigRoute/kMoeSigX/kMoeAckDisp/kMoeAckComb, then one
 //                                        row per microbatch (kMoeSigComb + m); [row][s] is written by rank s
 //                                        and holds the epoch of the call that last set it
@@ -30,16 +30,16 @@
 //                                        for origin s). The megakernel: one row per slot, [T][top_k][H] on the
 //                                        origin, pushed by the slot's owner (the same terms at every EP size)
 //   the fused backward's buffers (ep > 1 only; none at ep 1, whose backward does not communicate):
-//   bwd_flags   u64[kBwdFlagRows][ep]    epoch stamps of the experts' backward (mok/experts_backward.cuh):
+//   bwd_stamps  u64[kBwdStampRows][ep]   epoch stamps of the experts' backward (mok/experts_backward.cuh):
 //                                        rows kBwdSigX, kBwdSigDx, kBwdDone; [row][s] is written by rank s
 //   bwd_x       bf16[max_tokens][H]      this rank's x rows, staged for the owners of its slots to read
 //   bwd_dy      bf16[max_tokens][H]      its dy rows, likewise
 //   bwd_dx      bf16[max_tokens][top_k][H]  the dx row of each of its slots (t, j), written by the slot's owner
 //   bwd_dw      f32[max_tokens][top_k]   the router-weight gradient of each slot, likewise
 //
-// The megakernel's flags are epoch stamps, not counts: the last of the items that a flag guards stores
-// the call's epoch with a release at system scope, and a consumer waits for flag >= epoch. So a call may
-// use any number of microbatches, and calls of the comm ops and of the megakernel never share a flag.
+// The megakernel's stamps are epochs, not counts: the last of the items that a stamp guards stores
+// the call's epoch with a release at system scope, and a consumer waits for stamp >= epoch. So a call may
+// use any number of microbatches, and calls of the comm ops and of the megakernel never share a stamp.
 //
 // Sizes: the two bf16 buffers dominate: (ep + max(ep, top_k)) * max_tokens * H * 2 bytes at ep > 1, linear in ep past top_k
 // (H 7168, 4096 tokens, k 8: 587 MB per rank at ep 2, 940 MB at ep 8; docs/memory.md). At ep > 1 the backward's buffers add (2 + top_k) * max_tokens * H * 2 bytes, independent of ep
@@ -69,8 +69,8 @@ constexpr int kChunkTokens = 64;                        // schedule granularity 
 constexpr size_t kRegionAlign = 256;
 constexpr int kMinGranularity = 512;                    // smallest microbatch of the megakernel (tokens)
 constexpr int kMoeSigRoute = 0, kMoeSigX = 1, kMoeAckDisp = 2, kMoeAckComb = 3, kMoeSigComb = 4;
-constexpr int kMoeFlagRows = kMoeSigComb;               // rows before the per-microbatch ones
-constexpr int kBwdSigX = 0, kBwdSigDx = 1, kBwdDone = 2, kBwdFlagRows = 3;  // the backward's flag rows
+constexpr int kMoeStampRows = kMoeSigComb;               // rows before the per-microbatch ones
+constexpr int kBwdSigX = 0, kBwdSigDx = 1, kBwdDone = 2, kBwdStampRows = 3;  // the backward's stamp rows
 
 // Fixed at setup, identical on every rank of the group.
 struct CommShape {
@@ -98,9 +98,9 @@ struct LocalState {
 };
 
 struct SymLayout {
-  size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_flags;
+  size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_stamps;
   size_t chunk_count, chunk_base, route_idx, route_w, stage, comb;
-  size_t bwd_flags, bwd_x, bwd_dy, bwd_dx, bwd_dw;  // ep > 1 only (0 at ep 1)
+  size_t bwd_stamps, bwd_x, bwd_dy, bwd_dx, bwd_dw;  // ep > 1 only (0 at ep 1)
   size_t route_stride;  // elements per source rank in route_idx / route_w
   size_t total_bytes;
 };
@@ -122,15 +122,15 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
     off = align_up(off + bytes, kRegionAlign);
     return at;
   };
-  const size_t flags = sizeof(uint64_t) * size_t(s.ep);
-  l.sig_route = take(flags);
-  l.sig_x = take(flags);
-  l.ack_disp = take(flags);
-  l.sig_comb = take(flags);
-  l.ack_comb = take(flags);
+  const size_t signal = sizeof(uint64_t) * size_t(s.ep);
+  l.sig_route = take(signal);
+  l.sig_x = take(signal);
+  l.ack_disp = take(signal);
+  l.sig_comb = take(signal);
+  l.ack_comb = take(signal);
   l.error = take(sizeof(uint64_t));
   l.state = take(sizeof(LocalState));
-  l.moe_flags = take(sizeof(uint64_t) * size_t(kMoeFlagRows + max_microbatches(s.max_tokens)) * s.ep);
+  l.moe_stamps = take(sizeof(uint64_t) * size_t(kMoeStampRows + max_microbatches(s.max_tokens)) * s.ep);
   const size_t chunk_cells = size_t(s.ep) * num_chunks(s.max_tokens) * s.num_local_experts();
   l.chunk_count = take(sizeof(int32_t) * chunk_cells);
   l.chunk_base = take(sizeof(int32_t) * chunk_cells);
@@ -143,7 +143,7 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   l.comb = take(size_t(s.ep == 1 || s.ep > s.top_k ? s.ep : s.top_k) * s.max_tokens * s.hidden * 2);
   if (s.ep > 1) {
     const size_t own = size_t(s.max_tokens) * s.hidden * 2;  // bf16 [max_tokens][H]
-    l.bwd_flags = take(sizeof(uint64_t) * kBwdFlagRows * s.ep);
+    l.bwd_stamps = take(sizeof(uint64_t) * kBwdStampRows * s.ep);
     l.bwd_x = take(own);
     l.bwd_dy = take(own);
     l.bwd_dx = take(own * s.top_k);

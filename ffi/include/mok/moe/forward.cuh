@@ -10,7 +10,7 @@
 // one rank (the caller's, inside shard_map); an emulated call carries all `ep` ranks of one EP group on
 // one device (docs/design.md, "EP on one GPU (emulation)"), each against its own workspace.
 //
-// Memory per rank: the workspace (symmetric: flags, routing, staging; mok/comm/workspace.cuh) and one
+// Memory per rank: the workspace (symmetric: signals and stamps, routing, row buffers; mok/comm/workspace.cuh) and one
 // scratch buffer that the caller allocates per call (forward_scratch_layout): the ring of `ring_slots`
 // microbatch slots of received rows (the down GEMM's output overwrites them in place), the SwiGLU
 // activations of those rows, the shared expert's activations and fp32 output, the call's schedule and
@@ -68,7 +68,7 @@ struct ForwardKnobs {
   int32_t timing_mode;       // bench only (lab form): TimingMode bits (leaving rows out makes the outputs wrong)
 };
 
-// Timing variants that leave one stage's row moves out or do them twice (every flag and counter still runs),
+// Timing variants that leave one stage's row moves out or do them twice (every stamp and counter still runs),
 // so that a bench can take differences: what a stage costs the whole call beyond what the overlap hides.
 // Leaving rows out also changes what the GEMMs read (stale ring rows, maybe zeros, which run faster), so
 // the "twice" variants, whose outputs stay right, are the sound measure. Only the kernel's lab form (bf16) has

@@ -34,7 +34,7 @@
 //
 // Synchronisation. Within a rank: counters in the call's scratch (zeroed before the launch), bumped with
 // a release after an item's stores (and a proxy fence where TMA reads the data next), polled with acquire
-// loads. Across ranks: epoch stamps in the workspace's moe_flags, stored by the last item of what they
+// loads. Across ranks: epoch stamps in the workspace's moe_stamps, stored by the last item of what they
 // guard with a release at system scope. Every wait is bounded by the workspace's timeout and gives up at
 // once when the workspace is poisoned; a producer whose wait fails marks the item skipped (consumers do
 // nothing but count it), so a failed call ends quickly; its last CTA then fills y with NaN and writes the
@@ -151,10 +151,10 @@ __device__ inline void finish_call(const Plan& p, const RankParams& R, SharedSto
   comm::LocalState* st = v.state();
   if (threadIdx.x == 0) {
     __threadfence();
-    s.flag = atomicAdd(&st->moe_exit, 1u) == uint32_t(ctas - 1);
+    s.last_cta = atomicAdd(&st->moe_exit, 1u) == uint32_t(ctas - 1);
   }
   __syncthreads();
-  if (!s.flag) return;
+  if (!s.last_cta) return;
   __threadfence();
   const uint64_t poison = comm::read_poison(v);
   if (poison != 0) {  // outputs are defined: every row NaN

@@ -164,7 +164,7 @@ struct SharedStorage {
   alignas(8) uint64_t work_full[kWorkSlots];
   alignas(8) uint64_t work_empty[kWorkSlots];
   int32_t scan_warp[kWorkerWarps];
-  int32_t flag;
+  int32_t last_cta;  // finish_call: this CTA is the rank's last to finish
 };
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
