@@ -155,7 +155,7 @@ class KernelConfig:
         stage is split into; the other SMs run GEMM tiles meanwhile).
     comm_sms_bwd: the items the fused expert-parallel backward (ops.experts_backward_ep) splits the staging of
         x and dy into; its row moves after that go one item per 128-row block. Unused at EP 1.
-    dispatch: the dispatch's direction (owners pull the sources' staged rows, or sources push them).
+    dispatch: the dispatch's direction (owners pull the sources' posted rows, or sources push them).
     combine: the standalone combine op's direction (``mok_jax.ops.combine``). The layer's forward always pushes one
         row per slot, so that y has the same bits at every EP size, and refuses "pull".
     ring_slots: microbatch slots in the device-side receive ring (memory: ring_slots x the worst case of
@@ -226,7 +226,7 @@ class MoEConfig:
         "nothing" with "fp8". Measured on one H200 (benchmarks/results/moe_backward_h200.md), keeping g | u takes
         11.7-13.8% off the fwd+bwd of the five benchmark problems. Ignored by ``implementation="xla"``.
     precision: the routed experts' forward on ``implementation="mok"``: "bf16", or "fp8": E4M3 with DeepSeek-V3
-        block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source stages it
+        block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source posts it
         (so FP8 rows and their scales cross NVLink: about half the bytes), the gate/up and down GEMMs run in FP8
         with fp32 scales promoted per 128-long K block, h is quantised in the SwiGLU epilogue; the shared expert,
         the combine and y stay bf16. H and I must be multiples of 128. The weights' E4M3 form comes from

@@ -3,7 +3,7 @@
 docs/design.md, "EP on one GPU (emulation)": the kernels take their EP rank and peer table as parameters,
 so ``ep`` ranks run against ``ep`` workspaces on one device, in one launch whose CTAs split into the
 ranks. Everything of the real protocol runs (routing exchange, schedule, pull/push dispatch through the
-peers' staging buffers, the ring, push/pull combine, the epoch stamps, timeouts); only NVLink is
+peers' row buffers, the receive ring, push/pull combine, the epoch stamps, timeouts); only NVLink is
 replaced by the device's own memory, so this checks correctness at any EP size, not NVLink speed.
 
     y, status = emulated_moe(x, topk_idx, topk_weight, weights, ep=4)   # x: [4 * T, H], weights: all E experts

@@ -63,9 +63,9 @@ def _workspace(ep: int, T: int, H: int, k: int, L: int) -> dict[str, int]:
         "moe_stamps": _aligned(8 * (_MOE_STAMP_ROWS + _cdiv(T, _MIN_GRANULARITY)) * ep),
         "chunks": 2 * _aligned(4 * ep * _cdiv(T, _CHUNK) * L),  # chunk_count, chunk_base: i32[ep][chunks][L]
         "routing": 2 * _aligned(4 * ep * _cdiv(T * k, 4) * 4),  # route_idx, route_w: [ep][T k rounded up to 4]
-        "stage": _aligned(ep * own),
+        "dispatch_rows": _aligned(ep * own),
         # [ep][T][H] partials (the comm ops), [T][k][H] slot rows (the layer; none cross at EP 1)
-        "comb": _aligned((ep if ep == 1 else max(ep, k)) * own),
+        "combine_rows": _aligned((ep if ep == 1 else max(ep, k)) * own),
     }
     fused = ep > 1  # the fused EP backward's buffers
     terms.update(bwd_stamps=_aligned(8 * _BWD_STAMP_ROWS * ep) if fused else 0,

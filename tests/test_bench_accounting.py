@@ -236,7 +236,7 @@ def test_mok_memory_per_rank():
     per_row = 3 * 7168 * 2 + 2 * 2 * 2048 * 2 + 2048 * 2 + 2 * 4 + 2048 // 256 * 4
     counters = 4 * -(-(60 + 4 * (-(-rows // 128) + 6) + 2 * 7 + 5) // 4) * 4
     assert m["backward_scratch_bytes_per_rank"] == rows * per_row + counters == 2_130_479_616
-    # the two bf16 staging buffers, 2 * ep * T * H * 2 bytes, are most of the workspace
+    # the two bf16 row buffers (dispatch_rows, combine_rows), 2 * ep * T * H * 2 bytes, are most of the workspace
     assert m["workspace_bytes_per_rank"] >= 2 * 2 * 2048 * 7168 * 2
     # a third ring slot costs scratch
     more = acc.mok_memory_per_rank(s, 2048, k.replace(ring_slots=3))["scratch_bytes_per_rank"]

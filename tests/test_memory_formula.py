@@ -80,10 +80,10 @@ def test_workspace_terms_sum_to_the_native_layout(name):
         assert sum(terms.values()) == native, (ep, terms, native)
         fused = [terms[f"workspace.{b}"] for b in ("bwd_stamps", "bwd_x_dy", "bwd_dx", "bwd_dw")]
         assert all(fused) if ep > 1 else not any(fused), (ep, fused)  # the fused EP backward's buffers: ep > 1 only
-        stage, comb = terms["workspace.stage"], terms["workspace.comb"]
+        dispatch, combine = terms["workspace.dispatch_rows"], terms["workspace.combine_rows"]
         row = s["tokens"] * s["hidden"] * 2  # bf16 [T][H]
-        assert stage >= ep * row  # [ep][T][H]
-        assert comb >= (ep if ep == 1 else max(ep, s["top_k"])) * row  # [T][k][H] slot rows, [ep][T][H] partials
+        assert dispatch >= ep * row  # [ep][T][H]
+        assert combine >= (ep if ep == 1 else max(ep, s["top_k"])) * row  # [T][k][H] slot rows, [ep][T][H] partials
 
 
 # ----------------------------------------------------------------------------- (b) the forward's scratch

@@ -283,7 +283,7 @@ def _shape(E, H, I, k, Is=None) -> ModelShape:
 
 
 def _problem(tag: str, shape: ModelShape, tokens: int, case: str = "uniform"):
-    """Fresh random bf16 inputs (scaled so every stage is O(1)), routing for ``case``, and a bf16 dy."""
+    """Fresh random bf16 inputs (scaled so every step is O(1)), routing for ``case``, and a bf16 dy."""
     kx, kg, kd, ksg, ksd, ky = jax.random.split(_key(tag), 6)
     E, H, I, Is, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
     x = jax.random.normal(kx, (tokens, H), _F32).astype(_BF16)
@@ -470,7 +470,7 @@ def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
 
 
 def test_fused_ep_backward_rank_that_skips_a_call_times_out():
-    """One emulated rank makes no call: the other's waits for its staged rows time out (bounded; nothing hangs), its
+    """One emulated rank makes no call: the other's waits for its shared rows time out (bounded; nothing hangs), its
     status says so (EXPERTS_BACKWARD_STATUS_COMM), its gradients are NaN, the workspace is poisoned (check() names
     the rank) and the next call on it refuses to run."""
     from mok_jax.emulation import emulated_moe_backward

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
 _SEED = module_seed(__name__)
 _problem = functools.partial(layer_problem, _SEED)  # (tag, shape, tokens, routing="uniform", ranks=1)
-# Two CTAs per rank at EP 64 on an H200 (132 SMs); the communication items of a stage are capped at a rank's CTAs.
+# Two CTAs per rank at EP 64 on an H200 (132 SMs); the communication items of a phase are capped at a rank's CTAs.
 _CFG = KernelConfig(granularity=512, comm_sms_fwd=4)
 _GLOBAL_TOKENS = 1024  # 16 tokens per rank at EP 64, 32 at EP 32, 64 at EP 16
 

@@ -4,7 +4,7 @@ Data path, bitwise: every routed slot's expert output must be the standalone FP8
 token row (mok_jax.ops.fp8_grouped_ffn: the same quantiser, chains, promotions and epilogues, so the same bits
 per row), combined as the bf16 layer combines them (every slot's row weighted and summed in f32 in slot order,
 then rounded to bf16: the same at every EP size). That checks the quantisation at the source, the E4M3 rows and
-scales through the staging buffers and the ring, the FP8 tiles and the combine at EP 1, 2, 4 and 8 emulated on
+scales through the row buffers and the receive ring, the FP8 tiles and the combine at EP 1, 2, 4 and 8 emulated on
 one GPU, dispatch pull and push, without a shared expert (whose f32 output the numpy oracle
 cannot reproduce bit for bit).
 Math: with the shared expert, y per token against the unquantised f32 layer within the derived E4M3 sigma of

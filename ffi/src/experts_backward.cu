@@ -41,7 +41,7 @@ __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, 
 }
 
 // Expert parallel: the rank's last CTA to exit advances its epoch and stamps kBwdDone in every peer (it read
-// every peer's staged rows and its own bwd_dx, bwd_dw for the last time); a poisoned workspace sets the status.
+// every peer's shared rows and its own bwd_dx, bwd_dw for the last time); a poisoned workspace sets the status.
 __device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, uint64_t epoch) {
   comm::LocalState* st = p.view.state();
   if (threadIdx.x == 0) {
@@ -284,17 +284,18 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
     k.view = p.view;
     k.topk_idx = p.topk_idx;
     k.experts_all = int(p.num_experts) * p.view.shape.ep;
-    k.stage_items = std::max(1, std::min(p.comm_items, grid_of_rank));
+    k.share_items = std::max(1, std::min(p.comm_items, grid_of_rank));
     // a wait for an item of the same rank outlasts the wait for a peer, which then names the peer
     k.local_timeout_ns = std::max<uint64_t>(gemm::kWaitTimeoutNs, 4 * p.view.timeout_ns);
   }
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
-  return cudaMemsetAsync(p.counters, 0, size_t(experts_backward_counter_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream);
+  return cudaMemsetAsync(p.counters, 0,
+                         size_t(experts_backward_counter_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream);
 }
 
 // An emulated call of more than kExpertsBackwardParamRanks ranks: each rank's KernelParams go into its row of the
-// counters scratch, past the counters (experts_backward_ep_counter_words; the rows one stride apart, as the handler lays
-// them out), uploaded in launches of kUploadRanks on `stream` before the kernel, which reads them there.
+// counters scratch, past the counters (experts_backward_ep_counter_words; the rows one stride apart, as the handler
+// lays them out), uploaded in launches of kUploadRanks on `stream` before the kernel, which reads them there.
 cudaError_t launch_many(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank, int grid,
                         cudaStream_t stream) {
   const ExpertsBackwardParams& p0 = ranks[0];

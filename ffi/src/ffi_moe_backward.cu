@@ -19,9 +19,10 @@
 //   group_sizes: s32[R, L], gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H], gu_in: bf16[R, M | 0, 2I],
 //   gu_part: bf16[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
 //   -> dx: f32[R, T, H], dw: f32[R, T, k], d_gate_up, d_down (as gate_up, down), status: s32[R], then the scratch
-//      of the EP-1 op with a leading R (x_e .. dw_e), and counters: s32[R, mok_experts_backward_ep_counter_words(M, L, R)]
+//      of the EP-1 op with a leading R (x_e .. dw_e), and counters:
+//      s32[R, mok_experts_backward_ep_counter_words(M, L, R)]
 //      (above 8 ranks each row also holds its rank's kernel parameters)
-//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1; a
+//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (SHARE items), skip_rank: s32 (-1; a
 //   fault-injection test mode: >= 0 in an emulated call runs the kernel's lab form, the only one with its code)}
 #include <vector>
 

@@ -1,16 +1,16 @@
-"""Where the megakernel's forward time goes, on one GPU: timing variants that leave one stage out.
+"""Where the megakernel's forward time goes, on one GPU: timing variants that leave one phase out.
 
     python -m mok_jax.bench.breakdown [--model kimi-k2,...] [--tokens 2048] [--json out.json] [--trace DIR]
 
 For each model (the one-GPU ep64-slice problem: E/32 experts, uniform routing, bf16, the tuned kernel
 config), in one process, median ms of back-to-back calls (mok_jax.bench.timing):
 - ``mok``: the layer forward (emulated EP 1: the same kernel and plan as a one-rank mesh call);
-- ``dispatch rows twice`` / ``reduce rows twice``: the kernel with that stage's row moves done twice
+- ``dispatch rows twice`` / ``reduce rows twice``: the kernel with that phase's row moves done twice
   (``ops.moe_forward(timing_mode=...)``; the outputs stay right): the difference to ``mok`` is what one
-  pass of the stage costs the call beyond what the overlap hides;
+  pass of the phase costs the call beyond what the overlap hides;
 - ``no dispatch rows`` / ``no reduce rows``: those row moves left out. The outputs are wrong, and so is the
   data the GEMMs then read (stale ring rows, perhaps zeros, which multiply faster), so these differences
-  overstate a stage's cost; measured: they are kept beside the sound "twice" ones to show by how much;
+  overstate a phase's cost; measured: they are kept beside the sound "twice" ones to show by how much;
 - ``data path``: identity experts (dispatch and combine, no GEMMs, no shared expert);
 - ``grouped FFN`` and ``shared FFN``: the standalone grouped FFN kernel over the same expert-major rows, and
   over the T rows of the shared expert; with ``data path`` they make an unfused lower bound;

@@ -162,7 +162,7 @@ def assumptions(rates: Rates | None = None) -> list[dict[str, Any]]:
          "compute's cost of smaller microbatches by rows per expert and microbatch", "source": SWEEP_JSON},
         {"name": "XLA collectives", "value": f"{rates.xla_latency_us:.1f} us + bytes at {rates.xla_gbps:.1f} GB/s",
          "source": rates.sources["xla"]},
-        {"name": "local staging copies", "value": f"{COMM_SMS} SMs x {SM_STORE_GBPS} GB/s",
+        {"name": "local copies (POST, SHARE)", "value": f"{COMM_SMS} SMs x {SM_STORE_GBPS} GB/s",
          "source": "comm_h200x2.md, run 4's per-SM microbenchmark"},
         {"name": "knobs at EP > 1", "value": "the H200 tuned entry of the one-GPU problem (24 comm SMs; "
          "granularity 2048, glm-5 1024)", "source": "configs/tuned/nvidia-h200/kernel.toml"},

@@ -133,7 +133,7 @@ def dispatch(ws: Workspace, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.
     nowhere), topk_weight: f32[T, k] -> (recv_x: bf16[capacity, H], layout).
 
     capacity defaults to the dropless worst case ep*T*min(k, E_local); mode 'pull' (owners read the
-    sources' staged rows) or 'push' (sources write into the owners' staging buffers); num_sms is the
+    sources' posted rows) or 'push' (sources write into the owners' dispatch_rows); num_sms is the
     number of communication blocks (one per SM). mode and num_sms default to the workspace's KernelConfig
     (``kernel.dispatch``, ``kernel.comm_sms_fwd``). token_major: recv_x is bf16[ep * T, H] instead, one
     row per (source rank, token) (zeros for tokens with no local expert when zero_padding)."""

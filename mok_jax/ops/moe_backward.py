@@ -56,9 +56,9 @@ _DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
 _COUNTERS = 9  # index of the dependency counters (and time words) among them
 
 
-# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh); "stage" and "send"
+# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh); "share" and "send"
 # run only in the expert-parallel form (experts_backward_ep).
-ITEM_KINDS = ("stage", "gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad",
+ITEM_KINDS = ("share", "gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad",
               "router-weight sum", "send", "d_down", "d_gate_up", "slot sum")
 # three u64 per kind, summed over the CTAs: the consumers' ns, the ns waited, a GEMM tile's ns after its last MMA
 ITEM_TIMES = ("busy", "wait", "epilogue")
@@ -269,11 +269,11 @@ def experts_backward_ep(
     bf16[L, H, 2I], down: bf16[L, I, H]; gu or gu_part, gu_part_row: its kept g | u in that layout, as
     experts_backward takes them (with R leading).
 
-    Inside the kernel each rank stages its x and dy rows in the workspace; each owner gathers its rows'
+    Inside the kernel each rank shares its x and dy rows through the workspace (SHARE); each owner gathers its rows'
     tokens from their ranks, runs experts_backward's GEMMs, and writes each slot's bf16 dx row and dw into the
     token's rank at (t, j); each rank then sums its tokens' k slot rows in slot order in f32. So dx, dw and the
     weight gradients are the bits of experts_backward at EP 1 over the same tokens, for every num_sms and
-    comm_items (the items the staging is split into). status as experts_backward's, or
+    comm_items (the items SHARE, the copy of x and dy for the peers, is split into). status as experts_backward's, or
     EXPERTS_BACKWARD_STATUS_COMM: a peer never came within the workspace's timeout (every rank must make the
     same calls in the same order); the workspace is then poisoned and its next call fails. A rank's outputs are
     defined only when every rank's status is 0 (an owner with bad group sizes sends no rows: the layer ORs the

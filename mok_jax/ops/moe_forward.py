@@ -82,7 +82,7 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
                          f"(\"pull\" is the standalone mok_jax.ops.combine's); use combine=\"push\"")
 
 
-# Timing variants (mok/moe/forward.cuh, TimingMode): a stage's row moves left out of the call, or done twice.
+# Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
                 "reduce rows twice": 16}
 
@@ -100,8 +100,8 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     zeros when the call went well). identity_experts (a test mode) replaces every expert by the identity
     and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
     emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
-    a sum of TIMING_MODES's bits: those stages move no rows (wrong outputs) or move them twice, every stamp
-    still runs, so that differences of timings say what a stage costs the call. A call with skip_rank >= 0 or
+    a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
+    still runs, so that differences of timings say what a phase costs the call. A call with skip_rank >= 0 or
     timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16 only); every other
     call runs a production form without it. kernel None: the tuned table of the workspace's device, else the
     heuristic (mok_jax.tuning), for this call's per-rank problem.

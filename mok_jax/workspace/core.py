@@ -95,7 +95,7 @@ class CommConfig:
         return self.ep * tokens * min(k, self.num_local_experts)
 
     def workspace_bytes(self) -> int:
-        """Bytes of the symmetric region per rank (the two bf16 staging buffers dominate; at ep > 1 the fused
+        """Bytes of the symmetric region per rank (the two bf16 row buffers, dispatch_rows and combine_rows, dominate; at ep > 1 the fused
         backward's buffers add (2 + top_k) * max_tokens * hidden_size * 2)."""
         lib = _native.library()
         if lib is None:  # same formula as make_layout, without the small control regions

@@ -42,8 +42,8 @@ __device__ void complete(const KernelParams& p, const Item& it) {
   const Counters c = counters(p);
   __threadfence();
   switch (it.kind) {
-    case kStage:
-      if (it.index < p.stage_items) comm::fence_sys(), atomicAdd(c.totals + 4, 1);  // rows that peers read
+    case kShare:
+      if (it.index < p.share_items) comm::fence_sys(), atomicAdd(c.totals + 4, 1);  // rows that peers read
       break;
     case kGather: atomicAdd(c.gathered + it.mb, 1), atomicAdd(c.gathered_e + it.group, 1); break;
     case kGu: atomicAdd(c.gu + it.mb, 1); break;
@@ -76,14 +76,14 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     uint64_t t_epi = 0;  // a GEMM tile's end of MMAs (thread 0): the rest of the item is its epilogue
     const int col0 = it.n_block * kBlockN;
     switch (it.kind) {
-      case kStage:  // no peer may still read the previous call's staged rows
-        if (!consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, c.wait_ns + kStage,
+      case kShare:  // no peer may still read the previous call's shared rows
+        if (!consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, c.wait_ns + kShare,
                                   ct))
           return;
-        if (it.index < p.stage_items) {
-          stage_rows(p, it, ct);
-        } else {  // the last: every share is staged, then the peers may read them
-          if (!consumers_wait<1>(s, {c.totals + 4}, {p.stage_items}, p, c.wait_ns + kStage, ct)) return;
+        if (it.index < p.share_items) {
+          share_rows(p, it, ct);
+        } else {  // the last: every SHARE(i) is done, then the peers may read the rows
+          if (!consumers_wait<1>(s, {c.totals + 4}, {p.share_items}, p, c.wait_ns + kShare, ct)) return;
           if (ct == 0) publish(p, comm::kBwdSigX, epoch);
         }
         break;

@@ -1,5 +1,5 @@
-// mok backward: the backward megakernel's row items, which the consumer warps run without a GEMM: STAGE
-// (stage_rows), GATHER (gather), SEND (send_rows), DWSUM (dw_sum) and SLOT (slot_sum), one warp per row or per
+// mok backward: the backward megakernel's row items, which the consumer warps run without a GEMM: SHARE
+// (share_rows), GATHER (gather), SEND (send_rows), DWSUM (dw_sum) and SLOT (slot_sum), one warp per row or per
 // token; and, expert parallel, the epoch stamps they publish to the peers and wait for (publish,
 // consumers_wait_peers) and where a slot's rows live (slot_home).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
@@ -53,11 +53,11 @@ __device__ __forceinline__ SlotHome slot_home(const KernelParams& p, int64_t slo
   return SlotHome{int32_t(tg / p.T), int32_t(tg % p.T), int32_t(slot % p.k)};
 }
 
-// STAGE(i), i < stage_items: rows [T i / n, T (i + 1) / n) of x and dy into this rank's bwd_x, bwd_dy (one warp
+// SHARE(i), i < share_items: rows [T i / n, T (i + 1) / n) of x and dy into this rank's bwd_x, bwd_dy (one warp
 // per row), where the owners of its slots read them.
-__device__ void stage_rows(const KernelParams& p, const Item& it, int ct) {
+__device__ void share_rows(const KernelParams& p, const Item& it, int ct) {
   const int lane = ct % 32, warp = ct / 32, chunks = p.H / 8;
-  const int64_t r0 = int64_t(p.T) * it.index / p.stage_items, r1 = int64_t(p.T) * (it.index + 1) / p.stage_items;
+  const int64_t r0 = int64_t(p.T) * it.index / p.share_items, r1 = int64_t(p.T) * (it.index + 1) / p.share_items;
   int4* xd = p.view.local<int4>(p.view.layout.bwd_x);
   int4* dd = p.view.local<int4>(p.view.layout.bwd_dy);
   const int4* xs = reinterpret_cast<const int4*>(p.x);
@@ -72,7 +72,7 @@ __device__ void stage_rows(const KernelParams& p, const Item& it, int ct) {
 // zeros for a padding row (or a slot id out of range), and with kept g, u zeros in a padding row's g | u. In a
 // block of part-kept g, u (block_kept) also gu[r] = gu_part[gu_part_row[r]] (zeros for a row without one: a
 // padding row, what the recompute gives it); the block's DH items read it after this item's release.
-// Expert parallel: a token of another rank is read from that rank's staged bwd_x, bwd_dy (over NVLink).
+// Expert parallel: a token of another rank is read from that rank's shared bwd_x, bwd_dy (over NVLink).
 // One warp per row, kGatherVecs 16-byte vectors of each source in flight per lane.
 __device__ void gather(const KernelParams& p, const Item& it, int ct) {
   const int lane = ct % 32, warp = ct / 32;

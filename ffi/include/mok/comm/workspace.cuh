@@ -9,7 +9,7 @@
 // Names with [ep] are indexed by the *other* rank of a pair, as seen by the owner of the region:
 //
 //   sig_route   u64[ep]        routing of rank s has landed here (dispatch), written by s
-//   sig_x       u64[ep]        token rows of rank s are ready (pull: in s's stage; push: in mine)
+//   sig_x       u64[ep]        token rows of rank s are ready (pull: in s's dispatch_rows; push: in mine)
 //   ack_disp    u64[ep]        rank d finished reading what I published for dispatch
 //   sig_comb    u64[ep]        partial sums of owner o for my tokens are ready
 //   ack_comb    u64[ep]        origin s finished reading my partials (pull) / its buffer (push)
@@ -23,16 +23,16 @@
 //                                        row kMoeSigRoute/kMoeSigX/kMoeAckDisp/kMoeAckComb, then one
 //                                        row per microbatch (kMoeSigComb + m); [row][s] is written by rank s
 //                                        and holds the epoch of the call that last set it
-//   stage       bf16[ep][max_tokens][H]  dispatch rows: [s][t] = x_t of rank s
+//   dispatch_rows  bf16[ep][max_tokens][H]  [s][t] = x_t of rank s
 //                                        (pull: rank s fills its own [s]; push: s fills peers' [s])
-//   comb        bf16[max(ep, top_k)][max_tokens][H] (ep 1: [1][..])  combine rows. The comm ops' combine: partials [ep][T][H]
+//   combine_rows   bf16[max(ep, top_k)][max_tokens][H] (ep 1: [1][..]). The comm ops' combine: partials [ep][T][H]
 //                                        (push: [o][t] on the origin, from owner o; pull: [s][t] on the owner,
 //                                        for origin s). The megakernel: one row per slot, [T][top_k][H] on the
 //                                        origin, pushed by the slot's owner (the same terms at every EP size)
 //   the fused backward's buffers (ep > 1 only; none at ep 1, whose backward does not communicate):
 //   bwd_stamps  u64[kBwdStampRows][ep]   epoch stamps of the experts' backward (mok/experts_backward.cuh):
 //                                        rows kBwdSigX, kBwdSigDx, kBwdDone; [row][s] is written by rank s
-//   bwd_x       bf16[max_tokens][H]      this rank's x rows, staged for the owners of its slots to read
+//   bwd_x       bf16[max_tokens][H]      this rank's x rows, shared with the owners of its slots (SHARE)
 //   bwd_dy      bf16[max_tokens][H]      its dy rows, likewise
 //   bwd_dx      bf16[max_tokens][top_k][H]  the dx row of each of its slots (t, j), written by the slot's owner
 //   bwd_dw      f32[max_tokens][top_k]   the router-weight gradient of each slot, likewise
@@ -99,7 +99,7 @@ struct LocalState {
 
 struct SymLayout {
   size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_stamps;
-  size_t chunk_count, chunk_base, route_idx, route_w, stage, comb;
+  size_t chunk_count, chunk_base, route_idx, route_w, dispatch_rows, combine_rows;
   size_t bwd_stamps, bwd_x, bwd_dy, bwd_dx, bwd_dw;  // ep > 1 only (0 at ep 1)
   size_t route_stride;  // elements per source rank in route_idx / route_w
   size_t total_bytes;
@@ -138,9 +138,9 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   l.route_idx = take(sizeof(int32_t) * s.ep * l.route_stride);
   l.route_w = take(sizeof(float) * s.ep * l.route_stride);
   const size_t rows = size_t(s.ep) * s.max_tokens * s.hidden * 2;  // bf16
-  l.stage = take(rows);
+  l.dispatch_rows = take(rows);
   // the comm ops' [ep][T][H] partials; the megakernel's [T][top_k][H] slot rows, which EP 1 never sends
-  l.comb = take(size_t(s.ep == 1 || s.ep > s.top_k ? s.ep : s.top_k) * s.max_tokens * s.hidden * 2);
+  l.combine_rows = take(size_t(s.ep == 1 || s.ep > s.top_k ? s.ep : s.top_k) * s.max_tokens * s.hidden * 2);
   if (s.ep > 1) {
     const size_t own = size_t(s.max_tokens) * s.hidden * 2;  // bf16 [max_tokens][H]
     l.bwd_stamps = take(sizeof(uint64_t) * kBwdStampRows * s.ep);

@@ -13,15 +13,15 @@
 //   warpgroups 1-2 ("consumers", 8 warps): execute every item: a GEMM tile (Sm90Tile::mma_tile, 64 rows
 //       each, then an epilogue policy), or a communication/schedule item (the warps move rows with 16-byte
 //       vectors, one row per warp at a time). Then one thread publishes the item's completion.
-// Communication therefore time-shares SMs with compute: a communication stage is split into comm_items
+// Communication therefore time-shares SMs with compute: a communication phase is split into comm_items
 // items, so that many SMs move rows while the rest run tiles (the "communication SMs" knob).
 //
 // Registers: producer warpgroup 40, consumers 232 per thread (setmaxnreg; the CTA's 168 x 384 in all). Shared memory: stage ring
-// 192 KB + the FP8 stages' scales 2 KB + epilogue staging 18 KB + work ring and scan scratch; one CTA per SM.
+// 192 KB + the FP8 stages' scales 2 KB + epilogue buffers 18 KB + work ring and scan scratch; one CTA per SM.
 //
 // FP8 routed experts (the kernel's kFp8 form, Plan::fp8): each token row is quantised once in 1 x 128 tiles by
-// its source (POST into its staged row at EP > 1, DISPATCH for its own rows: comm::warp_quantize_row), so the
-// staged rows carry H E4M3 bytes and H/128 scales and DISPATCH copies those into the ring: the E4M3 bytes at
+// its source (POST into its posted row at EP > 1, DISPATCH for its own rows: comm::warp_quantize_row), so the
+// posted rows carry H E4M3 bytes and H/128 scales and DISPATCH copies those into the ring: the E4M3 bytes at
 // the start of the ring row (whose 2H bytes the down tile's bf16 output overwrites in place, as in the bf16
 // form) and the scales into the ring's k-block-major recv_scale. GU and DN tiles are gemm::Sm90Fp8Tile's (the
 // standalone FP8 FFN's chains, promotions and epilogues: the same bits per row), fed through the same stage ring

@@ -150,7 +150,7 @@ __device__ __forceinline__ int32_t timing_bits(const Plan& p) {
 }
 
 struct Item {
-  int32_t kind, mb, idx, count;            // communication items: idx of count in the stage
+  int32_t kind, mb, idx, count;            // communication items: idx of count in the phase
   int32_t group, row0, row_end, n_block;   // GEMM tiles: matrix, rows [row0, row_end) of A/out, column block
   int32_t mblock;                          // GEMM tiles: the m-block counter this tile adds to
   int32_t skip;                            // a dependency failed (poisoned workspace): do nothing
