@@ -1,4 +1,4 @@
-// mok backward: the backward megakernel's consumers, its two warpgroups. Each item from the work ring runs here:
+// mok backward: the backward megakernel's consumers, its two warpgroups. Each item from the work queue runs here:
 // a GEMM tile's MMAs and its epilogue, or a row item (rows.cuh), after the waits it needs (consumers_wait: one
 // thread waits, a named barrier gives all 256 the verdict); then one thread bumps its counters (complete).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
@@ -121,7 +121,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         // The epilogue reads the routed rows' router weights (w_e, which the gather items store) with ordinary
         // loads, issued before the MMAs so that their latency runs under them: once the tile's first stage is full
         // they are visible here (the producer acquired the gather's counter before that stage's loads, and the
-        // stage's full barrier passes that on). Everything else the epilogue reads (g, u) comes through the ring.
+        // stage's full barrier passes that on). Everything else the epilogue reads (g, u) comes through the stage ring.
         gemm::RowWeights rw;
         if (!it.shared) {
           if (!gemm::mbarrier_wait(&s.stages.full[pos.stage], pos.phase, p.status)) return;

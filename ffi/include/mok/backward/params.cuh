@@ -1,5 +1,5 @@
 // mok backward: the backward megakernel's types and constants (mok/experts_backward.cuh says what it computes).
-// The tiles of its five GEMMs, the CTA's roles and budgets (threads, setmaxnreg, blocking, the work ring), the
+// The tiles of its five GEMMs, the CTA's roles and budgets (threads, setmaxnreg, blocking, the work queue), the
 // kinds of work item in their list's order, the TMA descriptors over one set of rows (Operands, and the host's
 // make_operands) and the kernel's parameters: one EP rank's (KernelParams) and the launch's (LaunchParams, or
 // ManyLaunchParams for an emulated call of more ranks than the parameter space holds).
@@ -66,7 +66,7 @@ struct Operands {
   TileW::TmaB wd_b;   // dy rows [rows, H]
   TileW::TmaA wg_a;   // x rows read as H x rows
   TileW::TmaB wg_b;   // dgu [rows, 2I]
-  gemm::TmaGu dh_gu;  // g | u [rows, 2I] bf16: the DH tiles' epilogue operands, through the ring
+  gemm::TmaGu dh_gu;  // g | u [rows, 2I] bf16: the DH tiles' epilogue operands, through the stage ring
 };
 
 __device__ void prefetch(const Operands& o) {

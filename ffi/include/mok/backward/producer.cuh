@@ -1,5 +1,5 @@
 // mok backward: the backward megakernel's producer, one thread per CTA. It claims the items by ticket, hands
-// each to the consumers through the work ring, and for a GEMM tile waits (bounded) for its inputs' counters
+// each to the consumers through the work queue, and for a GEMM tile waits (bounded) for its inputs' counters
 // (wait_inputs), then issues its TMA loads into the stage ring (load_item).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
 #pragma once

@@ -6,7 +6,7 @@
 // Roles. One CTA per SM (384 threads), every CTA a general worker of one EP rank (CTA b serves rank
 // b % num_ranks); nothing is tied to an SM, so the same code serves any EP size and any SM count:
 //   warp 0, one lane ("producer"): claims the rank's next ticket (atomicAdd), decodes it into an item,
-//       waits (bounded) for the item's dependencies, hands it to the consumers through a 2-slot work ring
+//       waits (bounded) for the item's dependencies, hands it to the consumers through a 2-slot work queue
 //       in shared memory, and for a GEMM tile issues its TMA loads into the stage ring (Sm90Tile::load_tile).
 //       It then claims the next ticket while the consumers still work: loads of tile n+1 overlap MMAs of n.
 //   warps 1-3: idle (registers given to the consumers).
@@ -17,7 +17,7 @@
 // items, so that many SMs move rows while the rest run tiles (the "communication SMs" knob).
 //
 // Registers: producer warpgroup 40, consumers 232 per thread (setmaxnreg; the CTA's 168 x 384 in all). Shared memory: stage ring
-// 192 KB + the FP8 stages' scales 2 KB + epilogue buffers 18 KB + work ring and scan scratch; one CTA per SM.
+// 192 KB + the FP8 stages' scales 2 KB + epilogue buffers 18 KB + work queue and scan scratch; one CTA per SM.
 //
 // FP8 routed experts (the kernel's kFp8 form, Plan::fp8): each token row is quantised once in 1 x 128 tiles by
 // its source (POST into its posted row at EP > 1, DISPATCH for its own rows: comm::warp_quantize_row), so the
