@@ -167,7 +167,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     ``fused`` (default: the layer's setting, mok_jax.layer.FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
     backward of every rank runs in one launch of the fused expert-parallel op (mok_jax.ops.experts_backward_ep) on
     an emulated workspace (``workspace``, default cached per device, ep and shape), its communication included, as
-    each rank runs it under shard_map (mok_jax.layer._routed_backward_fused); ``kernel``'s comm_sms_bwd, num_sms and
+    each rank runs it under shard_map (mok_jax.layer._routed_backward_fused); ``kernel``'s comm_items_bwd, num_sms and
     the test mode skip_rank go to it.
 
     Otherwise rank r's routed backward is mok_jax.layer.routed_backward_rank with ``experts_fn``
@@ -219,7 +219,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         out = ops.experts_backward_ep(
             ws, per_rank(x), per_rank(dy), per_rank(topk_idx), jnp.broadcast_to(w32, (ep, *w32.shape)),
             jnp.stack([lay.src_slot for lay in layouts]), jnp.stack([lay.group_sizes for lay in layouts]),
-            per_rank(weights.gate_up), per_rank(weights.down), num_sms=num_sms, comm_items=cfg.comm_sms_bwd,
+            per_rank(weights.gate_up), per_rank(weights.down), num_sms=num_sms, comm_items=cfg.comm_items_bwd,
             skip_rank=skip_rank, **gu)
         dx_routed, dw = out.dx.reshape(x.shape), out.dw.reshape(topk_idx.shape)
         failed = jnp.any(out.status != 0)

@@ -76,7 +76,7 @@ SM_PEER_GBPS = 26.2  # register loads from the peer per SM (8 SMs; the link caps
 # combine's push of one pre-summed row per (token, owner), each with its local copy, schedule and launch
 PULL_RECORD = {"op": "dispatch", "mode": "pull", "note": "token_major", "tokens": 4096, "num_sms": 24}
 PUSH_RECORD = {"op": "combine", "mode": "push", "tokens": 4096, "num_sms": 24}
-COMM_SMS = 24  # comm_sms_fwd and comm_sms_bwd of every tuned H200 entry; the mover rates above are at 24 SMs
+COMM_ITEMS = 24  # comm_items_fwd and comm_items_bwd of every tuned H200 entry; the mover rates above are at 24 SMs
 SWEEP_JSON = "moe_forward_h200/sweep.json"  # mok fwd of kimi-k2 at 16384 tokens, granularity 512..8192, one H200
 GRANULARITIES = (2048, 1024, 512)  # what the tuner may pick at T = 2048 (multiples of 64, >= 512)
 
@@ -272,9 +272,9 @@ def traffic(model: str, ep: int, *, combine_rows: str = "per-slot", tokens: int 
     transfer, and the rows per token behind them. Forward: ``route_fwd`` (every rank's ids and weights to every
     peer), ``dispatch`` (a row per token and remote owner: the kernel pulls a row once per owner), ``combine`` (a row
     per token and remote owner, or per remote slot), ``post_fwd`` (POST's local copy of rows peers pull). Backward:
-    ``route_bwd`` (the routing all-gather, in XLA), ``share_bwd`` (SHARE's local copy of x, dy), ``gather_bwd`` (x and dy read by
-    the owner, once per remote slot row), ``send_bwd`` (each remote slot's dx row and dw), ``shared_dw`` (the ring
-    all-reduce of the shared expert's bf16 weight gradients over the EP group, in XLA)."""
+    ``route_bwd`` (the routing all-gather, in XLA), ``share_bwd`` (SHARE's local copy of x, dy), ``gather_bwd`` (x
+    and dy read by the owner, once per remote slot row), ``send_bwd`` (each remote slot's dx row and dw),
+    ``shared_dw`` (the ring all-reduce of the shared expert's bf16 weight gradients over the EP group, in XLA)."""
     if combine_rows not in COMBINE_ROWS:
         raise ValueError(f"combine_rows must be one of {', '.join(COMBINE_ROWS)}, got {combine_rows!r}")
     m, L = _shape(model)
@@ -370,7 +370,7 @@ def project(model: str, ep: int, machine: Machine, *, combine_rows: str = "per-s
         return out
     c = _compute(one, machine)
     r_link = rates.link_gbps * machine.link_ratio
-    r_copy = COMM_SMS * SM_STORE_GBPS * machine.hbm_ratio  # the local copies (POST, SHARE), by the comm SMs
+    r_copy = COMM_ITEMS * SM_STORE_GBPS * machine.hbm_ratio  # the local copies (POST, SHARE), one CTA per comm item
     xla = lambda n, ratio=machine.link_ratio: _xla_ms(n, rates, ratio)  # noqa: E731
 
     # forward

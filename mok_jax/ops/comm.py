@@ -135,7 +135,7 @@ def dispatch(ws: Workspace, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.
     capacity defaults to the dropless worst case ep*T*min(k, E_local); mode 'pull' (owners read the
     sources' posted rows) or 'push' (sources write into the owners' dispatch_rows); num_sms is the
     number of communication blocks (one per SM). mode and num_sms default to the workspace's KernelConfig
-    (``kernel.dispatch``, ``kernel.comm_sms_fwd``). token_major: recv_x is bf16[ep * T, H] instead, one
+    (``kernel.dispatch``, ``kernel.comm_items_fwd``). token_major: recv_x is bf16[ep * T, H] instead, one
     row per (source rank, token) (zeros for tokens with no local expert when zero_padding)."""
     ws.require_open("mok_jax.ops.dispatch")
     cap = check_dispatch_args(ws, x, topk_idx, topk_weight, capacity)
@@ -164,7 +164,7 @@ def combine(ws: Workspace, expert_out: jax.Array, layout: DispatchLayout, *, mod
     """Per rank: expert_out: bf16[capacity, H] (rows in dispatch's order), layout from dispatch ->
     (y: bf16[T, H], status: int32[4]). mode ('push': owners write their partials into the origins; 'pull':
     origins read them) and num_sms default to the workspace's KernelConfig (``kernel.combine``,
-    ``kernel.comm_sms_fwd``)."""
+    ``kernel.comm_items_fwd``)."""
     ws.require_open("mok_jax.ops.combine")
     check_combine_args(ws, expert_out, layout)
     m = _mode(mode, ws.config.combine_mode, "mok_jax.ops.combine")

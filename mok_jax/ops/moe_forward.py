@@ -46,7 +46,7 @@ def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, to
     the kernel does not support."""
     lib = _lib()
     args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
-            kernel.granularity, kernel.comm_sms_fwd, kernel.ring_slots, int(bool(fp8))]
+            kernel.granularity, kernel.comm_items_fwd, kernel.ring_slots, int(bool(fp8))]
     n = int(lib.mok_moe_scratch_bytes(*args, int(bool(identity_experts))))
     if n < 0:
         buf = ctypes.create_string_buffer(256)
@@ -200,7 +200,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         jax.ShapeDtypeStruct((R, int(keep_rows), 2 * inter), KEPT_GU_DTYPE),  # kept g | u ([R, 0, 2I]: none)
     )
     attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
-                 comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),
+                 comm_items=np.int32(kernel.comm_items_fwd), ring_slots=np.int32(kernel.ring_slots),
                  dispatch_push=np.int32(kernel.dispatch == "push"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
                  skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))

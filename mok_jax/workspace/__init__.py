@@ -20,7 +20,7 @@ Typical use::
         y, status = f(x, topk_idx, topk_weight)
         ws.check()   # raises CommTimeoutError naming the op and the rank if a peer never came
 
-The comm ops' defaults (direction per operator, communication SMs) come from the workspace's
+The comm ops' defaults (direction per operator, communication blocks) come from the workspace's
 :class:`mok_jax.KernelConfig` (``Workspace.create(..., kernel=KernelConfig(dispatch="push"))``; None: its
 defaults); a call's own ``mode=`` / ``num_sms=`` wins. The megakernel takes its KernelConfig per call.
 

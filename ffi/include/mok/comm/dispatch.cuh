@@ -44,7 +44,7 @@ struct DispatchParams {
   int32_t num_tokens;  // T, equal on every rank, <= shape.max_tokens
   int32_t top_k;       // k of this call, <= shape.top_k
   int32_t capacity;    // rows of recv_x
-  int32_t num_blocks;  // communication SMs
+  int32_t num_blocks;  // communication blocks (the op's num_sms)
   bool zero_padding;
   bool token_major;
   const __nv_bfloat16* x;     // [T][H]

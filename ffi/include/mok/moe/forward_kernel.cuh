@@ -14,7 +14,7 @@
 //       each, then an epilogue policy), or a communication/schedule item (the warps move rows with 16-byte
 //       vectors, one row per warp at a time). Then one thread publishes the item's completion.
 // Communication therefore time-shares SMs with compute: a communication phase is split into comm_items
-// items, so that many SMs move rows while the rest run tiles (the "communication SMs" knob).
+// items, so that many CTAs move rows while the rest run tiles (KernelConfig.comm_items_fwd).
 //
 // Registers: producer warpgroup 40, consumers 232 per thread (setmaxnreg; the CTA's 168 x 384 in all). Shared memory: stage ring
 // 192 KB + the FP8 stages' scales 2 KB + epilogue buffers 18 KB + work queue and scan scratch; one CTA per SM.
