@@ -22,8 +22,8 @@ EXPERTS_BACKWARD_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
 EXPERTS_BACKWARD_STATUS_UNALIGNED_GROUP = 4  # status bit: some group size is not a multiple of 128
 EXPERTS_BACKWARD_STATUS_COMM = 8  # status bit (experts_backward_ep): a wait for a peer failed; workspace poisoned
 EXPERTS_BACKWARD_MAX_EMULATED_RANKS = 64  # ranks one emulated call of experts_backward_ep carries
-# ranks whose kernel parameters the launch's parameter space holds; above it each rank's row of the flags scratch
-# holds them (kExpertsBackwardParamRanks, experts_backward_ep_flag_words in ffi/include/mok/experts_backward.cuh)
+# ranks whose kernel parameters the launch's parameter space holds; above it each rank's row of the counters scratch
+# holds them (kExpertsBackwardParamRanks, experts_backward_ep_counter_words in ffi/include/mok/experts_backward.cuh)
 EXPERTS_BACKWARD_PARAM_RANKS = 8
 
 

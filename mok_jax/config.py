@@ -143,6 +143,16 @@ def load_model(name_or_path: str | pathlib.Path) -> ModelShape:
 
 
 MAX_RING_SLOTS = 8  # kMaxRingSlots in ffi/include/mok/moe/forward.cuh
+# KernelConfig fields renamed in issue 35 (old name: new name). The old names are refused, saying where each went:
+# KernelConfig(...) and .replace(...) (TypeError), a tuned table's TOML (ValueError) and mok-bench's flags; a result
+# file written before the rename is read with the new names (mok_jax.bench.report.load_results).
+RENAMED_KERNEL_FIELDS = {"comm_sms_fwd": "comm_items_fwd", "comm_sms_bwd": "comm_items_bwd"}
+
+
+def renamed_kernel_field(old: str) -> str:
+    """Why a KernelConfig field name from before issue 35 is refused, naming the field it became."""
+    return (f"KernelConfig.{old} is now {RENAMED_KERNEL_FIELDS[old]}: it counts the communication work items "
+            f"(how many CTAs move rows at once), not SMs set aside")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,11 +161,11 @@ class KernelConfig:
     Every value gives bitwise the same outputs; only the speed and the memory change.
 
     granularity: tokens per microbatch (a multiple of 64 in 512..32768; clipped to the tokens of a call).
-    comm_sms_fwd: how many SMs move rows at once in the forward (the work items each dispatch and combine
-        stage is split into; the other SMs run GEMM tiles meanwhile).
-    comm_sms_bwd: the items the fused expert-parallel backward (ops.experts_backward_ep) splits the staging of
-        x and dy into; its row moves after that go one item per 128-row block. Unused at EP 1.
-    dispatch: the dispatch's direction (owners pull the sources' staged rows, or sources push them).
+    comm_items_fwd: the work items each dispatch and combine phase of the forward is split into, so how many CTAs
+        move rows at once (no SM is set aside: the other CTAs run GEMM tiles meanwhile). Formerly comm_sms_fwd.
+    comm_items_bwd: the items the fused expert-parallel backward (ops.experts_backward_ep) splits its SHARE of x
+        and dy into; its row moves after that go one item per 128-row block. Unused at EP 1. Formerly comm_sms_bwd.
+    dispatch: the dispatch's direction (owners pull the sources' posted rows, or sources push them).
     combine: the standalone combine op's direction (``mok_jax.ops.combine``). The layer's forward always pushes one
         row per slot, so that y has the same bits at every EP size, and refuses "pull".
     ring_slots: microbatch slots in the device-side receive ring (memory: ring_slots x the worst case of
@@ -163,20 +173,20 @@ class KernelConfig:
     """
 
     granularity: int = 2048
-    comm_sms_fwd: int = 24
-    comm_sms_bwd: int = 24
+    comm_items_fwd: int = 24
+    comm_items_bwd: int = 24
     dispatch: Literal["pull", "push"] = "pull"
     combine: Literal["push", "pull"] = "push"
     ring_slots: int = 2
 
     def __post_init__(self):
-        for f in ("granularity", "comm_sms_fwd", "comm_sms_bwd", "ring_slots"):
+        for f in ("granularity", "comm_items_fwd", "comm_items_bwd", "ring_slots"):
             v = getattr(self, f)
             _require(isinstance(v, int) and not isinstance(v, bool), f"KernelConfig.{f} must be an int, got {v!r}",
                      TypeError)
         _require(512 <= self.granularity <= 32768 and self.granularity % 64 == 0,
                  f"KernelConfig.granularity must be a multiple of 64 in [512, 32768], got {self.granularity}")
-        for f in ("comm_sms_fwd", "comm_sms_bwd"):
+        for f in ("comm_items_fwd", "comm_items_bwd"):
             v = getattr(self, f)
             _require(1 <= v <= 128, f"KernelConfig.{f} must be in [1, 128], got {v}")
         _require(self.dispatch in ("pull", "push"), f"KernelConfig.dispatch must be 'pull' or 'push', "
@@ -226,7 +236,7 @@ class MoEConfig:
         "nothing" with "fp8". Measured on one H200 (benchmarks/results/training.md), keeping g | u takes
         11.7-13.8% off the fwd+bwd of the five benchmark problems. Ignored by ``implementation="xla"``.
     precision: the routed experts' forward on ``implementation="mok"``: "bf16", or "fp8": E4M3 with DeepSeek-V3
-        block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source stages it
+        block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source posts it
         (so FP8 rows and their scales cross NVLink: about half the bytes), the gate/up and down GEMMs run in FP8
         with fp32 scales promoted per 128-long K block, h is quantised in the SwiGLU epilogue; the shared expert,
         the combine and y stay bf16. H and I must be multiples of 128. The weights' E4M3 form comes from
@@ -282,3 +292,19 @@ def _without_workspace(init):
 
 
 MoEConfig.__init__ = _without_workspace(MoEConfig.__init__)
+
+
+def _without_renamed_fields(init):
+    """KernelConfig's dataclass __init__, refusing a field name from before issue 35 (RENAMED_KERNEL_FIELDS) with
+    the name it became rather than "unexpected keyword argument"; dataclasses.replace comes through here too."""
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        for old in RENAMED_KERNEL_FIELDS:
+            _require(old not in kwargs, renamed_kernel_field(old), TypeError)
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+KernelConfig.__init__ = _without_renamed_fields(KernelConfig.__init__)

@@ -3,7 +3,7 @@
 docs/design.md, "EP on one GPU (emulation)": the kernels take their EP rank and peer table as parameters,
 so ``ep`` ranks run against ``ep`` workspaces on one device, in one launch whose CTAs split into the
 ranks. Everything of the real protocol runs (routing exchange, schedule, pull/push dispatch through the
-peers' staging buffers, the ring, push/pull combine, the epoch-stamped flags, timeouts); only NVLink is
+peers' row buffers, the receive ring, push/pull combine, the epoch stamps, timeouts); only NVLink is
 replaced by the device's own memory, so this checks correctness at any EP size, not NVLink speed.
 
     y, status = emulated_moe(x, topk_idx, topk_weight, weights, ep=4)   # x: [4 * T, H], weights: all E experts
@@ -14,7 +14,7 @@ Rank r holds tokens [r*T, (r+1)*T) and experts [r*E/ep, (r+1)*E/ep), as under ``
 EP sizes: the forward and the fused backward take up to MAX_EMULATED_RANKS (64) ranks in one launch, at most one per
 persistent CTA (the device's SMs, or num_sms); up to 8 with every rank's kernel parameters in the parameter space,
 above that with them in device memory (the forward: each rank's scratch, ffi/include/mok/moe/forward_params.cuh,
-ManyParams; the backward: each rank's row of its flags scratch, ffi/include/mok/backward/params.cuh,
+ManyParams; the backward: each rank's row of its counters scratch, ffi/include/mok/backward/params.cuh,
 ManyLaunchParams). The backward's collectives path (fused=False) takes up to 64 too.
 
 The backward at EP size > 1 is one fused kernel per rank (mok_jax.ops.experts_backward_ep: the token rows and the
@@ -167,7 +167,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     ``fused`` (default: the layer's setting, mok_jax.layer.FUSED_EP_BACKWARD; never with ``experts_fn``): the routed
     backward of every rank runs in one launch of the fused expert-parallel op (mok_jax.ops.experts_backward_ep) on
     an emulated workspace (``workspace``, default cached per device, ep and shape), its communication included, as
-    each rank runs it under shard_map (mok_jax.layer._routed_backward_fused); ``kernel``'s comm_sms_bwd, num_sms and
+    each rank runs it under shard_map (mok_jax.layer._routed_backward_fused); ``kernel``'s comm_items_bwd, num_sms and
     the test mode skip_rank go to it.
 
     Otherwise rank r's routed backward is mok_jax.layer.routed_backward_rank with ``experts_fn``
@@ -219,7 +219,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         out = ops.experts_backward_ep(
             ws, per_rank(x), per_rank(dy), per_rank(topk_idx), jnp.broadcast_to(w32, (ep, *w32.shape)),
             jnp.stack([lay.src_slot for lay in layouts]), jnp.stack([lay.group_sizes for lay in layouts]),
-            per_rank(weights.gate_up), per_rank(weights.down), num_sms=num_sms, comm_items=cfg.comm_sms_bwd,
+            per_rank(weights.gate_up), per_rank(weights.down), num_sms=num_sms, comm_items=cfg.comm_items_bwd,
             skip_rank=skip_rank, **gu)
         dx_routed, dw = out.dx.reshape(x.shape), out.dw.reshape(topk_idx.shape)
         failed = jnp.any(out.status != 0)

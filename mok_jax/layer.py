@@ -386,7 +386,7 @@ def _routed_backward_fused(ws, config: MoEConfig, x, dy, topk_idx, w32, weights:
                             top_k=topk_idx.shape[1], local_experts=weights.num_local_experts)
     return ops.experts_backward_ep(ws, x[None], dy[None], topk_idx[None], gather(w32)[None], layout.src_slot[None],
                                    layout.group_sizes[None], weights.gate_up[None], weights.down[None],
-                                   comm_items=kernel.comm_sms_bwd, **gu)
+                                   comm_items=kernel.comm_items_bwd, **gu)
 
 
 def slot_sum(dx_slots: jax.Array) -> jax.Array:

@@ -34,10 +34,10 @@ TOTAL_GROUPS = GROUPS[:-1]  # the issue's workspace, scratch and kept bytes: eve
 
 _ALIGN = 256  # kRegionAlign (workspace.cuh) and align256 (moe_forward.cu): every region and scratch part
 _LOCAL_STATE = 64  # sizeof(LocalState), workspace.cuh
-_MIN_GRANULARITY = 512  # kMinGranularity: the workspace's per-microbatch flags assume the smallest microbatch
+_MIN_GRANULARITY = 512  # kMinGranularity: the workspace's per-microbatch stamps assume the smallest microbatch
 _CHUNK = 64  # kChunkTokens: tokens of a schedule chunk
-_MOE_FLAG_ROWS = 4  # kMoeFlagRows: moe_flags rows before the per-microbatch ones
-_BWD_FLAG_ROWS = 3  # kBwdFlagRows
+_MOE_STAMP_ROWS = 4  # kMoeStampRows: moe_stamps rows before the per-microbatch ones
+_BWD_STAMP_ROWS = 3  # kBwdStampRows
 _TILE_M = 128  # kTileM (plan.cuh): rows of an m-block
 _SYNC_BLOCK = 64  # make_plan's take(): sync blocks are whole 256-byte blocks of int32 words
 _CTL_WORDS = 16  # kCtlWords: the sync region's control block
@@ -60,15 +60,15 @@ def _workspace(ep: int, T: int, H: int, k: int, L: int) -> dict[str, int]:
     terms = {
         "signals": 5 * _aligned(8 * ep),  # sig_route, sig_x, ack_disp, sig_comb, ack_comb: u64[ep] each
         "error_state": _aligned(8) + _aligned(_LOCAL_STATE),
-        "moe_flags": _aligned(8 * (_MOE_FLAG_ROWS + _cdiv(T, _MIN_GRANULARITY)) * ep),
+        "moe_stamps": _aligned(8 * (_MOE_STAMP_ROWS + _cdiv(T, _MIN_GRANULARITY)) * ep),
         "chunks": 2 * _aligned(4 * ep * _cdiv(T, _CHUNK) * L),  # chunk_count, chunk_base: i32[ep][chunks][L]
         "routing": 2 * _aligned(4 * ep * _cdiv(T * k, 4) * 4),  # route_idx, route_w: [ep][T k rounded up to 4]
-        "stage": _aligned(ep * own),
+        "dispatch_rows": _aligned(ep * own),
         # [ep][T][H] partials (the comm ops), [T][k][H] slot rows (the layer; none cross at EP 1)
-        "comb": _aligned((ep if ep == 1 else max(ep, k)) * own),
+        "combine_rows": _aligned((ep if ep == 1 else max(ep, k)) * own),
     }
     fused = ep > 1  # the fused EP backward's buffers
-    terms.update(bwd_flags=_aligned(8 * _BWD_FLAG_ROWS * ep) if fused else 0,
+    terms.update(bwd_stamps=_aligned(8 * _BWD_STAMP_ROWS * ep) if fused else 0,
                  bwd_x_dy=2 * _aligned(own) if fused else 0, bwd_dx=_aligned(own * k) if fused else 0,
                  bwd_dw=_aligned(4 * T * k) if fused else 0)
     return terms
@@ -141,12 +141,13 @@ def layer_memory_per_rank(*, ep: int, tokens: int, hidden: int, inter: int, shar
     m = ep * T * k + EXPERTS_BACKWARD_GROUP_ALIGN * L  # the backward layout's rows: every rank's slots could be here
     kept_rows, aliased = _kept_rows(keep, ep, T, k, L, m, kernel)
     part = kept_rows > 0 and not aliased  # gu_part with its row map: the op recomputes what it lacks
+    counter_words = _BWD_TIME_WORDS + 4 * (_cdiv(m, EXPERTS_BACKWARD_GROUP_ALIGN) + L) + 2 * (L + 1) + 5  # unrounded
     backward = {
         "x_e": m * H * 2, "dy_e": m * H * 2, "w_e": m * 4,
         "gu": 0 if aliased else m * 2 * I * 2,  # aliased: XLA hands the op the kept buffer
         "dgu": m * 2 * I * 2, "hw": m * I * 2, "dw_partials": m * _cdiv(I, _DW_PART_COLS) * 4,
         "dx_e": m * H * 2, "dw_e": m * 4,
-        "flags": 4 * _cdiv(_BWD_TIME_WORDS + 4 * (_cdiv(m, EXPERTS_BACKWARD_GROUP_ALIGN) + L) + 2 * (L + 1) + 5, 4) * 4,
+        "counters": 4 * _cdiv(counter_words, 4) * 4,
     }
     layout = {
         "pos": T * k * 4 if ep == 1 else 0,  # the EP-1 op sums a token's slots through pos; the EP op takes none

@@ -15,7 +15,7 @@ import math
 import pathlib
 import tomllib
 
-from mok_jax.config import KernelConfig
+from mok_jax.config import RENAMED_KERNEL_FIELDS, KernelConfig, renamed_kernel_field
 
 __all__ = ["ProblemKey", "device_slug", "heuristic", "load_table", "resolve", "table_path"]
 
@@ -68,6 +68,9 @@ def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
     out = []
     key_fields = {f.name for f in dataclasses.fields(ProblemKey)}
     for i, e in enumerate(raw.get("entry", [])):
+        renamed = sorted(set(e) & set(RENAMED_KERNEL_FIELDS))
+        if renamed:
+            raise ValueError(f"{p}: entry {i} has the key {renamed[0]}: {renamed_kernel_field(renamed[0])}")
         unknown = set(e) - key_fields - set(_KNOBS) - {"median_ms", "model"}
         if unknown:
             raise ValueError(f"{p}: entry {i} has unknown keys {sorted(unknown)}")
@@ -82,10 +85,10 @@ def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
 def heuristic(key: ProblemKey) -> KernelConfig:
     """Knobs without a tuned entry. One microbatch up to 2048 tokens (small microbatches cost GEMM
     efficiency: a rank's experts see fewer rows per tile); two ring slots, so that dispatch of the next
-    microbatch overlaps compute of this one; 16 of the SMs move rows at a time (on one H200 at EP 1 the
-    rows are local copies, which fewer SMs keep up with while the shared expert runs)."""
+    microbatch overlaps compute of this one; 16 communication items, so 16 CTAs move rows at a time (on one H200
+    at EP 1 the rows are local copies, which fewer CTAs keep up with while the shared expert runs)."""
     g = min(max(512, 64 * math.ceil(min(key.tokens, 2048) / 64)), 32768)
-    return KernelConfig(granularity=g, comm_sms_fwd=16, comm_sms_bwd=16, ring_slots=2)
+    return KernelConfig(granularity=g, comm_items_fwd=16, comm_items_bwd=16, ring_slots=2)
 
 
 def resolve(kernel: KernelConfig | None, key: ProblemKey, device_kind: str | None = None) -> KernelConfig:

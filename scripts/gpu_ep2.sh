@@ -7,11 +7,11 @@
 #   fwd        mok-bench, ep64-slice, 2048 tokens per GPU, the four bench models, mok against xla and xla-capacity
 #   fwd+bwd    the same, fwd+bwd
 #   gran       kimi-k2: mok over granularity 512, 1024, 2048
-#   comm_sms   kimi-k2: mok with 8, 16, 24, 32 communication SMs
+#   comm_items kimi-k2: mok with 8, 16, 24, 32 communication items
 #   comm       dispatch/combine alone at 4096 tokens, H 7168, k 8, 12 experts, 8..32 SMs, beside XLA's all_to_all
 # Logs and JSON under $OUT (the device tool's folder; at most 8 files come back, so the logs are also packed into
 # all.tgz) or ./out/ep2. A short summary is printed last. Here first: bash scripts/build_native.sh.
-# Knobs: EP2_STEPS (default "tests fwd fwd+bwd gran comm_sms comm"), TEST_LIMIT, BENCH_BUDGET, PY.
+# Knobs: EP2_STEPS (default "tests fwd fwd+bwd gran comm_items comm"), TEST_LIMIT, BENCH_BUDGET, PY.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
@@ -24,7 +24,7 @@ MODELS=kimi-k2,glm-5,qwen3.5-397b-a17b,deepseek-v4-pro
 BENCH=($PY -m mok_jax.bench --ep-mode ep64-slice --tokens 2048 --dtype bf16 --no-progress --samples ${SAMPLES:-10}
        --target-sample-ms 100 --devices 2)
 step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import jax, mok_jax; from mok_jax._native import native_status; print(jax.__version__, jax.devices(), native_status())'"
-for s in ${EP2_STEPS-tests fwd fwd+bwd gran comm_sms comm}; do
+for s in ${EP2_STEPS-tests fwd fwd+bwd gran comm_items comm}; do
   case $s in
     tests) step tests ${TEST_LIMIT:-300} env XLA_FLAGS="--xla_gpu_autotune_level=0" MOK_COMM_PROCS=2 \
              $PY -m pytest -q -rs --timeout=200 -p no:cacheprovider tests/test_moe_multigpu.py tests/test_comm_multigpu.py \
@@ -36,7 +36,7 @@ for s in ${EP2_STEPS-tests fwd fwd+bwd gran comm_sms comm}; do
                --pass fwd+bwd --time-budget 115 --json "$LOGS/fwd_bwd.json" ;;
     gran) step gran 60 "${BENCH[@]}" --model kimi-k2 --impl mok --granularity 512,1024,2048 --time-budget 50 \
             --json "$LOGS/gran.json" ;;
-    comm_sms) step comm_sms 70 bash -c "for n in 8 16 24 32; do ${BENCH[*]} --model kimi-k2 --impl mok --comm-sms \$n \
+    comm_items) step comm_items 70 bash -c "for n in 8 16 24 32; do ${BENCH[*]} --model kimi-k2 --impl mok --comm-items \$n \
                 --samples 5 --time-budget 14; done" ;;
     comm) step comm 80 $PY -m mok_jax.bench.comm --tokens 4096 --sms 8,16,24,32 --sweep-tokens 4096 --hidden 7168 \
             --top-k 8 --experts 12 --ranks 2 --budget-s 65 --out "$LOGS/comm.json" ;;

@@ -6,7 +6,7 @@
 #   3. tests_mp     tests/test_comm_multiprocess_multigpu.py, one process per GPU, same EP sizes
 #   4. comm_bench   dispatch/combine alone (python -m mok_jax.bench.comm) at every EP size present (2 too),
 #                   2048 tokens/GPU, H 7168, k 8, 6 experts per GPU (kimi-k2 in ep64-slice: 384/64),
-#                   uniform routing, 24 and 32 communication SMs
+#                   uniform routing, 24 and 32 communication items
 #   5. layer_bench  mok-bench, the whole layer: python -m mok_jax.bench --model kimi-k2,glm-5,
 #                   qwen3.5-397b-a17b,deepseek-v4-pro --ep-mode ep64-slice --tokens 2048 --impl xla,xla-capacity
 #                   --pass fwd,fwd+bwd (every GPU present: ep64-slice gives each GPU E/64 experts)

@@ -170,7 +170,7 @@ def layer_shape(E: int, H: int, I: int, k: int, Is: int | None = None, name: str
 
 
 def layer_problem(seed: int, tag: str, shape: ModelShape, tokens: int, routing: str = "uniform", ranks: int = 1):
-    """Fresh random bf16 inputs of case ``tag`` (scaled so every stage is O(1)) and routing of ``ranks`` x ``tokens``
+    """Fresh random bf16 inputs of case ``tag`` (scaled so every step is O(1)) and routing of ``ranks`` x ``tokens``
     (mok_jax.bench.routing), the router weights scaled by a factor in [0.5, 1.5]: (x, topk_idx, topk_weight,
     MoEWeights)."""
     import zlib
@@ -207,7 +207,7 @@ def record_metrics(case: str, seed: int, **metrics) -> None:
 def program_problem(seed: int, tag: str, E=16, H=512, I=256, k=4, Is=256, T=600, layers=None):
     """The GPU program tests' problem (tests/test_programs*_gpu.py), fresh for (seed, tag): x: bf16[T, H];
     topk_idx int32 and topk_weight f32 ([T, k], or [layers, T, k]: a routing per layer); bf16 weights (with a
-    leading layer axis when ``layers`` is given) scaled so every stage is O(1); dy: bf16[T, H] (an output
+    leading layer axis when ``layers`` is given) scaled so every step is O(1); dy: bf16[T, H] (an output
     gradient)."""
     import zlib
 

@@ -231,12 +231,12 @@ def test_mok_memory_per_rank():
     assert m["residual_bytes_per_rank"] == (2048 * 8 + 128 * 6) * 2 * 2048 * 2  # the default keep ("balanced")
     # the backward op's scratch over M = ep T k + 128 L rows: x, dy and dx rows (bf16 H each), g | u and dgu (bf16
     # 2I each), w h (bf16 I), the router weight and its gradient (f32), the dw partials (f32 per 256 columns of I),
-    # then 4 bytes each of 4 * ceil((40 time words + 4 (m-blocks + L) + 2 (L + 1) + 5) / 4) flag words
+    # then 4 bytes each of 4 * ceil((40 time words + 4 (m-blocks + L) + 2 (L + 1) + 5) / 4) counter words
     rows = 2 * 2048 * 8 + 128 * 6
     per_row = 3 * 7168 * 2 + 2 * 2 * 2048 * 2 + 2048 * 2 + 2 * 4 + 2048 // 256 * 4
-    flags = 4 * -(-(60 + 4 * (-(-rows // 128) + 6) + 2 * 7 + 5) // 4) * 4
-    assert m["backward_scratch_bytes_per_rank"] == rows * per_row + flags == 2_130_479_616
-    # the two bf16 staging buffers, 2 * ep * T * H * 2 bytes, are most of the workspace
+    counters = 4 * -(-(60 + 4 * (-(-rows // 128) + 6) + 2 * 7 + 5) // 4) * 4
+    assert m["backward_scratch_bytes_per_rank"] == rows * per_row + counters == 2_130_479_616
+    # the two bf16 row buffers (dispatch_rows, combine_rows), 2 * ep * T * H * 2 bytes, are most of the workspace
     assert m["workspace_bytes_per_rank"] >= 2 * 2 * 2048 * 7168 * 2
     # a third ring slot costs scratch
     more = acc.mok_memory_per_rank(s, 2048, k.replace(ring_slots=3))["scratch_bytes_per_rank"]

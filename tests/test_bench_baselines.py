@@ -246,7 +246,7 @@ def test_mok_builder_passes_the_kernel_config(cpu_devices, monkeypatch):
 
     monkeypatch.setattr(sharding, "expert_parallel_moe", fake_ep_moe)
     x, idx, w, W = random_problem(mj.load_model("ci"), 8, seed=90)
-    kernel = mj.KernelConfig(granularity=1024, comm_sms_fwd=8, ring_slots=3, dispatch="push")
+    kernel = mj.KernelConfig(granularity=1024, comm_items_fwd=8, ring_slots=3, dispatch="push")
     for fn in (baselines.mok(_mesh(2), kernel=kernel), baselines.build("mok", _mesh(2), kernel=kernel),
                baselines.build("mok", _mesh(2))):
         y, stats = fn(x, idx, w, W)

@@ -390,15 +390,15 @@ def test_parse_experts_per_gpu():
 
 
 def test_parse_kernel_knobs():
-    o = cli.parse_args(["--granularity", "512,1024,512", "--comm-sms", "16", "--ring-slots", "3", "--dispatch", "push",
-                        "--combine", "pull"])
-    assert o.granularity == (512, 1024) and o.comm_sms == 16 and o.ring_slots == 3
+    o = cli.parse_args(["--granularity", "512,1024,512", "--comm-items", "16", "--ring-slots", "3", "--dispatch",
+                        "push", "--combine", "pull"])
+    assert o.granularity == (512, 1024) and o.comm_items == 16 and o.ring_slots == 3
     assert (o.dispatch, o.combine) == ("push", "pull")
     o = cli.parse_args([])
-    assert (o.granularity, o.comm_sms, o.ring_slots, o.dispatch, o.combine, o.tune) == (None,) * 5 + (False,)
+    assert (o.granularity, o.comm_items, o.ring_slots, o.dispatch, o.combine, o.tune) == (None,) * 5 + (False,)
     for argv, option in ((["--granularity", "500"], "--granularity"), (["--granularity", "512,x"], "--granularity"),
-                         (["--granularity", "65536"], "--granularity"), (["--comm-sms", "0"], "--comm-sms"),
-                         (["--comm-sms", "129"], "--comm-sms"), (["--ring-slots", "0"], "--ring-slots"),
+                         (["--granularity", "65536"], "--granularity"), (["--comm-items", "0"], "--comm-items"),
+                         (["--comm-items", "129"], "--comm-items"), (["--ring-slots", "0"], "--ring-slots"),
                          (["--ring-slots", "9"], "--ring-slots")):
         with pytest.raises(cli.UsageError, match=option):
             cli.parse_args(argv)
@@ -406,11 +406,45 @@ def test_parse_kernel_knobs():
         cli.parse_args(["--dispatch", "both"])  # argparse's own choices
 
 
+def test_the_flag_before_issue_35_is_refused_naming_the_new_one():
+    """--comm-sms became --comm-items with KernelConfig's comm_items_fwd / comm_items_bwd: the old flag is a usage
+    error that names the new one (main says so and exits 2), not argparse's "unrecognized arguments"."""
+    with pytest.raises(cli.UsageError, match=r"^--comm-sms is now --comm-items .*not SMs set aside"):
+        cli.parse_args(["--comm-sms", "16"])
+    assert cli.parse_args(["--comm-items", "16"]).comm_items == 16
+
+
+@pytest.mark.parametrize("old,new", [("--comm-sms", "--comm-items"), ("--only-comm-sms", "--only-comm-items")])
+def test_the_breakdown_flags_before_issue_35_are_refused_naming_the_new_ones(old, new, capsys):
+    from mok_jax.bench import breakdown
+
+    with pytest.raises(SystemExit) as e:
+        breakdown.main([old, "8"] if old == "--comm-sms" else [old])
+    assert e.value.code == 2 and f"{old} is now {new}: " in capsys.readouterr().err
+
+
+def test_results_written_before_issue_35_read_with_the_new_knob_names(capsys):
+    """A committed result whose kernel knobs are comm_sms_fwd / comm_sms_bwd (the tuner's grid of the eighteenth
+    session, where comm_sms_fwd varies) prints through --from-json with the new names."""
+    from mok_jax.bench import report as rep
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "moe_backward_h200",
+                        "tune_q30_session18.json")
+    assert '"comm_sms_fwd"' in open(path).read()
+    results, _ = rep.load_results([path])
+    kernels = [r["kernel"] for r in results if r.get("kernel")]
+    assert kernels and all("comm_items_fwd" in k and "comm_sms_fwd" not in k for k in kernels)
+    assert {k["comm_items_fwd"] for k in kernels} == {8, 16, 24}
+    assert "items=8" in rep.format_table(results)
+    assert cli.main(["--from-json", path]) == 0
+    assert "items=24" in capsys.readouterr().out
+
+
 def test_parse_tune_conflicts():
     assert cli.parse_args(["--tune"]).tune is True
     assert cli.parse_args(["--tune", "--impl", "mok"]).impls == ("mok",)
-    for argv, msg in ((["--granularity", "512"], "drop --granularity"), (["--comm-sms", "8", "--ring-slots", "2"],
-                                                                          "drop --comm-sms, --ring-slots"),
+    for argv, msg in ((["--granularity", "512"], "drop --granularity"), (["--comm-items", "8", "--ring-slots", "2"],
+                                                                          "drop --comm-items, --ring-slots"),
                       (["--impl", "xla"], "mok only"), (["--pass", "fwd,fwd+bwd"], "forward only"),
                       (["--dtype", "fp8"], "drop --dtype fp8")):
         with pytest.raises(cli.UsageError, match=msg):
@@ -419,7 +453,8 @@ def test_parse_tune_conflicts():
 
 def test_kernel_settings():
     assert cli.kernel_settings(cli.parse_args([]), 2048) == [None]  # every knob left to mok_jax.tuning
-    assert cli.kernel_settings(cli.parse_args(["--comm-sms", "8"]), 2048) == [{"comm_sms_fwd": 8, "comm_sms_bwd": 8}]
+    want = [{"comm_items_fwd": 8, "comm_items_bwd": 8}]
+    assert cli.kernel_settings(cli.parse_args(["--comm-items", "8"]), 2048) == want
     got = cli.kernel_settings(cli.parse_args(["--granularity", "512,2048", "--ring-slots", "3"]), 2048)
     assert got == [{"ring_slots": 3, "granularity": 512}, {"ring_slots": 3, "granularity": 2048}]
     tune = cli.kernel_settings(cli.parse_args(["--tune"]), 1024)
@@ -506,8 +541,8 @@ def test_mok_rows_kernel_memory_and_unsupported_backward(tmp_path, cpu_devices, 
     assert rows == [("fwd", "xla", None, "ok"), ("fwd", "mok", 512, "ok"), ("fwd", "mok", 1024, "ok"),
                     ("fwd+bwd", "xla", None, "ok"), ("fwd+bwd", "mok", 512, "unsupported"),
                     ("fwd+bwd", "mok", 1024, "unsupported")]
-    # on CPU tuning has no device table: the knobs not given are the heuristic's (16 comm SMs)
-    want = [KernelConfig(granularity=g, comm_sms_fwd=16, comm_sms_bwd=16, ring_slots=3) for g in (512, 1024)]
+    # on CPU tuning has no device table: the knobs not given are the heuristic's (16 comm items)
+    want = [KernelConfig(granularity=g, comm_items_fwd=16, comm_items_bwd=16, ring_slots=3) for g in (512, 1024)]
     assert built[-2:] == want  # the builder got each explicit KernelConfig (the first build: the availability check)
     shape = acc.bench_shape(load_model("ci"), 2, "full")
     for r in rep["results"]:
@@ -552,7 +587,7 @@ def test_table_and_memory_lines():
                 comm_floor_ms=0.3, workspace_bytes_per_rank=117_707_776, backward_scratch_bytes_per_rank=991_623_840,
                 residual_bytes_per_rank=0)
     base["pass"] = "fwd"
-    kernel = dict(granularity=512, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push", ring_slots=2)
+    kernel = dict(granularity=512, comm_items_fwd=16, comm_items_bwd=16, dispatch="pull", combine="push", ring_slots=2)
     rows = [{**base, "kernel": kernel, "scratch_bytes_per_rank": 100_000_000},
             {**base, "kernel": {**kernel, "granularity": 2048}, "scratch_bytes_per_rank": 369_236_992},
             {**base, "tokens_per_gpu": 4096, "kernel": kernel, "scratch_bytes_per_rank": 5_000}]
@@ -736,7 +771,7 @@ def test_fill_fp8_ratios_pairs_the_same_kernel_and_the_tables_show_them():
     base.update(model="kimi-k2", ep_mode="E/32", tokens_per_gpu=2048, status="ok", baseline="mok", dtype="bf16",
                 min_ms=0.5, max_ms=5.0)
     base["pass"] = "fwd"
-    kernel = lambda g: dict(granularity=g, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push",
+    kernel = lambda g: dict(granularity=g, comm_items_fwd=16, comm_items_bwd=16, dispatch="pull", combine="push",
                             ring_slots=2)
     rows = [{**base, "impl": "mok", "kernel": kernel(512), "median_ms": 4.0},
             {**base, "impl": "mok", "kernel": kernel(1024), "median_ms": 3.0},

@@ -70,9 +70,9 @@ def test_the_identity_oracle_is_the_per_owner_oracle_at_ep1_and_not_past_it():
 
 @pytest.mark.parametrize("ep,rows", [(1, 1), (2, 8), (4, 8), (8, 8), (16, 16), (64, 64)])
 def test_the_combine_buffer_holds_a_row_per_slot(ep, rows):
-    """comb: [T][k][H] slot rows for the layer at EP > 1 (none at EP 1, which sends nothing), [ep][T][H] partials
-    for the standalone combine op: max(ep, k) rows of [T][H] past EP 1; the native layout sizes it so too."""
+    """combine_rows: [T][k][H] slot rows for the layer at EP > 1 (none at EP 1, which sends nothing), [ep][T][H]
+    partials for the standalone combine op: max(ep, k) rows of [T][H] past EP 1; the native layout sizes it so too."""
     T, H, k, L = 2048, 7168, 8, 6
     terms = memory.layer_memory_per_rank(ep=ep, tokens=T, hidden=H, inter=2048, shared_inter=2048, top_k=k,
                                          local_experts=L, kernel=mj.KernelConfig(), keep="balanced")
-    assert terms["workspace.comb"] == rows * 2 * T * H
+    assert terms["workspace.combine_rows"] == rows * 2 * T * H

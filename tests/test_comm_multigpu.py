@@ -218,7 +218,7 @@ def test_workspace_kernel_config_sets_the_defaults(mesh, seed):
     """Calls that name no mode and no SM count run the workspace's KernelConfig (here push dispatch, pull
     combine, 3 communication blocks: none of them the defaults), bitwise as the oracles say."""
     tokens, k, ep = 200, 8, mesh.devices.size
-    kernel = KernelConfig(comm_sms_fwd=3, dispatch="push", combine="pull")
+    kernel = KernelConfig(comm_items_fwd=3, dispatch="push", combine="pull")
     with _create(mesh, kernel=kernel) as tuned:
         assert (tuned.config.num_sms, tuned.config.dispatch_mode, tuned.config.combine_mode) == (3, "push", "pull")
         idx, w = routing_case("zipf", ep=ep, tokens=tokens, top_k=k, num_experts=EXPERTS, seed=seed(11))

@@ -239,13 +239,13 @@ def test_comm_config_validation(bad, msg):
 
 
 def test_comm_config_knobs_follow_its_kernel_config():
-    """The comm ops' defaults are read from CommConfig.kernel: num_sms = comm_sms_fwd, dispatch_mode =
+    """The comm ops' defaults are read from CommConfig.kernel: num_sms = comm_items_fwd, dispatch_mode =
     dispatch, combine_mode = combine; the properties are read-only."""
     shape = dict(ep=2, max_tokens=64, hidden_size=64, top_k=8, num_experts=12)
     plain = CommConfig(**shape)
     assert plain.kernel == KernelConfig()
     assert (plain.num_sms, plain.dispatch_mode, plain.combine_mode) == (24, "pull", "push")
-    k = KernelConfig(comm_sms_fwd=5, comm_sms_bwd=7, dispatch="push", combine="pull")
+    k = KernelConfig(comm_items_fwd=5, comm_items_bwd=7, dispatch="push", combine="pull")
     cfg = CommConfig(**shape, kernel=k)
     assert (cfg.num_sms, cfg.dispatch_mode, cfg.combine_mode) == (5, "push", "pull")
     for name in ("num_sms", "dispatch_mode", "combine_mode"):
@@ -373,15 +373,15 @@ def test_ops_lower_to_side_effecting_custom_calls(cpu_devices, monkeypatch):
     assert "has_side_effect = true" in dispatch and "has_side_effect = true" in combine
     assert "mode = 1 : i32" in dispatch and "num_sms = 5 : i32" in dispatch and "ws_id = 7 : i64" in dispatch
     assert "mode = 0 : i32" in combine and "zero_padding = 0 : i32" in combine
-    assert "num_sms = 24 : i32" in combine  # KernelConfig().comm_sms_fwd
+    assert "num_sms = 24 : i32" in combine  # KernelConfig().comm_items_fwd
 
 
 def test_comm_ops_defaults_come_from_the_workspace_kernel_config(cpu_devices, monkeypatch):
     """Without mode= / num_sms= a call runs the workspace's KernelConfig; a call's own arguments win."""
-    k = KernelConfig(comm_sms_fwd=5, comm_sms_bwd=9, dispatch="push", combine="pull")
+    k = KernelConfig(comm_items_fwd=5, comm_items_bwd=9, dispatch="push", combine="pull")
     dispatch, combine = _lowered_comm_calls(cpu_devices, monkeypatch, kernel=k)
-    assert "mode = 1 : i32" in dispatch and "num_sms = 5 : i32" in dispatch  # push, comm_sms_fwd
-    assert "mode = 0 : i32" in combine and "num_sms = 5 : i32" in combine    # pull, comm_sms_fwd
+    assert "mode = 1 : i32" in dispatch and "num_sms = 5 : i32" in dispatch  # push, comm_items_fwd
+    assert "mode = 0 : i32" in combine and "num_sms = 5 : i32" in combine    # pull, comm_items_fwd
     dispatch, combine = _lowered_comm_calls(cpu_devices, monkeypatch, kernel=k,
                                             dispatch_kw=dict(mode="pull", num_sms=3),
                                             combine_kw=dict(mode="push", num_sms=40))

@@ -44,7 +44,7 @@ _SCRIPT = textwrap.dedent("""
     x = jax.random.normal(ks[4], (T, H)).astype(jnp.bfloat16)
     idx, w = make_routing("uniform", num_ranks=1, tokens_per_rank=T, num_experts=E, top_k=k, seed=seed % 1000)
     idx, w = jnp.asarray(idx, jnp.int32), jnp.asarray(w, jnp.float32)
-    cfg = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
+    cfg = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_items_fwd=8))
     layer = lambda x, W: mj.moe(x, idx, w, W, config=cfg)
     Ws = jax.tree.map(lambda a: jnp.stack([a] * 4), W)
     def scan(x):

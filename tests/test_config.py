@@ -110,8 +110,25 @@ def test_configs_are_frozen_and_keyword_only():
         c.implementation = "mok"
     with pytest.raises(TypeError):
         mj.MoEConfig("xla")  # keyword-only
-    k = mj.KernelConfig(granularity=4096, comm_sms_fwd=16)
-    assert hash(mj.MoEConfig(kernel=k)) == hash(mj.MoEConfig(kernel=mj.KernelConfig(granularity=4096, comm_sms_fwd=16)))
+    k = mj.KernelConfig(granularity=4096, comm_items_fwd=16)
+    assert hash(mj.MoEConfig(kernel=k)) == hash(mj.MoEConfig(kernel=mj.KernelConfig(granularity=4096,
+                                                                                     comm_items_fwd=16)))
+
+
+def test_kernel_config_refuses_the_names_before_issue_35_with_the_new_ones():
+    """comm_sms_fwd / comm_sms_bwd became comm_items_fwd / comm_items_bwd (they count communication work items,
+    not SMs set aside): the old keywords raise a TypeError naming the new field, in KernelConfig(...), .replace
+    and dataclasses.replace alike, rather than "unexpected keyword argument"."""
+    fields = {f.name for f in dataclasses.fields(mj.KernelConfig)}
+    assert {"comm_items_fwd", "comm_items_bwd"} <= fields and not {"comm_sms_fwd", "comm_sms_bwd"} & fields
+    k = mj.KernelConfig(comm_items_fwd=8, comm_items_bwd=4)
+    assert (k.comm_items_fwd, k.comm_items_bwd) == (8, 4)
+    for old, new in (("comm_sms_fwd", "comm_items_fwd"), ("comm_sms_bwd", "comm_items_bwd")):
+        for make in (lambda: mj.KernelConfig(**{old: 8}), lambda: k.replace(**{old: 8}),
+                     lambda: dataclasses.replace(k, **{old: 8})):
+            with pytest.raises(TypeError, match=rf"^KernelConfig\.{old} is now {new}: .*not SMs set aside"):
+                make()
+    assert list(inspect.signature(mj.KernelConfig).parameters) == [f.name for f in dataclasses.fields(mj.KernelConfig)]
 
 
 def test_moe_config_is_pure_static_data():

@@ -1,6 +1,6 @@
 """The EP sizes the one-GPU emulation takes (CPU, no GPU needed): the forward up to MAX_EMULATED_RANKS (64) ranks in
 one launch and at most one per persistent CTA, and so does the fused backward (above 8 ranks each rank's kernel
-parameters live in its flags scratch), its collectives path too. Each refusal is a ValueError that names ``ep`` (the
+parameters live in its counters scratch), its collectives path too. Each refusal is a ValueError that names ``ep`` (the
 GPU side: tests/test_moe_ep64_gpu.py).
 """
 
@@ -95,19 +95,19 @@ def test_the_scratch_holds_the_rank_parameters_above_8_ranks():
 
 
 @pytest.mark.skipif(_native.library() is None, reason=f"needs libmok_ffi.so: {_native.native_status()}")
-def test_the_backward_flags_rows_hold_the_rank_parameters_above_8_ranks():
-    """The expert-parallel backward's flags scratch per rank (the library's experts_backward_ep_flag_words): the
+def test_the_backward_counters_rows_hold_the_rank_parameters_above_8_ranks():
+    """The expert-parallel backward's counters scratch per rank (the library's experts_backward_ep_counter_words): the
     counters' words, the Python formula's, up to 8 ranks; above that a row is a multiple of 16 words (64-byte aligned
     TMA descriptors) that holds the counters and then the rank's kernel parameters, the same size at every EP."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     lib = wnative._host_lib()
-    native = lambda m, e, r: int(lib.mok_experts_backward_ep_flag_words(m, e, r))  # noqa: E731
+    native = lambda m, e, r: int(lib.mok_experts_backward_ep_counter_words(m, e, r))  # noqa: E731
     for m, e in ((128, 1), (1152, 4), (4096, 48)):
-        counters = mb._flag_words(m, e)
+        counters = mb._counter_words(m, e)
         for ranks in (1, 2, 8):
-            assert native(m, e, ranks) == mb._ep_flag_words(m, e, ranks) == counters, (m, e, ranks)
+            assert native(m, e, ranks) == mb._ep_counter_words(m, e, ranks) == counters, (m, e, ranks)
         params = native(m, e, 9) - -(-counters // 16) * 16
         assert params > 0 and params % 16 == 0, (m, e, params)
         for ranks in (9, 16, 64):
-            words = mb._ep_flag_words(m, e, ranks)
+            words = mb._ep_counter_words(m, e, ranks)
             assert words == native(m, e, ranks) == -(-counters // 16) * 16 + params and words % 16 == 0, (m, e, ranks)

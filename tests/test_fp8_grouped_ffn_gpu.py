@@ -1,6 +1,6 @@
 """GPU tests of mok_jax.ops.fp8_grouped_ffn (the Hopper FP8 E4M3 block-scaled grouped expert FFN).
 
-Every case draws fresh random inputs (the seed is printed) and checks each stage of the kernel against
+Every case draws fresh random inputs (the seed is printed) and checks each step of the kernel against
 mok_jax.fp8's reference of the same pipeline, group by group and row by row:
 
 1. x_q, x_scale: bit for bit mok_jax.fp8.quantize_rows(x) (the same f32 max, IEEE division and RNE convert).
@@ -80,7 +80,7 @@ _quantize_weights = jax.jit(fp8.quantize_expert_weights)
 
 
 def _problem(tag: str, m: int, hidden: int, inter: int, sizes):
-    """Fresh random x, bf16 weights (scaled so every stage is O(1)), their FP8 form, device group sizes."""
+    """Fresh random x, bf16 weights (scaled so every step is O(1)), their FP8 form, device group sizes."""
     kx, kg, kd = jax.random.split(_key(tag), 3)
     e = len(sizes)
     x = jax.random.normal(kx, (m, hidden), jnp.float32).astype(jnp.bfloat16)
@@ -117,7 +117,7 @@ def _row_norm(a):
 
 
 def _check(case: str, x, group_sizes, gate_up, down, w, *, num_sms=None):
-    """Run the kernel and check every stage (module docstring); returns the outputs (numpy)."""
+    """Run the kernel and check every step (module docstring); returns the outputs (numpy)."""
     outs = jax.block_until_ready(_run(x, group_sizes, w, num_sms=num_sms))
     y, h, hs, xq, xs, status = (np.asarray(a) for a in outs)
     sizes = [int(s) for s in np.asarray(group_sizes)]

@@ -52,7 +52,7 @@ def _key(tag: str):
 
 
 def _problem(tag: str, m: int, hidden: int, inter: int, sizes):
-    """Fresh random x, weights (scaled so every stage is O(1)), and the group sizes as a device array."""
+    """Fresh random x, weights (scaled so every step is O(1)), and the group sizes as a device array."""
     kx, kg, kd = jax.random.split(_key(tag), 3)
     e = len(sizes)
     x = jax.random.normal(kx, (m, hidden), jnp.float32).astype(jnp.bfloat16)

@@ -247,7 +247,7 @@ def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monk
     aliased to its gu scratch."""
     T, H, I, E, k = 40, 64, 32, 4, 2
     M = T * k + 128 * E
-    fwd, bwd = _lowered_calls(monkeypatch, keep, T, mj.KernelConfig(granularity=512, comm_sms_fwd=8))
+    fwd, bwd = _lowered_calls(monkeypatch, keep, T, mj.KernelConfig(granularity=512, comm_items_fwd=8))
     assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xbf16>)" in fwd, fwd
     # the kept buffer: the ninth operand (then the shared expert's weights, here none: [H, 0] and [0, H])
     assert (f"tensor<{M}x{2 * I}xbf16>, tensor<0x{2 * I}xbf16>, tensor<0xi32>, tensor<0xi32>, tensor<{H}x0xbf16>, "
@@ -348,7 +348,7 @@ def test_keep_ring_at_ep_size_two(fake_kernels, monkeypatch, cpu_devices, fused)
 
 def test_keep_ring_lowers_to_a_part_kept_forward_and_backward(monkeypatch):
     """jax.grad of the real ops with keep="ring" and tokens past the ring: the forward returns keep_gu bf16[1, (T -
-    t0) k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the block flags [ceil(M / 128)], and its gu
+    t0) k, 2I]; the backward takes it as gu_part with gu_part_row [M] and the kept blocks [ceil(M / 128)], and its gu
     scratch is its own (no alias)."""
     T, H, I, E, k = 1200, 64, 32, 4, 2
     M, rows = T * k + 128 * E, (T - 512) * k

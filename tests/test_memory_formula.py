@@ -78,12 +78,12 @@ def test_workspace_terms_sum_to_the_native_layout(name):
         native = CommConfig(ep=ep, max_tokens=s["tokens"], hidden_size=s["hidden"], top_k=s["top_k"],
                             num_experts=ep * s["local_experts"]).workspace_bytes()
         assert sum(terms.values()) == native, (ep, terms, native)
-        fused = [terms[f"workspace.{b}"] for b in ("bwd_flags", "bwd_x_dy", "bwd_dx", "bwd_dw")]
+        fused = [terms[f"workspace.{b}"] for b in ("bwd_stamps", "bwd_x_dy", "bwd_dx", "bwd_dw")]
         assert all(fused) if ep > 1 else not any(fused), (ep, fused)  # the fused EP backward's buffers: ep > 1 only
-        stage, comb = terms["workspace.stage"], terms["workspace.comb"]
+        dispatch, combine = terms["workspace.dispatch_rows"], terms["workspace.combine_rows"]
         row = s["tokens"] * s["hidden"] * 2  # bf16 [T][H]
-        assert stage >= ep * row  # [ep][T][H]
-        assert comb >= (ep if ep == 1 else max(ep, s["top_k"])) * row  # [T][k][H] slot rows, [ep][T][H] partials
+        assert dispatch >= ep * row  # [ep][T][H]
+        assert combine >= (ep if ep == 1 else max(ep, s["top_k"])) * row  # [T][k][H] slot rows, [ep][T][H] partials
 
 
 # ----------------------------------------------------------------------------- (b) the forward's scratch
@@ -147,7 +147,7 @@ def test_kept_term_is_the_layers_kept_rows(name):
 
 
 _GRADIENTS = ("dx", "dw", "d_gate_up", "d_down", "status")  # the op's first results, in its order
-_SCRATCH = ("x_e", "dy_e", "w_e", "gu", "dgu", "hw", "dw_partials", "dx_e", "dw_e", "flags")  # then _row_scratch's
+_SCRATCH = ("x_e", "dy_e", "w_e", "gu", "dgu", "hw", "dw_partials", "dx_e", "dw_e", "counters")  # then _row_scratch's
 _LAYOUT_OPERANDS = {3: "pos", 4: "src_slot", 5: "group_sizes", 10: "gu_part_row", 11: "gu_block"}  # at EP 1
 _KEPT_OPERANDS = (8, 9)  # gu_in, gu_part
 
@@ -225,7 +225,7 @@ def test_docs_memory_tables_are_the_formulas():
     page = (pathlib.Path(__file__).parents[1] / "docs" / "memory.md").read_text()
     tables = memory.markdown_tables(eps=EPS, **SHAPES["kimi-k2"])
     assert tables in page
-    heuristic = KernelConfig(granularity=2048, comm_sms_fwd=16, comm_sms_bwd=16, ring_slots=2)
+    heuristic = KernelConfig(granularity=2048, comm_items_fwd=16, comm_items_bwd=16, ring_slots=2)
     total = {ep: memory.group_totals(_terms(SHAPES["kimi-k2"], ep, heuristic))["total"] for ep in (8, 64)}
     assert total[64] > 1.5 * total[8], "the goal is met now: docs/memory.md's verdict must say so"
 

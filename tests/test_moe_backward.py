@@ -746,9 +746,9 @@ def _custom_call_lines(text, target):
 
 def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
     """The op's custom call types "(operands) -> (results)" as the contract has them: gu_in bf16[gu_rows, 2I]
-    (0: none kept), gu_part, gu_part_row and its block flags (part_rows: None for none, else gu_part's rows) and
+    (0: none kept), gu_part, gu_part_row and its kept blocks (part_rows: None for none, else gu_part's rows) and
     the shared expert's weights ([H, 0] and [0, H] for none: Is = 0), then dx, dw, d_gate_up,
-    d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 flags (60
+    d_down, status and the scratch x_e, dy_e, w_e, gu, dgu, hw, the dw partials, dx_e, dw_e and the s32 counters (60
     time words, then the dependency counters: 4 per m-block of at most ceil(M / 128) + E, and of the shared
     expert's ceil(Ts / 128), 2 per expert and 2 for the shared one, 5 totals; a multiple of 4), then d_shared_gate_up,
     d_shared_down and the shared expert's scratch gus, dgus, hws, dxs (Ts = T rows with a shared expert, else 0)."""
@@ -758,11 +758,11 @@ def _call_types(T, k, M, H, I, E, gu_rows, Is=0, part_rows=None):
                 f"tensor<{M}xi32>, tensor<{E}xi32>, tensor<{E}x{H}x{2 * I}xbf16>, tensor<{E}x{I}x{H}xbf16>, "
                 f"tensor<{gu_rows}x{2 * I}xbf16>, tensor<{part[0]}x{2 * I}xbf16>, tensor<{part[1]}xi32>, "
                 f"tensor<{part[2]}xi32>, tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>)")
-    flags = -(-(60 + 4 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 5) // 4) * 4  # 60 time words
+    counters = -(-(60 + 4 * (-(-M // 128) + E + -(-Ts // 128)) + 2 * (E + 1) + 5) // 4) * 4  # 60 time words
     results = (f"(tensor<{T}x{H}xf32>, tensor<{T}x{k}xf32>, tensor<{E}x{H}x{2 * I}xbf16>, "
                f"tensor<{E}x{I}x{H}xbf16>, tensor<i32>, tensor<{M}x{H}xbf16>, tensor<{M}x{H}xbf16>, "
                f"tensor<{M}xf32>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{2 * I}xbf16>, tensor<{M}x{I}xbf16>, "
-               f"tensor<{M}x{-(-I // 256)}xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{flags}xi32>, "
+               f"tensor<{M}x{-(-I // 256)}xf32>, tensor<{M}x{H}xbf16>, tensor<{M}xf32>, tensor<{counters}xi32>, "
                f"tensor<{H}x{2 * Is}xbf16>, tensor<{Is}x{H}xbf16>, tensor<{Ts}x{2 * Is}xbf16>, "
                f"tensor<{Ts}x{2 * Is}xbf16>, tensor<{Ts}x{Is}xbf16>, tensor<{Ts}x{H}xf32>)")
     return operands + " -> " + results
@@ -922,12 +922,12 @@ def test_fused_ep_op_lowers_to_one_call_with_the_workspace(monkeypatch):
     assert "ws_id = 11 : i64" in call and "comm_items = 5 : i32" in call and "num_sms = 33 : i32" in call, call
     assert "tensor<2x24x32xbf16>, tensor<2x24x32xbf16>, tensor<2x24x3xi32>, tensor<2x48x3xf32>" in call, call
     # results: dx, dw, d_gate_up, d_down, status, then the EP-1 op's row scratch with the rank axis in front
-    # (H 32, I 24, L 2; flags: 60 time words, 4 per m-block of ceil(M / 128) + L, 2 (L + 1), 5 totals, to 4s)
-    flags = -(-(60 + 4 * (-(-M // 128) + 2) + 2 * 3 + 5) // 4) * 4
+    # (H 32, I 24, L 2; counters: 60 time words, 4 per m-block of ceil(M / 128) + L, 2 (L + 1), 5 totals, to 4s)
+    counters = -(-(60 + 4 * (-(-M // 128) + 2) + 2 * 3 + 5) // 4) * 4
     assert (f"-> (tensor<2x24x32xf32>, tensor<2x24x3xf32>, tensor<2x2x32x48xbf16>, tensor<2x2x24x32xbf16>, "
             f"tensor<2xi32>, tensor<2x{M}x32xbf16>, tensor<2x{M}x32xbf16>, tensor<2x{M}xf32>, tensor<2x{M}x48xbf16>, "
             f"tensor<2x{M}x48xbf16>, tensor<2x{M}x24xbf16>, tensor<2x{M}x1xf32>, tensor<2x{M}x32xbf16>, "
-            f"tensor<2x{M}xf32>, tensor<2x{flags}xi32>)") in call, call
+            f"tensor<2x{M}xf32>, tensor<2x{counters}xi32>)") in call, call
     gu = jnp.zeros((2, M, 48), jnp.bfloat16)
     text = jax.jit(lambda *a: experts_backward_ep(ws, *a[:-1], gu=a[-1])).lower(*args, gu).as_text()
     [call] = [line for line in text.splitlines() if "custom_call @mok_experts_backward_ep(" in line]

@@ -283,7 +283,7 @@ def _shape(E, H, I, k, Is=None) -> ModelShape:
 
 
 def _problem(tag: str, shape: ModelShape, tokens: int, case: str = "uniform"):
-    """Fresh random bf16 inputs (scaled so every stage is O(1)), routing for ``case``, and a bf16 dy."""
+    """Fresh random bf16 inputs (scaled so every step is O(1)), routing for ``case``, and a bf16 dy."""
     kx, kg, kd, ksg, ksd, ky = jax.random.split(_key(tag), 6)
     E, H, I, Is, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.shared_size, shape.top_k
     x = jax.random.normal(kx, (tokens, H), _F32).astype(_BF16)
@@ -472,7 +472,7 @@ def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
     """The fused expert-parallel backward (mok_jax.ops.experts_backward_ep: every rank in one launch on an emulated
     workspace, the token rows and the slots' dx rows moving between the ranks' regions inside the kernel) on awkward
     routings: every token to one expert (the other ranks own no rows and send nothing), empty experts, one token
-    per rank, masked slots. Every gradient is the bits of EP 1, with a zero status; comm_sms_bwd 1 and 24 and an SM
+    per rank, masked slots. Every gradient is the bits of EP 1, with a zero status; comm_items_bwd 1 and 24 and an SM
     count that splits unevenly over the ranks give the same bits; and a call with other inputs in between leaves
     nothing behind in the workspace's buffers, which every call reuses."""
     from mok_jax.emulation import emulated_moe_backward
@@ -483,8 +483,8 @@ def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
     x, idx, w, W, dy = args
     one = _mok_grads(x, w, W, idx, dy)
 
-    def run(inputs, comm_sms=24, num_sms=None):
-        kernel = mj.KernelConfig(comm_sms_bwd=comm_sms)
+    def run(inputs, comm_items=24, num_sms=None):
+        kernel = mj.KernelConfig(comm_items_bwd=comm_items)
         *grads, status = jax.jit(functools.partial(emulated_moe_backward, ep=ep, kernel=kernel, num_sms=num_sms,
                                                    return_status=True, fused=True))(*inputs)
         assert not np.asarray(status).any(), f"EP {ep} {case}: status {np.asarray(status)}"
@@ -494,14 +494,14 @@ def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
     for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(first), jax.tree.leaves(one)):
         np.testing.assert_array_equal(_bits(a), _bits(b), f"EP {ep} {case}: {name} differs from EP 1")
     run(other)
-    for label, got in (("after another call", run(args)), ("comm_sms_bwd=1", run(args, comm_sms=1)),
+    for label, got in (("after another call", run(args)), ("comm_items_bwd=1", run(args, comm_items=1)),
                        ("num_sms uneven", run(args, num_sms=4 * ep + 3))):
         for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(first)):
             np.testing.assert_array_equal(_bits(a), _bits(b), f"EP {ep} {case}, {label}: {name} changed")
 
 
 def test_fused_ep_backward_rank_that_skips_a_call_times_out():
-    """One emulated rank makes no call: the other's waits for its staged rows time out (bounded; nothing hangs), its
+    """One emulated rank makes no call: the other's waits for its shared rows time out (bounded; nothing hangs), its
     status says so (EXPERTS_BACKWARD_STATUS_COMM), its gradients are NaN, the workspace is poisoned (check() names
     the rank) and the next call on it refuses to run."""
     from mok_jax.emulation import emulated_moe_backward

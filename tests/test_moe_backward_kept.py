@@ -242,7 +242,7 @@ def test_op_rejects_a_bad_gu_part_naming_it(kw, exc, match):
 
 
 def test_op_lowers_with_the_part_kept_gu_after_gu_in(monkeypatch):
-    """gu_part given: operands ..., gu_in bf16[0, 2I], gu_part bf16[R, 2I], gu_part_row s32[M], the block flags
+    """gu_part given: operands ..., gu_in bf16[0, 2I], gu_part bf16[R, 2I], gu_part_row s32[M], the kept blocks
     s32[ceil(M / 128)]; the scratch gu is the op's own (no alias)."""
     mb = importlib.import_module("mok_jax.ops.moe_backward")
     monkeypatch.setattr(mb, "require_native", lambda what: None)

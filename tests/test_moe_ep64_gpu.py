@@ -1,7 +1,7 @@
 """GPU tests of the emulation above 8 ranks (issue 36, item 2): EP 16, 32 and 64 on one GPU, every rank in one launch
 of the kernels' forms whose ranks' parameters live in device memory (forward_kernel_many: each rank's RankParams in
 its own scratch, ffi/include/mok/moe/forward_params.cuh; experts_backward_kernel_many: each rank's KernelParams in
-its row of the flags scratch, ffi/include/mok/backward/params.cuh).
+its row of the counters scratch, ffi/include/mok/backward/params.cuh).
 
 The combine is per slot (the owners push each slot's expert row and the origin sums w_j row_j over the slots in
 order), so y's bits do not depend on the EP size: each case compares the emulated y at EP 16-64 bit for bit with the
@@ -39,8 +39,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
 _SEED = module_seed(__name__)
 _problem = functools.partial(layer_problem, _SEED)  # (tag, shape, tokens, routing="uniform", ranks=1)
-# Two CTAs per rank at EP 64 on an H200 (132 SMs); the communication items of a stage are capped at a rank's CTAs.
-_CFG = KernelConfig(granularity=512, comm_sms_fwd=4)
+# Two CTAs per rank at EP 64 on an H200 (132 SMs); the communication items of a phase are capped at a rank's CTAs.
+_CFG = KernelConfig(granularity=512, comm_items_fwd=4)
 _GLOBAL_TOKENS = 1024  # 16 tokens per rank at EP 64, 32 at EP 32, 64 at EP 16
 
 
@@ -231,7 +231,7 @@ def test_identity_data_path_at_ep_64(dispatch):
     shape = layer_shape(E, 264, 128, 6)
     x, idx, w, W = _problem(f"ep64identity{dispatch}", shape, _GLOBAL_TOKENS, "zipf")
     idx = idx.at[5, 3].set(-1)
-    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_sms_fwd=3)
+    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_items_fwd=3)
     y, status = emulated_moe(x, idx, w, W, ep=64, kernel=cfg, identity_experts=True)
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     want = moe_identity_numpy(np.asarray(x).view(ml_dtypes.bfloat16), idx, w, E)

@@ -4,7 +4,7 @@ Data path, bitwise: every routed slot's expert output must be the standalone FP8
 token row (mok_jax.ops.fp8_grouped_ffn: the same quantiser, chains, promotions and epilogues, so the same bits
 per row), combined as the bf16 layer combines them (every slot's row weighted and summed in f32 in slot order,
 then rounded to bf16: the same at every EP size). That checks the quantisation at the source, the E4M3 rows and
-scales through the staging buffers and the ring, the FP8 tiles and the combine at EP 1, 2, 4 and 8 emulated on
+scales through the row buffers and the receive ring, the FP8 tiles and the combine at EP 1, 2, 4 and 8 emulated on
 one GPU, dispatch pull and push, without a shared expert (whose f32 output the numpy oracle
 cannot reproduce bit for bit).
 Math: with the shared expert, y per token against the unquantised f32 layer within the derived E4M3 sigma of
@@ -112,7 +112,7 @@ def test_emulated_fp8_layer_is_the_standalone_ffn_bitwise(ep, dispatch):
     shape = _shape(16, 384, 256, 4, Is=0)  # H an odd multiple of 128: the down tiles' N tail
     x, idx, w, W = _problem(f"bits{ep}", shape, 300, "zipf", ranks=ep)
     idx = idx.at[5, 3].set(-1)  # a masked slot
-    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_sms_fwd=3)
+    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_items_fwd=3)
     y, status = emulated_moe(x, idx, w, W, ep=ep, kernel=cfg, precision="fp8")
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     _assert_bitwise(f"fp8_bits_ep{ep}_{dispatch}", y, _standalone_oracle(x, idx, w, W))
@@ -141,7 +141,7 @@ def test_awkward_cases_bitwise(case):
 def test_knobs_never_change_bits_and_given_weights_are_the_quantised_ones():
     shape = _shape(8, 512, 256, 4)
     x, idx, w, W = _problem("knobs", shape, 2048, "zipf")
-    configs = [KernelConfig(granularity=g, comm_sms_fwd=c, ring_slots=s)
+    configs = [KernelConfig(granularity=g, comm_items_fwd=c, ring_slots=s)
                for g, c, s in [(2048, 24, 2), (512, 1, 1), (512, 8, 3), (1024, 16, 2)]]
     ys = [_layer(x, idx, w, W, config=_fp8(c)) for c in configs]
     for c, y in zip(configs[1:], ys[1:]):
@@ -149,7 +149,7 @@ def test_knobs_never_change_bits_and_given_weights_are_the_quantised_ones():
     w8 = jax.jit(fp8.quantize_expert_weights)(W.gate_up, W.down)
     np.testing.assert_array_equal(_bits(_layer(x, idx, w, W, config=_fp8(configs[0]), W8=w8)), _bits(ys[0]))
     eps = [emulated_moe(x, idx, w, W, ep=2, precision="fp8",
-                        kernel=KernelConfig(granularity=g, dispatch=d, comm_sms_fwd=n))[0]
+                        kernel=KernelConfig(granularity=g, dispatch=d, comm_items_fwd=n))[0]
            for g, d, n in [(512, "pull", 8), (1024, "push", 3), (2048, "push", 30)]]
     for y in eps:
         np.testing.assert_array_equal(_bits(y), _bits(ys[0]), "emulated EP 2: a knob or the EP size changed bits")
@@ -195,7 +195,7 @@ def test_bench_model_shapes_within_the_e4m3_bound(model):
 def test_emulated_math_with_the_shared_expert(ep):
     shape = _shape(16, 512, 256, 4)
     args = _problem(f"emumath{ep}", shape, 600, "uniform", ranks=ep)
-    y, status = emulated_moe(*args, ep=ep, kernel=KernelConfig(granularity=512, comm_sms_fwd=4), precision="fp8")
+    y, status = emulated_moe(*args, ep=ep, kernel=KernelConfig(granularity=512, comm_items_fwd=4), precision="fp8")
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     _check_math(f"fp8_emulated_ep{ep}", y, *args)
 

@@ -176,7 +176,7 @@ def test_granularity_and_ring_across_microbatches():
     args = _problem("ring", shape, 2500)  # 5 microbatches of 512 through 1..3 ring slots
     ys = {}
     for slots in (1, 2, 3):
-        cfg = KernelConfig(granularity=512, ring_slots=slots, comm_sms_fwd=4)
+        cfg = KernelConfig(granularity=512, ring_slots=slots, comm_items_fwd=4)
         ys[slots] = _layer(*args, config=_mok(cfg))
     _check_math("ring", ys[2], *args)
     for slots in (1, 3):
@@ -189,14 +189,14 @@ def test_granularity_and_ring_across_microbatches():
 def test_knobs_never_change_bits():
     shape = _shape(8, 768, 384, 4)
     args = _problem("knobs", shape, 2048, "zipf")
-    configs = [KernelConfig(granularity=g, comm_sms_fwd=c, ring_slots=s)
+    configs = [KernelConfig(granularity=g, comm_items_fwd=c, ring_slots=s)
                for g, c, s in [(2048, 24, 2), (512, 1, 1), (512, 8, 3), (1024, 16, 2), (2048, 128, 1)]]
     ys = [_layer(*args, config=_mok(c)) for c in configs]
     _check_math("knobs", ys[0], *args)
     for c, y in zip(configs[1:], ys[1:]):
         np.testing.assert_array_equal(_bits(y), _bits(ys[0]), f"{c} changed bits")
     # emulated EP 2: the dispatch directions and the knobs, against each other and against EP 1
-    eps = [emulated_moe(*args, ep=2, kernel=KernelConfig(granularity=g, dispatch=d, comm_sms_fwd=n))[0]
+    eps = [emulated_moe(*args, ep=2, kernel=KernelConfig(granularity=g, dispatch=d, comm_items_fwd=n))[0]
            for g, d, n in [(512, "pull", 8), (1024, "push", 3), (2048, "push", 30), (512, "pull", 1)]]
     for y in eps:
         np.testing.assert_array_equal(_bits(y), _bits(ys[0]), "emulated EP 2: a knob or the EP size changed bits")
@@ -210,7 +210,7 @@ def test_y_bits_do_not_depend_on_the_ep_size(shared):
     shape = _shape(16, 512, 256, 6, Is=256 if shared else 0)
     x, idx, w, W = _problem(f"epbits{shared}", shape, 256, "zipf", ranks=8)
     idx = idx.at[5, 3].set(-1).at[7].set(jnp.arange(6, dtype=idx.dtype))  # a masked slot; rank 0's at EP 2
-    cfg = KernelConfig(granularity=512, comm_sms_fwd=4)
+    cfg = KernelConfig(granularity=512, comm_items_fwd=4)
     y1 = _layer(x, idx, w, W, config=_mok(cfg))
     _check_math(f"epbits_shared{shared}", y1, x, idx, w, W)
     for ep in (1, 2, 4, 8):
@@ -258,7 +258,7 @@ def test_emulated_data_path_bitwise(ep, dispatch):
     shape = _shape(16, 264, 128, 10)  # 16 experts: 2 per rank at EP 8, k = 10 > experts per rank there
     x, idx, w, W = _problem(f"emu{ep}", shape, 300, "zipf", ranks=ep)
     idx = idx.at[5, 3].set(-1)  # a masked slot
-    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_sms_fwd=3)
+    cfg = KernelConfig(granularity=512, dispatch=dispatch, comm_items_fwd=3)
     y, status = emulated_moe(x, idx, w, W, ep=ep, kernel=cfg, identity_experts=True)
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     want = _identity_oracle(x, idx, w, 16)
@@ -272,7 +272,7 @@ def test_timing_mode_reaches_the_kernel():
     dispatch rows left out change y; timing_mode=0 and the "twice" variants give the plain call's bits."""
     shape = _shape(16, 512, 256, 4)
     x, idx, w, W = _problem("leaveout", shape, 300, "uniform", ranks=2)
-    cfg = KernelConfig(granularity=512, comm_sms_fwd=3)
+    cfg = KernelConfig(granularity=512, comm_items_fwd=3)
     want = _identity_oracle(x, idx, w, 16)
     for mode in (0, 8, 16, 24):
         y0, _ = emulated_moe(x, idx, w, W, ep=2, kernel=cfg, identity_experts=True, timing_mode=mode)
@@ -290,7 +290,7 @@ def test_lab_form_has_the_production_bits(ep):
     the production form's bits on real experts with a shared expert."""
     shape = _shape(16, 512, 256, 4)
     args = _problem(f"lab{ep}", shape, 600, "zipf", ranks=ep)
-    cfg = KernelConfig(granularity=512, comm_sms_fwd=3)
+    cfg = KernelConfig(granularity=512, comm_items_fwd=3)
     y0, status = emulated_moe(*args, ep=ep, kernel=cfg)  # the production form
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     _check_math(f"lab{ep}", y0, *args)
@@ -305,7 +305,7 @@ def test_lab_form_has_the_production_bits(ep):
 def test_emulated_math(ep):
     shape = _shape(16, 512, 256, 4)
     args = _problem(f"emumath{ep}", shape, 1100, "uniform", ranks=ep)
-    y, status = emulated_moe(*args, ep=ep, kernel=KernelConfig(granularity=512, ring_slots=2, comm_sms_fwd=4))
+    y, status = emulated_moe(*args, ep=ep, kernel=KernelConfig(granularity=512, ring_slots=2, comm_items_fwd=4))
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     _check_math(f"emulated_ep{ep}", y, *args)
 

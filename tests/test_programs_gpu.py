@@ -22,7 +22,7 @@ from mok_jax.config import KernelConfig, ModelShape, MoEConfig
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]
 
 _SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
-MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
+MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_items_fwd=8))
 
 
 def _problem(tag: str, **shape):

@@ -52,7 +52,7 @@ REMAT_GRAD_TOL = 4 * 2.0**-8
 REMAT_ROUTER_TOL = 2.0**-12
 
 _SEED = module_seed(__name__)  # MOK_TEST_SEED, else fresh (helpers.py: seeds)
-MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_sms_fwd=8))
+MOK = MoEConfig(implementation="mok", kernel=KernelConfig(granularity=512, comm_items_fwd=8))
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
 

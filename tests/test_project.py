@@ -17,7 +17,7 @@ from mok_jax.bench import project_report as PR
 from mok_jax.bench.routing import make_routing
 
 EPS = (1, 2, 4, 8, 16, 32, 64, 72)
-WIRE = ("route_fwd", "dispatch", "combine", "stage_fwd", "route_bwd", "stage_bwd", "gather_bwd", "send_bwd",
+WIRE = ("route_fwd", "dispatch", "combine", "post_fwd", "route_bwd", "share_bwd", "gather_bwd", "send_bwd",
         "shared_dw")
 # Sampled distinct owners against the hypergeometric expectation: 2048 x 8 tokens of a uniform routing (the mean
 # of 16384 per-token counts of spread ~1.1, so one standard error is about 0.01 rows)

@@ -15,7 +15,7 @@ SHAPE_B = dict(hidden=6144, intermediate=2048, top_k=8, experts_per_rank=4, ep=2
 
 
 def _entry(shape, tokens, model="m", median_ms=1.0, **knobs):
-    k = dict(granularity=1024, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push", ring_slots=2)
+    k = dict(granularity=1024, comm_items_fwd=16, comm_items_bwd=16, dispatch="pull", combine="push", ring_slots=2)
     return {"model": model, **shape, "tokens": tokens, **{**k, **knobs}, "median_ms": median_ms}
 
 
@@ -36,8 +36,8 @@ def test_grid():
     g = tune.grid(2048)
     assert len(g) == 3 * 3 * 2  # granularity 4096 clipped to 2048, deduplicated
     assert sorted({s["granularity"] for s in g}) == [512, 1024, 2048]
-    assert {s["comm_sms_fwd"] for s in g} == {8, 16, 24} and {s["ring_slots"] for s in g} == {2, 3}
-    assert all(s["comm_sms_bwd"] == s["comm_sms_fwd"] and (s["dispatch"], s["combine"]) == ("pull", "push")
+    assert {s["comm_items_fwd"] for s in g} == {8, 16, 24} and {s["ring_slots"] for s in g} == {2, 3}
+    assert all(s["comm_items_bwd"] == s["comm_items_fwd"] and (s["dispatch"], s["combine"]) == ("pull", "push")
                for s in g)
     assert len({tuple(sorted(s.items())) for s in g}) == len(g)  # no duplicates
     assert sorted({s["granularity"] for s in tune.grid(8192)}) == [512, 1024, 2048, 4096]
@@ -51,8 +51,8 @@ def test_grid():
 def test_write_then_read_back_and_resolve(tuned_root):
     path = tuning.table_path(KIND, root=tuned_root)
     assert path == tuned_root / "nvidia-h200" / "kernel.toml"
-    entries = [_entry(SHAPE_A, 8192, granularity=4096, ring_slots=3), _entry(SHAPE_B, 2048, comm_sms_fwd=24),
-               _entry(SHAPE_A, 1024, granularity=512, comm_sms_fwd=8)]
+    entries = [_entry(SHAPE_A, 8192, granularity=4096, ring_slots=3), _entry(SHAPE_B, 2048, comm_items_fwd=24),
+               _entry(SHAPE_A, 1024, granularity=512, comm_items_fwd=8)]
     written = tune.write_table(path, entries, commit="abc1234", date="2027-01-02")
     text = path.read_text()
     assert text.splitlines()[0] == "# written by mok-bench --tune on 2027-01-02, commit abc1234"
@@ -75,7 +75,7 @@ def test_write_then_read_back_and_resolve(tuned_root):
     assert tuning.resolve(None, other, KIND) == tuning.heuristic(other)
     assert tuning.resolve(None, key(SHAPE_A, 4096), "NVIDIA B200") == tuning.heuristic(key(SHAPE_A, 4096))
     # an explicit KernelConfig wins over the table
-    explicit = KernelConfig(granularity=2048, comm_sms_fwd=4, ring_slots=1)
+    explicit = KernelConfig(granularity=2048, comm_items_fwd=4, ring_slots=1)
     assert tuning.resolve(explicit, key(SHAPE_A, 8192), KIND) is explicit
 
 
@@ -103,14 +103,30 @@ def test_write_rejects_bad_entries_and_keeps_the_file(tuned_root):
         tune.write_table(path, [{**_entry(SHAPE_A, 2048), "speed": 3}], commit="c")
     with pytest.raises(ValueError, match="lacks"):
         tune.write_table(path, [{k: v for k, v in _entry(SHAPE_A, 2048).items() if k != "ep"}], commit="c")
+    old = {("comm_sms_fwd" if k == "comm_items_fwd" else k): v for k, v in _entry(SHAPE_A, 2048).items()}
+    with pytest.raises(ValueError, match="comm_sms_fwd is now comm_items_fwd"):
+        tune.write_table(path, [old], commit="c")
     assert path.read_text() == before
+
+
+def test_a_table_with_the_knob_names_before_issue_35_is_refused_naming_the_new_ones(tuned_root):
+    """A tuned table's comm_sms_fwd / comm_sms_bwd key raises a ValueError that names the entry and the new field
+    (comm_items_fwd / comm_items_bwd), not a bare "unknown keys"."""
+    path = tuning.table_path(KIND, root=tuned_root)
+    tune.write_table(path, [_entry(SHAPE_A, 1024)], commit="c")
+    text = path.read_text()
+    for old, new in (("comm_sms_fwd", "comm_items_fwd"), ("comm_sms_bwd", "comm_items_bwd")):
+        path.write_text(text.replace(new, old))
+        tuning.load_table.cache_clear()
+        with pytest.raises(ValueError, match=rf"entry 0 has the key {old}: KernelConfig\.{old} is now {new}"):
+            tuning.load_table(str(path))
 
 
 def _row(model, tokens, status, median_ms=None, **knobs):
     r = dict.fromkeys(RESULT_KEYS)
     r.update(model=model, impl="mok", status=status, median_ms=median_ms, tokens_per_gpu=tokens, hidden_size=7168,
              intermediate_size=2048, top_k=8, experts_per_gpu=6, num_gpus=2,
-             kernel=dict(granularity=512, comm_sms_fwd=16, comm_sms_bwd=16, dispatch="pull", combine="push",
+             kernel=dict(granularity=512, comm_items_fwd=16, comm_items_bwd=16, dispatch="pull", combine="push",
                          ring_slots=2) | knobs)
     r["pass"] = "fwd"
     return r
@@ -118,7 +134,7 @@ def _row(model, tokens, status, median_ms=None, **knobs):
 
 def test_best_entries_pick_fastest_of_complete_problems():
     rows = [_row("kimi-k2", 2048, "ok", 3.0, granularity=512), _row("kimi-k2", 2048, "ok", 1.0, granularity=2048),
-            _row("kimi-k2", 2048, "error"), _row("kimi-k2", 2048, "ok", 2.0, comm_sms_fwd=8),
+            _row("kimi-k2", 2048, "error"), _row("kimi-k2", 2048, "ok", 2.0, comm_items_fwd=8),
             _row("kimi-k2", 4096, "ok", 0.5), _row("kimi-k2", 4096, "skipped"),  # cut short by --time-budget
             _row("kimi-k2", 8192, "error")]  # nothing ran
     entries, incomplete = tune.best_entries(rows)
@@ -135,7 +151,7 @@ def test_resolve_kernel_records_what_runs(tuned_root):
     # no table: the layer gets None and resolves the heuristic
     assert tune.resolve_kernel(key, None, KIND) == (None, tuning.heuristic(key), "heuristic")
     assert tune.resolve_kernel(key, None, None) == (None, tuning.heuristic(key), "heuristic")  # no GPU
-    entry = _entry(SHAPE_A, 2048, granularity=512, comm_sms_fwd=24, ring_slots=3)
+    entry = _entry(SHAPE_A, 2048, granularity=512, comm_items_fwd=24, ring_slots=3)
     tune.write_table(tuning.table_path(KIND, root=tuned_root), [entry], commit="c")
     assert tune.resolve_kernel(key, None, KIND) == (None, _kernel(entry), "tuned")
     # a knob given: the others from the table, passed explicitly

@@ -77,7 +77,7 @@ def test_vmm_workspace_data_path_matches_the_oracle():
     idx = idx.at[5, 3].set(-1)  # a masked slot
     with _workspace("vmm", ep, tokens, shape) as ws:
         y, status = emulated_moe(x, idx, w, W, ep=ep, workspace=ws, identity_experts=True,
-                                 kernel=KernelConfig(granularity=512, comm_sms_fwd=3))
+                                 kernel=KernelConfig(granularity=512, comm_items_fwd=3))
         assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     want = moe_identity_numpy(np.asarray(x), np.asarray(idx), np.asarray(w), 16)
     diff = np.where((_bits(y) != want.view(np.uint16)).any(1))[0]

@@ -1,8 +1,8 @@
 // Kernels of mok/comm/combine.cuh. Buffer regions: mok/comm/workspace.cuh.
 //
 //   region                  size                           written by        read by
-//   comb[o][t] (push)       T rows of H bf16, on origin    owner o (send)    origin (reduce)
-//   comb[s][t] (pull)       T rows of H bf16, on owner     owner (send)      origin s (reduce)
+//   combine_rows[o][t] (push)       T rows of H bf16, on origin    owner o (send)    origin (reduce)
+//   combine_rows[s][t] (pull)       T rows of H bf16, on owner     owner (send)      origin s (reduce)
 //   sig_comb[o]             u64 on the origin              owner o           origin
 //   ack_comb[s]             u64 on the owner               origin s          owner (next send)
 #include <climits>
@@ -44,8 +44,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(CombineParam
     const uint32_t lanes = __ballot_sync(kFullMask, row >= 0);
     if (lanes == 0) continue;
     int4* dst = p.mode == CommMode::kPush
-                    ? v.peer<int4>(s, v.layout.comb) + (size_t(rank) * v.shape.max_tokens + t) * nvec
-                    : v.local<int4>(v.layout.comb) + (size_t(s) * v.shape.max_tokens + t) * nvec;
+                    ? v.peer<int4>(s, v.layout.combine_rows) + (size_t(rank) * v.shape.max_tokens + t) * nvec
+                    : v.local<int4>(v.layout.combine_rows) + (size_t(s) * v.shape.max_tokens + t) * nvec;
     warp_weighted_sum_row<kSumUnroll, kSumGroup>(rows, nvec, row, w, lanes, dst, lane);
   }
   block_signal_peers(v, v.layout.sig_comb);
@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_reduce_kernel(CombinePar
         if (o == INT_MAX) break;
         if (lane == num_src)
           my_src = p.mode == CommMode::kPush
-                       ? v.local<const int4>(v.layout.comb) + (size_t(o) * v.shape.max_tokens + t) * nvec
-                       : v.peer<const int4>(o, v.layout.comb) + (size_t(rank) * v.shape.max_tokens + t) * nvec;
+                       ? v.local<const int4>(v.layout.combine_rows) + (size_t(o) * v.shape.max_tokens + t) * nvec
+                       : v.peer<const int4>(o, v.layout.combine_rows) + (size_t(rank) * v.shape.max_tokens + t) * nvec;
         ++num_src;
         prev = o;
       }

@@ -2,8 +2,8 @@
 //
 //   region (owner's view)      size                          written by          read by
 //   route_idx/route_w[s]       T*k int32 / f32               rank s (post)       owner (schedule)
-//   stage[s][t] (pull)         T rows of H bf16, on rank s   rank s (post)       every owner of t (data)
-//   stage[s][t] (push)         T rows of H bf16, on owner    rank s (post)       owner (data)
+//   dispatch_rows[s][t] (pull)         T rows of H bf16, on rank s   rank s (post)       every owner of t (data)
+//   dispatch_rows[s][t] (push)         T rows of H bf16, on owner    rank s (post)       owner (data)
 //   sig_route[s], sig_x[s]     u64 on the owner              rank s              owner
 //   ack_disp[d]                u64 on the source             owner d (data)      source (next post)
 #include "mok/comm/dispatch.cuh"
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_post_kernel(DispatchPar
   const int lane = threadIdx.x % 32;
   const int nvec = v.shape.hidden / 8;
   const int4* x = reinterpret_cast<const int4*>(p.x);
-  const size_t stage_row0 = size_t(rank) * v.shape.max_tokens;  // stage[rank][0]
+  const size_t dispatch_row0 = size_t(rank) * v.shape.max_tokens;  // dispatch_rows[rank][0]
   const int warp_id = blockIdx.x * kCommWarps + threadIdx.x / 32;
   const int num_warps = gridDim.x * kCommWarps;
   for (int t = warp_id; t < p.num_tokens; t += num_warps) {
@@ -57,10 +57,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_post_kernel(DispatchPar
     if (lanes == 0) continue;
     int4* my_dst = nullptr;
     if (p.mode == CommMode::kPull) {
-      lanes &= -lanes;  // one copy, into my own stage
-      my_dst = v.local<int4>(v.layout.stage) + (stage_row0 + t) * nvec;
+      lanes &= -lanes;  // one copy, into my own dispatch_rows
+      my_dst = v.local<int4>(v.layout.dispatch_rows) + (dispatch_row0 + t) * nvec;
     } else if (remote) {
-      my_dst = v.peer<int4>(owner, v.layout.stage) + (stage_row0 + t) * nvec;
+      my_dst = v.peer<int4>(owner, v.layout.dispatch_rows) + (dispatch_row0 + t) * nvec;
     }
     warp_copy_row<kCopyUnroll>(x + size_t(t) * nvec, nvec, my_dst, lanes, lane);
   }
@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_data_kernel(DispatchPar
       } else if (lanes == 0) {
         continue;
       }
-      const size_t stage_row = size_t(s) * v.shape.max_tokens + t;
+      const size_t src_row = size_t(s) * v.shape.max_tokens + t;  // dispatch_rows[s][t]
       const int4* src = s == rank ? x + size_t(t) * nvec
-                        : p.mode == CommMode::kPull ? v.peer<const int4>(s, v.layout.stage) + stage_row * nvec
-                                                    : v.local<const int4>(v.layout.stage) + stage_row * nvec;
+                        : p.mode == CommMode::kPull ? v.peer<const int4>(s, v.layout.dispatch_rows) + src_row * nvec
+                                                    : v.local<const int4>(v.layout.dispatch_rows) + src_row * nvec;
       int4* my_dst = p.token_major ? recv + (size_t(s) * p.num_tokens + t) * nvec
                                    : (row >= 0 ? recv + size_t(row) * nvec : nullptr);
       warp_copy_row<kCopyUnroll>(src, nvec, my_dst, lanes, lane);

@@ -41,7 +41,7 @@ __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, 
 }
 
 // Expert parallel: the rank's last CTA to exit advances its epoch and stamps kBwdDone in every peer (it read
-// every peer's staged rows and its own bwd_dx, bwd_dw for the last time); a poisoned workspace sets the status.
+// every peer's shared rows and its own bwd_dx, bwd_dw for the last time); a poisoned workspace sets the status.
 __device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, uint64_t epoch) {
   comm::LocalState* st = p.view.state();
   if (threadIdx.x == 0) {
@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kUploadThreads) upload_rank_params(const __gri
 
 }  // namespace
 
-int64_t experts_backward_ep_flag_words(int64_t rows, int64_t experts, int64_t ranks) {
-  const int64_t words = experts_backward_flag_words(rows, experts, 0);
+int64_t experts_backward_ep_counter_words(int64_t rows, int64_t experts, int64_t ranks) {
+  const int64_t words = experts_backward_counter_words(rows, experts, 0);
   if (ranks <= kExpertsBackwardParamRanks) return words;
   return (words + 15) / 16 * 16 + int64_t(sizeof(KernelParams)) / 4;
 }
@@ -186,7 +186,7 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   if (p.slot_tokens * p.top_k > INT_MAX || p.slot_tokens < 0) return "ep * T * k must be below 2^31";
   if (p.num_rows * 2 * p.intermediate > INT_MAX || p.num_rows * p.hidden > INT_MAX)
     return "rows M times H or 2I must be below 2^31";
-  if (p.flags == nullptr) return "the dependency counters (flags) are missing";
+  if (p.counters == nullptr) return "the dependency counters are missing";
   if (p.view.base != nullptr && p.view.shape.ep > 1) {  // the fused expert-parallel backward
     const comm::CommShape& w = p.view.shape;
     if (p.shared_intermediate != 0) return "shared_gate_up: expert parallel, the shared expert runs outside the op";
@@ -203,7 +203,7 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
   }
   if (p.gu_part != nullptr) {
     if (p.gu_kept != nullptr) return "gu_part: a part of g, u kept, and all of them (gu): give one";
-    if (p.gu_part_row == nullptr || p.gu_block == nullptr) return "gu_part: its row map or block flags are missing";
+    if (p.gu_part_row == nullptr || p.gu_block == nullptr) return "gu_part: its row map or kept blocks are missing";
     if (p.gu_part_rows < 0 || p.gu_part_rows * 2 * p.intermediate > INT64_MAX / 4 || p.gu_part_rows > INT_MAX)
       return "gu_part: its rows must be in [0, 2^31)";
   }
@@ -222,7 +222,7 @@ const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {
 
 namespace {
 
-// One rank's kernel parameters and its memsets (status, flags); `shared`: the shared expert's descriptors.
+// One rank's kernel parameters and its memsets (status, counters); `shared`: the shared expert's descriptors.
 cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelParams& k, Operands* shared,
                       cudaStream_t stream) {
   const int H = int(p.hidden), I = int(p.intermediate), E = int(p.num_experts), M = int(p.num_rows);
@@ -259,7 +259,7 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
   k.d_gate_up = static_cast<Bf16*>(p.d_gate_up);
   k.d_down = static_cast<Bf16*>(p.d_down);
   k.status = p.status;
-  k.flags = p.flags;
+  k.counters = p.counters;
   k.T = int(p.num_tokens), k.k = int(p.top_k), k.M = M, k.H = H, k.I = I, k.E = E;
   const int Is = int(p.shared_intermediate), T = int(p.num_tokens);
   k.Is = Is, k.Ts = Is > 0 ? T : 0;
@@ -284,27 +284,28 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
     k.view = p.view;
     k.topk_idx = p.topk_idx;
     k.experts_all = int(p.num_experts) * p.view.shape.ep;
-    k.stage_items = std::max(1, std::min(p.comm_items, grid_of_rank));
+    k.share_items = std::max(1, std::min(p.comm_items, grid_of_rank));
     // a wait for an item of the same rank outlasts the wait for a peer, which then names the peer
     k.local_timeout_ns = std::max<uint64_t>(gemm::kWaitTimeoutNs, 4 * p.view.timeout_ns);
   }
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
-  return cudaMemsetAsync(p.flags, 0, size_t(experts_backward_flag_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream);
+  return cudaMemsetAsync(p.counters, 0,
+                         size_t(experts_backward_counter_words(p.num_rows, p.num_experts, k.Ts)) * 4, stream);
 }
 
 // An emulated call of more than kExpertsBackwardParamRanks ranks: each rank's KernelParams go into its row of the
-// flags scratch, past its counters (experts_backward_ep_flag_words; the rows one stride apart, as the handler lays
-// them out), uploaded in launches of kUploadRanks on `stream` before the kernel, which reads them there.
+// counters scratch, past the counters (experts_backward_ep_counter_words; the rows one stride apart, as the handler
+// lays them out), uploaded in launches of kUploadRanks on `stream` before the kernel, which reads them there.
 cudaError_t launch_many(const ExpertsBackwardParams* ranks, int num_ranks, int skip_rank, int grid,
                         cudaStream_t stream) {
   const ExpertsBackwardParams& p0 = ranks[0];
-  const int64_t at = (experts_backward_flag_words(p0.num_rows, p0.num_experts, 0) + 15) / 16 * 16 * 4;
-  auto* base0 = reinterpret_cast<uint8_t*>(p0.flags) + at;
-  const int64_t stride = reinterpret_cast<uint8_t*>(ranks[1].flags) - reinterpret_cast<uint8_t*>(p0.flags);
+  const int64_t at = (experts_backward_counter_words(p0.num_rows, p0.num_experts, 0) + 15) / 16 * 16 * 4;
+  auto* base0 = reinterpret_cast<uint8_t*>(p0.counters) + at;
+  const int64_t stride = reinterpret_cast<uint8_t*>(ranks[1].counters) - reinterpret_cast<uint8_t*>(p0.counters);
   if (stride < at + int64_t(sizeof(KernelParams)) || stride % 64 || reinterpret_cast<uintptr_t>(base0) % 64)
     return cudaErrorInvalidValue;  // the copies' TMA descriptors must be 64-byte aligned
   for (int r = 0; r < num_ranks; ++r)
-    if (reinterpret_cast<uint8_t*>(ranks[r].flags) + at != base0 + r * stride ||
+    if (reinterpret_cast<uint8_t*>(ranks[r].counters) + at != base0 + r * stride ||
         ranks[r].num_rows != p0.num_rows || ranks[r].num_experts != p0.num_experts)
       return cudaErrorInvalidValue;
   Operands unused{};  // fill_rank sets the shared expert's descriptors only with one (never at EP > 1)

@@ -17,7 +17,7 @@
 //   num_sms, identity_experts (a test mode), skip_rank (a fault-injection test mode), timing_mode (a bench-only timing
 //   mode: TimingMode bits). A call with skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form (bf16 only: the
 //   FP8 handler refuses them), the only form with their code (mok/moe/forward.cuh, ForwardKnobs). The combine has no
-//   knob: the owners push each slot's row into the origin's comb (mok/moe/forward_comm.cuh, run_send).
+//   knob: the owners push each slot's row into the origin's combine_rows (mok/moe/forward_comm.cuh, run_send).
 //
 // The handler finds the rank(s) of (ws_id, XLA's device ordinal), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the
@@ -197,7 +197,7 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
   if (const char* why = mok::moe::forward_unsupported(shape, knobs)) return invalid(kOp, why);
   const mok::moe::ScratchLayout sl = mok::moe::forward_scratch_layout(shape, knobs);
   if (ws.ep > 1 && sl.microbatches > mok::comm::max_microbatches(ws.max_tokens))
-    return invalid(kOp, "more microbatches than the workspace has flags for");
+    return invalid(kOp, "more microbatches than the workspace has stamps for");
   if (!dims_are(y->dimensions(), {R, T, H})) return invalid(kOp, "y must be [ranks, tokens, hidden]");
   if (!dims_are(status->dimensions(), {R, 4})) return invalid(kOp, "status must be [ranks, 4]");
   if (scratch->dimensions().size() != 2 || scratch->dimensions()[0] != R ||

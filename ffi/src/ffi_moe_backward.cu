@@ -8,7 +8,7 @@
 //      scratch: x_e: bf16[M, H], dy_e: bf16[M, H], w_e: f32[M], gu: bf16[M, 2I] (with gu_in kept: XLA aliases
 //      it to gu_in, and the op zeroes its padding rows in place), dgu: bf16[M, 2I], hw: bf16[M, I],
 //      dw_part: f32[M, ceil(I / 256)], dx_e: bf16[M, H], dw_e: f32[M],
-//      flags: s32[60 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4] (time words,
+//      counters: s32[60 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4] (time words,
 //      dependency counters; zeroed by the launcher)
 //   attrs: {num_sms: s32, 0 = all SMs}
 //
@@ -19,9 +19,10 @@
 //   group_sizes: s32[R, L], gate_up: bf16[R, L, H, 2I], down: bf16[R, L, I, H], gu_in: bf16[R, M | 0, 2I],
 //   gu_part: bf16[R, Rp, 2I], gu_part_row: s32[R, M | 0], gu_block: s32[R, ceil(M / 128) | 0]
 //   -> dx: f32[R, T, H], dw: f32[R, T, k], d_gate_up, d_down (as gate_up, down), status: s32[R], then the scratch
-//      of the EP-1 op with a leading R (x_e .. dw_e), and flags: s32[R, mok_experts_backward_ep_flag_words(M, L, R)]
+//      of the EP-1 op with a leading R (x_e .. dw_e), and counters:
+//      s32[R, mok_experts_backward_ep_counter_words(M, L, R)]
 //      (above 8 ranks each row also holds its rank's kernel parameters)
-//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (STAGE items), skip_rank: s32 (-1; a
+//   attrs: {ws_id: s64 (the workspace), num_sms: s32, comm_items: s32 (SHARE items), skip_rank: s32 (-1; a
 //   fault-injection test mode: >= 0 in an emulated call runs the kernel's lab form, the only one with its code)}
 #include <vector>
 
@@ -110,7 +111,7 @@ auto bind_scratch(Binding b) {
       .template Ret<ffi::Buffer<ffi::F32>>()       // dw_part
       .template Ret<ffi::Buffer<ffi::BF16>>()      // dx_e
       .template Ret<ffi::Buffer<ffi::F32>>()       // dw_e
-      .template Ret<ffi::Buffer<ffi::S32>>();      // flags (the kernel's dependency counters)
+      .template Ret<ffi::Buffer<ffi::S32>>();      // counters (the kernel's dependency counters)
 }
 
 ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> dy,
@@ -128,7 +129,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
                                  ffi::ResultBuffer<ffi::BF16> gu, ffi::ResultBuffer<ffi::BF16> dgu,
                                  ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part,
                                  ffi::ResultBuffer<ffi::BF16> dx_e, ffi::ResultBuffer<ffi::F32> dw_e,
-                                 ffi::ResultBuffer<ffi::S32> flags, ffi::ResultBuffer<ffi::BF16> d_shared_gate_up,
+                                 ffi::ResultBuffer<ffi::S32> counters, ffi::ResultBuffer<ffi::BF16> d_shared_gate_up,
                                  ffi::ResultBuffer<ffi::BF16> d_shared_down, ffi::ResultBuffer<ffi::BF16> gus,
                                  ffi::ResultBuffer<ffi::BF16> dgus, ffi::ResultBuffer<ffi::BF16> hws,
                                  ffi::ResultBuffer<ffi::F32> dxs, ExpertsBackwardAttrs attrs) {
@@ -172,7 +173,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
       {"dw_part", dw_part->dimensions(), {m, n_blocks}, "[M, ceil(I / 256)]"},
       {"dx_e", dx_e->dimensions(), {m, hidden}, "[M, H]"},
       {"dw_e", dw_e->dimensions(), {m}, "[M]"},
-      {"flags", flags->dimensions(), {mok::experts_backward_flag_words(m, e, s_rows)},
+      {"counters", counters->dimensions(), {mok::experts_backward_counter_words(m, e, s_rows)},
        "[40 + 4 (ceil(M / 128) + E + ceil(Ts / 128)) + 2 (E + 1) + 5, rounded up to 4], Ts = T with a shared "
        "expert, else 0"},
       {"shared_gate_up", shared_gate_up.dimensions(), {hidden, 2 * s_inter}, "[H, 2Is]"},
@@ -224,7 +225,7 @@ ffi::Error experts_backward_impl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, 
   p.dw_part = dw_part->typed_data();
   p.dx_e = dx_e->untyped_data();
   p.dw_e = dw_e->typed_data();
-  p.flags = flags->typed_data();
+  p.counters = counters->typed_data();
   set_sizes(p, t, k, m, hidden, inter, e, attrs.num_sms);
   p.slot_tokens = t;
   p.shared_intermediate = s_inter;
@@ -298,7 +299,7 @@ ffi::Error experts_backward_ep_impl(
     ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::BF16> x_e, ffi::ResultBuffer<ffi::BF16> dy_e,
     ffi::ResultBuffer<ffi::F32> w_e, ffi::ResultBuffer<ffi::BF16> gu, ffi::ResultBuffer<ffi::BF16> dgu,
     ffi::ResultBuffer<ffi::BF16> hw, ffi::ResultBuffer<ffi::F32> dw_part, ffi::ResultBuffer<ffi::BF16> dx_e,
-    ffi::ResultBuffer<ffi::F32> dw_e, ffi::ResultBuffer<ffi::S32> flags) {
+    ffi::ResultBuffer<ffi::F32> dw_e, ffi::ResultBuffer<ffi::S32> counters) {
   mok::ffi_util::count_handler_run();
   constexpr const char* kOp = "mok_experts_backward_ep";
   using mok::ffi_util::invalid;
@@ -334,7 +335,7 @@ ffi::Error experts_backward_ep_impl(
   const int64_t m = src_slot.dimensions()[1], e = group_sizes.dimensions()[1], inter = gate_up.dimensions()[3] / 2;
   const int64_t n_blocks = (inter + mok::kExpertsBackwardColBlock - 1) / mok::kExpertsBackwardColBlock;
   const int64_t m_blocks = (m + mok::kExpertsBackwardRowBlock - 1) / mok::kExpertsBackwardRowBlock;
-  const int64_t words = mok::experts_backward_ep_flag_words(m, e, R);
+  const int64_t words = mok::experts_backward_ep_counter_words(m, e, R);
   const Want checks[] = {
       {"dy", dy.dimensions(), {R, t, hidden}, "[ranks, T, H]"},
       {"topk_weight", topk_weight.dimensions(), {R, n, k}, "[ranks, ep T, k]"},
@@ -354,13 +355,13 @@ ffi::Error experts_backward_ep_impl(
       {"dw_part", dw_part->dimensions(), {R, m, n_blocks}, "[ranks, M, ceil(I / 256)]"},
       {"dx_e", dx_e->dimensions(), {R, m, hidden}, "[ranks, M, H]"},
       {"dw_e", dw_e->dimensions(), {R, m}, "[ranks, M]"},
-      {"flags", flags->dimensions(), {R, words}, "[ranks, experts_backward_ep_flag_words(M, L, ranks)]"},
+      {"counters", counters->dimensions(), {R, words}, "[ranks, experts_backward_ep_counter_words(M, L, ranks)]"},
   };
   for (const Want& c : checks)
     if (!dims_are(c.got, c.want))
       return invalid(kOp, std::string(c.name) + " must be " + c.shape + ", got " + dims_str(c.got));
-  if (R > mok::kExpertsBackwardParamRanks && reinterpret_cast<uintptr_t>(flags->untyped_data()) % 64 != 0)
-    return invalid(kOp, "flags: above " + std::to_string(mok::kExpertsBackwardParamRanks) +
+  if (R > mok::kExpertsBackwardParamRanks && reinterpret_cast<uintptr_t>(counters->untyped_data()) % 64 != 0)
+    return invalid(kOp, "counters: above " + std::to_string(mok::kExpertsBackwardParamRanks) +
                             " ranks each row holds its rank's kernel parameters (TMA descriptors): the buffer must be "
                             "64-byte aligned");
   bool kept = false, part = false;
@@ -404,7 +405,7 @@ ffi::Error experts_backward_ep_impl(
     p.dw_part = at(dw_part->typed_data(), r, m * n_blocks);
     p.dx_e = at(static_cast<uint16_t*>(dx_e->untyped_data()), r, m * hidden);
     p.dw_e = at(dw_e->typed_data(), r, m);
-    p.flags = at(flags->typed_data(), r, words);
+    p.counters = at(counters->typed_data(), r, words);
     set_sizes(p, t, k, m, hidden, inter, e, attrs.num_sms);
     p.view = views[r];
     p.slot_tokens = n;
@@ -440,9 +441,9 @@ MOK_FFI_HANDLER(MokExpertsBackwardEp, experts_backward_ep_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>()  // d_down
                     .Ret<ffi::Buffer<ffi::S32>>())); // status, then the scratch
 
-// The words of one rank's flags row of mok_experts_backward_ep (mok/experts_backward.cuh), for the Python side.
-extern "C" __attribute__((visibility("default"))) int64_t mok_experts_backward_ep_flag_words(int64_t rows,
+// The words of one rank's counters row of mok_experts_backward_ep (mok/experts_backward.cuh), for the Python side.
+extern "C" __attribute__((visibility("default"))) int64_t mok_experts_backward_ep_counter_words(int64_t rows,
                                                                                             int64_t experts,
                                                                                             int64_t ranks) {
-  return mok::experts_backward_ep_flag_words(rows, experts, ranks);
+  return mok::experts_backward_ep_counter_words(rows, experts, ranks);
 }

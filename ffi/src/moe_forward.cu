@@ -216,7 +216,7 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
   const int grid = knobs.num_sms > 0 && knobs.num_sms < sm_count ? knobs.num_sms : sm_count;
   if (grid < num_ranks) return cudaErrorInvalidValue;  // every rank needs a CTA
   ForwardKnobs kn = knobs;
-  kn.comm_items = std::min(kn.comm_items, grid / num_ranks);  // items of a stage never exceed a rank's CTAs
+  kn.comm_items = std::min(kn.comm_items, grid / num_ranks);  // items of a phase never exceed a rank's CTAs
 
   const ScratchLayout sl = forward_scratch_layout(shape, kn);
   for (int r = 0; r < num_ranks; ++r)

@@ -205,7 +205,7 @@ std::string describe_error(uint64_t packed) {
     case kErrTimeoutRouting: what = "timed out waiting for the routing of EP rank " + std::to_string(e.peer); break;
     case kErrTimeoutData:
       what = std::string("timed out waiting for the ") +
-             (e.op == kOpCombine ? "partial sums" : e.op == kOpMoeBackward ? "staged rows or dx rows" : "token rows") +
+             (e.op == kOpCombine ? "partial sums" : e.op == kOpMoeBackward ? "shared rows or dx rows" : "token rows") +
              " of EP rank " + std::to_string(e.peer);
       break;
     case kErrTimeoutAck:

@@ -51,7 +51,7 @@ its numbers are in git history and in the README's older tables.)
   takes ``fp8_weights=`` (``quantize_weights``: the E4M3 weights made once, as a user does per optimizer step);
   without it every call quantises the weights itself. H and I must be multiples of 128.
 
-Every stage runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
+Every phase runs under a ``jax.named_scope`` (``<impl>/dispatch``, ``/experts``, ``/combine``,
 ``/shared``) so profiler traces read by name.
 """
 

@@ -1,16 +1,16 @@
-"""Where the megakernel's forward time goes, on one GPU: timing variants that leave one stage out.
+"""Where the megakernel's forward time goes, on one GPU: timing variants that leave one phase out.
 
     python -m mok_jax.bench.breakdown [--model kimi-k2,...] [--tokens 2048] [--json out.json] [--trace DIR]
 
 For each model (the one-GPU ep64-slice problem: E/32 experts, uniform routing, bf16, the tuned kernel
 config), in one process, median ms of back-to-back calls (mok_jax.bench.timing):
 - ``mok``: the layer forward (emulated EP 1: the same kernel and plan as a one-rank mesh call);
-- ``dispatch rows twice`` / ``reduce rows twice``: the kernel with that stage's row moves done twice
+- ``dispatch rows twice`` / ``reduce rows twice``: the kernel with that phase's row moves done twice
   (``ops.moe_forward(timing_mode=...)``; the outputs stay right): the difference to ``mok`` is what one
-  pass of the stage costs the call beyond what the overlap hides;
+  pass of the phase costs the call beyond what the overlap hides;
 - ``no dispatch rows`` / ``no reduce rows``: those row moves left out. The outputs are wrong, and so is the
   data the GEMMs then read (stale ring rows, perhaps zeros, which multiply faster), so these differences
-  overstate a stage's cost; measured: they are kept beside the sound "twice" ones to show by how much;
+  overstate a phase's cost; measured: they are kept beside the sound "twice" ones to show by how much;
 - ``data path``: identity experts (dispatch and combine, no GEMMs, no shared expert);
 - ``grouped FFN`` and ``shared FFN``: the standalone grouped FFN kernel over the same expert-major rows, and
   over the T rows of the shared expert; with ``data path`` they make an unfused lower bound;
@@ -167,7 +167,8 @@ def _problem(model_name: str, tokens: int, seed: int, experts: int | None = None
     return m, x, jnp.asarray(idx), jnp.asarray(w), W, flops
 
 
-def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, comm_sms=(), only_sweep=False) -> dict:
+def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, comm_items=(),
+          only_sweep=False) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -190,8 +191,9 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
 
     args = (x, idx, w, W)
     rows = {}
-    for c in comm_sms:  # the tuned config with another communication SM count
-        rows[f"comm SMs {c}"] = _timed(layer(kernel=tuned.replace(comm_sms_fwd=c, comm_sms_bwd=c)), args, timing_kw)
+    for c in comm_items:  # the tuned config with another count of communication items
+        kernel = tuned.replace(comm_items_fwd=c, comm_items_bwd=c)
+        rows[f"comm items {c}"] = _timed(layer(kernel=kernel), args, timing_kw)
     if only_sweep:
         rows["mok"] = _timed(layer(), args, timing_kw)
         out["rows"] = rows
@@ -247,14 +249,14 @@ def _dense(timing_kw) -> dict:
 
 
 def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 100.0, seed: int = 0,
-        trace: str | None = None, comm_sms=(), only_sweep: bool = False) -> dict:
+        trace: str | None = None, comm_items=(), only_sweep: bool = False) -> dict:
     import jax
 
     timing_kw = dict(samples=samples, target_sample_ms=sample_ms)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tokens": tokens,
            "dense_before": _dense(timing_kw), "cases": []}
     for name in models:
-        res["cases"].append(_case(name, tokens, timing_kw, seed, trace, comm_sms, only_sweep))
+        res["cases"].append(_case(name, tokens, timing_kw, seed, trace, comm_items, only_sweep))
         print(table({**res, "cases": res["cases"][-1:]}, header=False), flush=True)
     res["dense_after"] = _dense(timing_kw)
     return res
@@ -293,16 +295,23 @@ def main(argv=None) -> int:
     p.add_argument("--sample-ms", type=float, default=100.0)
     p.add_argument("--json")
     p.add_argument("--trace")
-    p.add_argument("--comm-sms", default="", help="comma list: also time the tuned config at these comm SM counts")
-    p.add_argument("--only-comm-sms", action="store_true", help="time only the --comm-sms sweep and mok")
+    p.add_argument("--comm-items", default="", help="comma list: also time the tuned config at these counts of "
+                   "communication items (KernelConfig.comm_items_fwd and comm_items_bwd)")
+    p.add_argument("--only-comm-items", action="store_true", help="time only the --comm-items sweep and mok")
+    renamed = {"--comm-sms": "--comm-items", "--only-comm-sms": "--only-comm-items"}  # with KernelConfig's fields
+    for old in renamed:  # refused, naming the new flag
+        p.add_argument(old, dest="renamed_" + old[2:].replace("-", "_"), nargs="?", const="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    for old, new in renamed.items():
+        if getattr(a, "renamed_" + old[2:].replace("-", "_")) is not None:
+            p.error(f"{old} is now {new}: it counts the communication work items, not SMs set aside")
     import jax
 
     if not any(d.platform == "gpu" for d in jax.devices()):
         print("mok_jax.bench.breakdown: no GPU here; it times the CUDA megakernel and needs one.")
         return 2
     res = run(tuple(a.model.split(",")), a.tokens, samples=a.samples, sample_ms=a.sample_ms, trace=a.trace,
-              comm_sms=tuple(int(c) for c in a.comm_sms.split(",") if c), only_sweep=a.only_comm_sms)
+              comm_items=tuple(int(c) for c in a.comm_items.split(",") if c), only_sweep=a.only_comm_items)
     print(table({**res, "cases": []}))
     if a.json:
         with open(a.json, "w") as f:

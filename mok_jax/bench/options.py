@@ -57,7 +57,7 @@ examples:
   mok-bench kimi-k2 --routing zipf --zipf-s 1.2 --impl xla,xla-capacity --capacity-factor 2
   mok-bench kimi-k2 --profile /tmp/prof       # jax.profiler trace per run (TensorBoard / Perfetto)
   mok-bench kimi-k2 --devices 1 --experts-per-gpu E/32   # the 2-GPU ep64-slice problem on one GPU
-  mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-sms 16   # a mok granularity sweep
+  mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-items 16   # a mok granularity sweep
   mok-bench bench --tune --tokens 512..8192   # time mok's knobs, write configs/tuned/<device>/kernel.toml
   mok-bench bench --dtype fp8 --pass fwd,fwd+bwd --impl xla,mok   # mok-fp8 beside mok, ratio in 'vs bf16'
   mok-bench --project --json proj.json        # per-rank time at EP 8-72 projected from the committed results
@@ -139,7 +139,7 @@ class BenchOptions:
     ragged_samples: int = 3
     experts_per_gpu: str | None = None  # 'N' or 'E/d'; None: the split of ep_mode
     granularity: tuple[int, ...] | None = None  # mok knobs; None: mok_jax.tuning picks
-    comm_sms: int | None = None
+    comm_items: int | None = None
     ring_slots: int | None = None
     dispatch: str | None = None
     combine: str | None = None
@@ -199,7 +199,7 @@ class BenchOptions:
             object.__setattr__(self, "experts_per_gpu", parse_experts_per_gpu(self.experts_per_gpu))
         self._check_knobs()
         if self.tune:
-            set_knobs = [o for o, v in (("--granularity", self.granularity), ("--comm-sms", self.comm_sms),
+            set_knobs = [o for o, v in (("--granularity", self.granularity), ("--comm-items", self.comm_items),
                                         ("--ring-slots", self.ring_slots), ("--dispatch", self.dispatch),
                                         ("--combine", self.combine)) if v is not None]
             need(not set_knobs, f"--tune sweeps the kernel knobs itself; drop {', '.join(set_knobs)}")
@@ -216,8 +216,8 @@ class BenchOptions:
         checks = [("--granularity", {"granularity": g}) for g in self.granularity or ()]
         if self.granularity is not None and not self.granularity:
             raise UsageError("--granularity: give at least one value")
-        if self.comm_sms is not None:
-            checks.append(("--comm-sms", {"comm_sms_fwd": self.comm_sms, "comm_sms_bwd": self.comm_sms}))
+        if self.comm_items is not None:
+            checks.append(("--comm-items", {"comm_items_fwd": self.comm_items, "comm_items_bwd": self.comm_items}))
         for option, field in (("--ring-slots", "ring_slots"), ("--dispatch", "dispatch"), ("--combine", "combine")):
             if getattr(self, field) is not None:
                 checks.append((option, {field: getattr(self, field)}))
@@ -267,11 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "mok_jax.tuning; other implementations ignore them)")
     k.add_argument("--granularity", help="tokens per microbatch: a multiple of 64 in 512..32768, or a comma list "
                    "to sweep (mok runs once per value)")
-    k.add_argument("--comm-sms", type=int, help="SMs moving rows at once (forward and backward)")
+    k.add_argument("--comm-items", type=int, help="work items each communication phase is split into, so how many "
+                   "CTAs move rows at once (KernelConfig.comm_items_fwd and comm_items_bwd)")
+    k.add_argument("--comm-sms", dest="renamed_comm_sms", help=argparse.SUPPRESS)  # refused: now --comm-items
     k.add_argument("--ring-slots", type=int, help="microbatch slots of the receive ring")
     k.add_argument("--dispatch", choices=("pull", "push"), help="dispatch direction")
     k.add_argument("--combine", choices=("push", "pull"), help="combine direction")
-    k.add_argument("--tune", action="store_true", help="time mok over granularity x comm SMs x ring slots per model "
+    k.add_argument("--tune", action="store_true", help="time mok over granularity x comm items x ring slots per model "
                    "and token count, and write the fastest to configs/tuned/<device>/kernel.toml (GPU only)")
     t = p.add_argument_group("timing and rooflines")
     t.add_argument("--warmup", type=int, default=3)
@@ -316,6 +318,9 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
 
     Raises UsageError (ValueError) for a bad value; argparse's own errors exit with status 2."""
     ns = build_parser().parse_args(argv)
+    if ns.renamed_comm_sms is not None:
+        raise UsageError("--comm-sms is now --comm-items (KernelConfig.comm_items_fwd and comm_items_bwd): it counts "
+                         "the communication work items, not SMs set aside")
     if ns.list_models:
         print_models()
         return None
@@ -327,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
         routing=ns.routing, zipf_s=ns.zipf_s, seed=ns.seed, capacity_factor=ns.capacity_factor, warmup=ns.warmup,
         samples=ns.samples, target_sample_ms=ns.target_sample_ms, ragged_samples=ns.ragged_samples,
         experts_per_gpu=ns.experts_per_gpu, granularity=_ints(ns.granularity, "--granularity"),
-        comm_sms=ns.comm_sms, ring_slots=ns.ring_slots, dispatch=ns.dispatch, combine=ns.combine, tune=ns.tune,
+        comm_items=ns.comm_items, ring_slots=ns.ring_slots, dispatch=ns.dispatch, combine=ns.combine, tune=ns.tune,
         peak_tflops=ns.peak_tflops, peak_tflops_fp8=ns.peak_tflops_fp8, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
         reference_max_gb=ns.reference_max_gb, time_budget_s=ns.time_budget_s, json=ns.json, plot=ns.plot,
         profile=ns.profile, progress=ns.progress, quiet=ns.quiet, markdown=ns.markdown,
@@ -355,8 +360,8 @@ def kernel_settings(opts: BenchOptions, tokens: int) -> list[dict | None]:
     if opts.tune:
         return tune.grid(tokens)
     fixed: dict[str, Any] = {}
-    if opts.comm_sms is not None:
-        fixed.update(comm_sms_fwd=opts.comm_sms, comm_sms_bwd=opts.comm_sms)
+    if opts.comm_items is not None:
+        fixed.update(comm_items_fwd=opts.comm_items, comm_items_bwd=opts.comm_items)
     for field in ("ring_slots", "dispatch", "combine"):
         if getattr(opts, field) is not None:
             fixed[field] = getattr(opts, field)

@@ -73,10 +73,10 @@ SM_STORE_GBPS = 62.6  # 16-byte stores to local HBM per SM (24 SMs)
 SM_LOAD_GBPS = 62.3  # 16-byte register loads from local HBM per SM (24 SMs)
 SM_PEER_GBPS = 26.2  # register loads from the peer per SM (8 SMs; the link caps the total)
 # the project's own row movers at 24 SMs and 4096 tokens (run 3): a pull of one row per (token, owner), and the
-# combine's push of one pre-summed row per (token, owner), each with its staging, schedule and launch
+# combine's push of one pre-summed row per (token, owner), each with its local copy, schedule and launch
 PULL_RECORD = {"op": "dispatch", "mode": "pull", "note": "token_major", "tokens": 4096, "num_sms": 24}
 PUSH_RECORD = {"op": "combine", "mode": "push", "tokens": 4096, "num_sms": 24}
-COMM_SMS = 24  # comm_sms_fwd and comm_sms_bwd of every tuned H200 entry; the mover rates above are at 24 SMs
+COMM_ITEMS = 24  # comm_items_fwd and comm_items_bwd of every tuned H200 entry; the mover rates above are at 24 SMs
 SWEEP_JSON = "forward/sweep.json"  # mok fwd of kimi-k2 at 16384 tokens, granularity 512..8192, one H200
 GRANULARITIES = (2048, 1024, 512)  # what the tuner may pick at T = 2048 (multiples of 64, >= 512)
 
@@ -271,10 +271,10 @@ def traffic(model: str, ep: int, *, combine_rows: str = "per-slot", tokens: int 
     """Bytes per rank per direction of one layer call at EP ``ep`` (ep64-slice, uniform routing, bf16 rows), by
     transfer, and the rows per token behind them. Forward: ``route_fwd`` (every rank's ids and weights to every
     peer), ``dispatch`` (a row per token and remote owner: the kernel pulls a row once per owner), ``combine`` (a row
-    per token and remote owner, or per remote slot), ``stage_fwd`` (the local copy of rows peers pull). Backward:
-    ``route_bwd`` (the routing all-gather, in XLA), ``stage_bwd`` (x, dy staged), ``gather_bwd`` (x and dy read by
-    the owner, once per remote slot row), ``send_bwd`` (each remote slot's dx row and dw), ``shared_dw`` (the ring
-    all-reduce of the shared expert's bf16 weight gradients over the EP group, in XLA)."""
+    per token and remote owner, or per remote slot), ``post_fwd`` (POST's local copy of rows peers pull). Backward:
+    ``route_bwd`` (the routing all-gather, in XLA), ``share_bwd`` (SHARE's local copy of x, dy), ``gather_bwd`` (x
+    and dy read by the owner, once per remote slot row), ``send_bwd`` (each remote slot's dx row and dw),
+    ``shared_dw`` (the ring all-reduce of the shared expert's bf16 weight gradients over the EP group, in XLA)."""
     if combine_rows not in COMBINE_ROWS:
         raise ValueError(f"combine_rows must be one of {', '.join(COMBINE_ROWS)}, got {combine_rows!r}")
     m, L = _shape(model)
@@ -285,9 +285,9 @@ def traffic(model: str, ep: int, *, combine_rows: str = "per-slot", tokens: int 
         "route_fwd": (ep - 1) * T * k * ROUTE_BYTES,
         "dispatch": T * rows["per-owner"] * row,
         "combine": T * rows[combine_rows] * row,
-        "stage_fwd": T * rows["any-remote"] * row if ep > 1 else 0.0,
+        "post_fwd": T * rows["any-remote"] * row if ep > 1 else 0.0,
         "route_bwd": (ep - 1) * T * k * ROUTE_BYTES,
-        "stage_bwd": 2 * T * row if ep > 1 else 0.0,
+        "share_bwd": 2 * T * row if ep > 1 else 0.0,
         "gather_bwd": 2 * T * rows["per-slot"] * row,
         "send_bwd": T * rows["per-slot"] * (row + DW_BYTES),
         "shared_dw": 2 * (ep - 1) / ep * 3 * H * Is * 2,
@@ -370,14 +370,14 @@ def project(model: str, ep: int, machine: Machine, *, combine_rows: str = "per-s
         return out
     c = _compute(one, machine)
     r_link = rates.link_gbps * machine.link_ratio
-    r_stage = COMM_SMS * SM_STORE_GBPS * machine.hbm_ratio  # the local staging copies, by the comm SMs
+    r_copy = COMM_ITEMS * SM_STORE_GBPS * machine.hbm_ratio  # the local copies (POST, SHARE), one CTA per comm item
     xla = lambda n, ratio=machine.link_ratio: _xla_ms(n, rates, ratio)  # noqa: E731
 
     # forward
     wire_f = b["route_fwd"] + b["dispatch"] + b["combine"]
-    stage_f = _ms(b["stage_fwd"], r_stage)
+    copy_f = _ms(b["post_fwd"], r_copy)
     built = {G: _pipeline(c, b, r_link, G, ref_rows=kernel.granularity * m.top_k / (2 * L),
-                          rows=G * m.top_k / L) + _ms(b["route_fwd"], r_link) + stage_f for G in GRANULARITIES}
+                          rows=G * m.top_k / L) + _ms(b["route_fwd"], r_link) + copy_f for G in GRANULARITIES}
     best = min(built, key=built.get)
     out["built_granularity"] = out["microbatch_tokens"] = best
     _per_peer(out)
@@ -386,10 +386,10 @@ def project(model: str, ep: int, machine: Machine, *, combine_rows: str = "per-s
                                                                                           rates.push_gbps)}
     # backward: the list puts every GATHER before the GEMMs and every SEND before the weight-gradient tiles
     wire_b = b["gather_bwd"] + b["send_bwd"]
-    stage_b = _ms(b["stage_bwd"], r_stage)
+    copy_b = _ms(b["share_bwd"], r_copy)
     xla_b = xla(b["route_bwd"]) + xla(b["shared_dw"])
     bwd = {"low": max(c["bwd"], _ms(wire_b + b["route_bwd"] + b["shared_dw"], r_link)),
-           "built": c["bwd"] + xla_b + stage_b + _ms(wire_b, r_link),
+           "built": c["bwd"] + xla_b + copy_b + _ms(wire_b, r_link),
            "high": c["bwd"] + xla(b["route_bwd"], 1.0) + xla(b["shared_dw"], 1.0) + _ms(b["gather_bwd"],
                                                                                          rates.pull_gbps)
            + _ms(b["send_bwd"], rates.push_gbps)}
@@ -397,7 +397,7 @@ def project(model: str, ep: int, machine: Machine, *, combine_rows: str = "per-s
     out["fwd_bwd"] = {k: fwd[k] + bwd[k] for k in fwd}
     out["compute"] = c
     out["comm_ms"] = {"fwd_wire_at_link": _ms(wire_f, r_link), "bwd_wire_at_link": _ms(wire_b, r_link),
-                      "bwd_xla": xla_b, "stage": stage_f + stage_b}
+                      "bwd_xla": xla_b, "local_copies": copy_f + copy_b}
     a2a = a2a_layer(model, ep, machine, rates=rates, one=one)
     out["a2a"] = a2a
     out["a2a_over_mok"] = {"fwd": a2a["fwd"] / fwd["built"],

@@ -13,7 +13,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from mok_jax.bench.project import (BREAKDOWN_JSON, COMM_JSONS, COMM_SMS, EP1_LAYER_JSONS, EP2_LAYER_JSONS, EP_SIZES,
+from mok_jax.bench.project import (BREAKDOWN_JSON, COMM_ITEMS, COMM_JSONS, EP1_LAYER_JSONS, EP2_LAYER_JSONS, EP_SIZES,
                                    FWD_BWD_JSON, FWD_JSON, GRANULARITIES, H200_NVL8, ITEMS_JSON, MACHINES, MODELS, NVL72,
                                    PAPER_EP64, SCHEMA, SM_LOAD_GBPS, SM_PEER_GBPS, SM_STORE_GBPS, SWEEP_JSON, TOKENS,
                                    Rates, _load, _result, _xla_ms, load_one_gpu, load_rates, project, remote_rows)
@@ -162,9 +162,9 @@ def assumptions(rates: Rates | None = None) -> list[dict[str, Any]]:
          "compute's cost of smaller microbatches by rows per expert and microbatch", "source": SWEEP_JSON},
         {"name": "XLA collectives", "value": f"{rates.xla_latency_us:.1f} us + bytes at {rates.xla_gbps:.1f} GB/s",
          "source": rates.sources["xla"]},
-        {"name": "local staging copies", "value": f"{COMM_SMS} SMs x {SM_STORE_GBPS} GB/s",
+        {"name": "local copies (POST, SHARE)", "value": f"{COMM_ITEMS} SMs x {SM_STORE_GBPS} GB/s",
          "source": "comm_ep2.md, run 4's per-SM microbenchmark"},
-        {"name": "knobs at EP > 1", "value": "the H200 tuned entry of the one-GPU problem (24 comm SMs; "
+        {"name": "knobs at EP > 1", "value": "the H200 tuned entry of the one-GPU problem (24 comm items; "
          "granularity 2048, glm-5 1024)", "source": "configs/tuned/nvidia-h200/kernel.toml"},
         {"name": "per-owner rows", "value": "(ep-1)(1 - C(ep L - L, k)/C(ep L, k)) per token", "source":
          "k distinct experts, uniform"},

@@ -34,6 +34,8 @@ import subprocess
 import sys
 from typing import Any, Iterable
 
+from mok_jax.config import RENAMED_KERNEL_FIELDS
+
 __all__ = [
     "RESULT_KEYS", "SCHEMA", "environment", "fill_dense_ratios", "fill_fp8_ratios", "fmt", "format_bytes", "format_markdown",
     "format_memory",
@@ -208,14 +210,14 @@ def kernel_label(r: dict, varying: Iterable[str] = ()) -> str:
     k = r.get("kernel")
     if not k:
         return "-"
-    short = {"comm_sms_fwd": "sms", "ring_slots": "ring", "dispatch": "disp", "combine": "comb"}
+    short = {"comm_items_fwd": "items", "ring_slots": "ring", "dispatch": "disp", "combine": "comb"}
     return " ".join([f"g={k['granularity']}"] + [f"{short.get(n, n)}={k[n]}" for n in varying])
 
 
 def _varying_knobs(results: list[dict]) -> list[str]:
     """The knobs besides granularity that differ between the mok rows (shown next to it)."""
     kernels = [r["kernel"] for r in results if r.get("kernel")]
-    return [n for n in ("comm_sms_fwd", "ring_slots", "dispatch", "combine") if len({k[n] for k in kernels}) > 1]
+    return [n for n in ("comm_items_fwd", "ring_slots", "dispatch", "combine") if len({k[n] for k in kernels}) > 1]
 
 
 def _rooflines(results: list[dict]) -> tuple[bool, bool]:
@@ -361,14 +363,19 @@ def format_memory(results: Iterable[dict]) -> str:
 
 
 def load_results(paths: Iterable[str | os.PathLike]) -> tuple[list[dict], list[dict]]:
-    """(results, reports) from mok-bench JSON files, results concatenated in file order."""
+    """(results, reports) from mok-bench JSON files, results concatenated in file order, each result's kernel knobs
+    under today's names (mok_jax.config.RENAMED_KERNEL_FIELDS)."""
     reports = []
     for p in paths:
         rep = json.loads(pathlib.Path(p).read_text())
         if rep.get("schema") != SCHEMA:
             raise ValueError(f"{p}: not a {SCHEMA} report (schema {rep.get('schema')!r})")
         reports.append(rep)
-    return [r for rep in reports for r in rep["results"]], reports
+    results = [r for rep in reports for r in rep["results"]]
+    for r in results:  # a file written before issue 35 names two knobs comm_sms_fwd, comm_sms_bwd
+        if isinstance(r.get("kernel"), dict):
+            r["kernel"] = {RENAMED_KERNEL_FIELDS.get(n, n): v for n, v in r["kernel"].items()}
+    return results, reports
 
 
 def plot_sweep(path: str | os.PathLike, results: Iterable[dict], *, peak_tflops: float | None = None,

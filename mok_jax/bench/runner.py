@@ -252,7 +252,7 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
                     kernel, ran, r["kernel_source"] = tune.resolve_kernel(tune.problem_key(shape, tokens), knobs,
                                                                           gpu_kind)
                     r["kernel"] = dataclasses.asdict(ran)
-                    label += f" [{rep.kernel_label(r, ('comm_sms_fwd', 'ring_slots'))}]"
+                    label += f" [{rep.kernel_label(r, ('comm_items_fwd', 'ring_slots'))}]"
                     if pass_ == "fwd":  # the forward's memory; the backward's is not sized yet
                         r.update(acc.mok_memory_per_rank(shape, tokens, ran,
                                                          **baselines.MOK_IMPLEMENTATIONS[impl]._asdict()))
@@ -330,8 +330,8 @@ def run(opts: BenchOptions, argv: list[str] | None = None) -> dict:
     if opts.tune:
         t = report["tuned"]
         for e in t["entries"]:
-            eprint(f"mok-bench: tuned {e['model']} T={e['tokens']}: granularity {e['granularity']}, comm SMs "
-                   f"{e['comm_sms_fwd']}, ring slots {e['ring_slots']} ({e['median_ms']:.3f} ms)")
+            eprint(f"mok-bench: tuned {e['model']} T={e['tokens']}: granularity {e['granularity']}, comm items "
+                   f"{e['comm_items_fwd']}, ring slots {e['ring_slots']} ({e['median_ms']:.3f} ms)")
         if t["incomplete"]:
             eprint(f"mok-bench: not tuned (grid cut short or every setting failed): {', '.join(t['incomplete'])}")
         eprint(f"mok-bench: tuned table {'written to ' + t['path'] if t['entries'] else 'unchanged: nothing to write'}")

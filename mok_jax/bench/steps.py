@@ -195,7 +195,7 @@ def write_profile(directory: str, r: dict, step, args) -> None:
     label = f"{r['model']}_{r['ep_mode']}_T{r['tokens_per_gpu']}_{r['pass'].replace('+', '_')}_{r['impl']}"
     if r.get("kernel"):
         k = r["kernel"]
-        label += f"_g{k['granularity']}_s{k['comm_sms_fwd']}_r{k['ring_slots']}_{k['dispatch']}_{k['combine']}"
+        label += f"_g{k['granularity']}_s{k['comm_items_fwd']}_r{k['ring_slots']}_{k['dispatch']}_{k['combine']}"
     label = label.replace("/", "-")  # ep_mode E/32
     with jax.profiler.trace(os.path.join(directory, label)):
         with jax.profiler.TraceAnnotation(f"mok-bench {label}"):

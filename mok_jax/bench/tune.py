@@ -22,15 +22,15 @@ import tomllib
 from typing import Any, Iterable
 
 from mok_jax import tuning
-from mok_jax.config import KernelConfig
+from mok_jax.config import RENAMED_KERNEL_FIELDS, KernelConfig, renamed_kernel_field
 
-__all__ = ["KEY_FIELDS", "KNOBS", "TUNE_COMM_SMS", "TUNE_GRANULARITIES", "TUNE_RING_SLOTS", "best_entries", "grid",
+__all__ = ["KEY_FIELDS", "KNOBS", "TUNE_COMM_ITEMS", "TUNE_GRANULARITIES", "TUNE_RING_SLOTS", "best_entries", "grid",
            "problem_key", "read_entries", "resolve_kernel", "tuned_root", "write_table"]
 
 KEY_FIELDS = tuple(f.name for f in dataclasses.fields(tuning.ProblemKey))
 KNOBS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 TUNE_GRANULARITIES = (512, 1024, 2048, 4096)
-TUNE_COMM_SMS = (8, 16, 24)
+TUNE_COMM_ITEMS = (8, 16, 24)
 TUNE_RING_SLOTS = (2, 3)
 
 
@@ -57,12 +57,12 @@ def resolve_kernel(key: tuning.ProblemKey, knobs: dict[str, Any] | None,
 
 def grid(tokens: int) -> list[dict[str, Any]]:
     """The --tune knob settings for ``tokens`` per GPU: granularity in TUNE_GRANULARITIES clipped to the tokens
-    (rounded up to the multiple of 64 the kernel needs, at least 512) and deduplicated, x comm SMs (forward and
+    (rounded up to the multiple of 64 the kernel needs, at least 512) and deduplicated, x comm items (forward and
     backward alike) x ring slots; dispatch pull, combine push."""
     cap = max(512, 64 * math.ceil(tokens / 64))
     grans = list(dict.fromkeys(min(g, cap) for g in TUNE_GRANULARITIES))
-    return [dict(granularity=g, comm_sms_fwd=c, comm_sms_bwd=c, ring_slots=r, dispatch="pull", combine="push")
-            for g in grans for c in TUNE_COMM_SMS for r in TUNE_RING_SLOTS]
+    return [dict(granularity=g, comm_items_fwd=c, comm_items_bwd=c, ring_slots=r, dispatch="pull", combine="push")
+            for g in grans for c in TUNE_COMM_ITEMS for r in TUNE_RING_SLOTS]
 
 
 def best_entries(results: Iterable[dict]) -> tuple[list[dict], list[str]]:
@@ -96,6 +96,9 @@ def _problem(e: dict) -> tuple[int, ...]:
 
 
 def _check_entry(e: dict, where: str) -> dict:
+    renamed = sorted(set(e) & set(RENAMED_KERNEL_FIELDS))
+    if renamed:
+        raise ValueError(f"{where}: the key {renamed[0]}: {renamed_kernel_field(renamed[0])}")
     unknown = set(e) - set(KEY_FIELDS) - set(KNOBS) - {"median_ms", "model"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")

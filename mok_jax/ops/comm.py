@@ -59,7 +59,7 @@ class DispatchLayout(NamedTuple):
 # so back-to-back rounds of one op never mix; a dispatch's layout is an output, so interleaving with combine
 # does not matter either. "expand_dims"/"broadcast_all" are not an option: the handlers take unbatched
 # ranks (x [T, H], ...) and would reject a batch dimension; a batched protocol does not exist.
-# The megakernel (ops/moe_forward.py) declares the same for the same reasons (its flags are epoch stamps,
+# The megakernel (ops/moe_forward.py) declares the same for the same reasons (its signals are epoch stamps,
 # one epoch per call); its per-call scratch output is unused, so jit drops it from the loop's outputs
 # rather than stacking it once per element. (Folding a vmapped batch into the token dimension of one
 # call would be faster, but can pass the workspace's max_tokens; not done.)
@@ -133,9 +133,9 @@ def dispatch(ws: Workspace, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.
     nowhere), topk_weight: f32[T, k] -> (recv_x: bf16[capacity, H], layout).
 
     capacity defaults to the dropless worst case ep*T*min(k, E_local); mode 'pull' (owners read the
-    sources' staged rows) or 'push' (sources write into the owners' staging buffers); num_sms is the
+    sources' posted rows) or 'push' (sources write into the owners' dispatch_rows); num_sms is the
     number of communication blocks (one per SM). mode and num_sms default to the workspace's KernelConfig
-    (``kernel.dispatch``, ``kernel.comm_sms_fwd``). token_major: recv_x is bf16[ep * T, H] instead, one
+    (``kernel.dispatch``, ``kernel.comm_items_fwd``). token_major: recv_x is bf16[ep * T, H] instead, one
     row per (source rank, token) (zeros for tokens with no local expert when zero_padding)."""
     ws.require_open("mok_jax.ops.dispatch")
     cap = check_dispatch_args(ws, x, topk_idx, topk_weight, capacity)
@@ -164,7 +164,7 @@ def combine(ws: Workspace, expert_out: jax.Array, layout: DispatchLayout, *, mod
     """Per rank: expert_out: bf16[capacity, H] (rows in dispatch's order), layout from dispatch ->
     (y: bf16[T, H], status: int32[4]). mode ('push': owners write their partials into the origins; 'pull':
     origins read them) and num_sms default to the workspace's KernelConfig (``kernel.combine``,
-    ``kernel.comm_sms_fwd``)."""
+    ``kernel.comm_items_fwd``)."""
     ws.require_open("mok_jax.ops.combine")
     check_combine_args(ws, expert_out, layout)
     m = _mode(mode, ws.config.combine_mode, "mok_jax.ops.combine")

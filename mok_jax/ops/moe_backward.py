@@ -17,7 +17,7 @@ is given, else bf16[0, 2I]), gu_part, gu_part_row and the blocks they cover (bf1
 128)] when ``gu_part`` is given, else bf16[0, 2I], int32[0], int32[0]), shared_gate_up, shared_down (bf16[H, 0] and
 bf16[0, H] without a shared expert);
 results: dx, dw, d_gate_up, d_down, status, then the scratch x_e, dy_e, w_e, gu (aliased to gu_in when kept),
-dgu, hw, dw partials, dx_e, dw_e, flags, then d_shared_gate_up, d_shared_down and the shared expert's scratch
+dgu, hw, dw partials, dx_e, dw_e, counters, then d_shared_gate_up, d_shared_down and the shared expert's scratch
 gus, dgus, hws, dxs (their rows: T with a shared expert, else none).
 """
 
@@ -53,38 +53,38 @@ __all__ = ["EXPERTS_BACKWARD_GROUP_ALIGN", "EXPERTS_BACKWARD_MAX_EXPERTS", "EXPE
 
 _DW_PART_COLS = 256  # the kernel's dw partials: one column per 256 intermediate columns
 _DX_ROWS = 7  # index of dx_e (the per-row dx) among the call's scratch results
-_FLAGS = 9  # index of the dependency counters (and time words) among them
+_COUNTERS = 9  # index of the dependency counters (and time words) among them
 
 
-# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh); "stage" and "send"
+# The kernel's kinds of work item, in its list's order (ffi/include/mok/experts_backward.cuh); "share" and "send"
 # run only in the expert-parallel form (experts_backward_ep).
-ITEM_KINDS = ("stage", "gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad",
+ITEM_KINDS = ("share", "gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad",
               "router-weight sum", "send", "d_down", "d_gate_up", "slot sum")
 # three u64 per kind, summed over the CTAs: the consumers' ns, the ns waited, a GEMM tile's ns after its last MMA
 ITEM_TIMES = ("busy", "wait", "epilogue")
 _TIME_WORDS = 2 * len(ITEM_TIMES) * len(ITEM_KINDS)
 
 
-def _flag_words(rows: int, experts: int, shared_rows: int = 0) -> int:
-    """s32 words of the kernel's scratch flags (experts_backward_flag_words in experts_backward.cuh): the time
+def _counter_words(rows: int, experts: int, shared_rows: int = 0) -> int:
+    """s32 words of the kernel's scratch counters (experts_backward_counter_words in experts_backward.cuh): the time
     words, then the dependency counters (``shared_rows``: T with a shared expert, else 0), rounded up to 4."""
     blocks = lambda n: -(-n // EXPERTS_BACKWARD_GROUP_ALIGN)  # noqa: E731
     words = _TIME_WORDS + 4 * (blocks(rows) + experts + blocks(shared_rows)) + 2 * (experts + 1) + 5
     return -(-words // 4) * 4  # a multiple of 4: each emulated rank's u64 time words stay 8-byte aligned
 
 
-def _ep_flag_words(rows: int, experts: int, ranks: int) -> int:
-    """s32 words of one rank's row of the expert-parallel op's flags (experts_backward_ep_flag_words in
-    experts_backward.cuh): ``_flag_words``, and in an emulated call of more than EXPERTS_BACKWARD_PARAM_RANKS ranks,
+def _ep_counter_words(rows: int, experts: int, ranks: int) -> int:
+    """s32 words of one rank's row of the expert-parallel op's counters (experts_backward_ep_counter_words in
+    experts_backward.cuh): ``_counter_words``, and in an emulated call of more than EXPERTS_BACKWARD_PARAM_RANKS ranks,
     from the next multiple of 16 words, the rank's kernel parameters, whose size the native library gives."""
     if ranks <= EXPERTS_BACKWARD_PARAM_RANKS:
-        return _flag_words(rows, experts)
+        return _counter_words(rows, experts)
     from mok_jax.workspace.native import _host_lib  # the library's functions, declared for ctypes once
 
-    return int(_host_lib().mok_experts_backward_ep_flag_words(rows, experts, ranks))
+    return int(_host_lib().mok_experts_backward_ep_counter_words(rows, experts, ranks))
 
 
-def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple = ()) -> tuple:
+def _row_scratch(m: int, hidden: int, inter: int, counter_words: int, lead: tuple = ()) -> tuple:
     """The op's scratch results over its M rows (each with the leading axes ``lead``: (R,) for the EP form),
     dropped by the wrappers: the gathered x_e, dy_e, w_e; gu (g, u in KEPT_GU_DTYPE, as the forward keeps them; kept:
     aliases gu_in), dgu, hw = bf16(w h), the dw partials; dx_e (the per-row dx, dx_rows), dw_e; the dependency
@@ -93,15 +93,15 @@ def _row_scratch(m: int, hidden: int, inter: int, flag_words: int, lead: tuple =
     shapes = (((m, hidden), bf16), ((m, hidden), bf16), ((m,), f32), ((m, 2 * inter), KEPT_GU_DTYPE),
               ((m, 2 * inter), bf16),
               ((m, inter), bf16), ((m, -(-inter // _DW_PART_COLS)), f32), ((m, hidden), bf16), ((m,), f32),
-              ((flag_words,), jnp.int32))
+              ((counter_words,), jnp.int32))
     return tuple(jax.ShapeDtypeStruct((*lead, *shape), dtype) for shape, dtype in shapes)
 
 
 def _kept_operands(gu, gu_part, gu_part_row, src_slot, inter: int, slots: int, ranks: int | None = None) -> tuple:
     """The op's operands of kept g, u (gu_in, gu_part, gu_part_row, gu_block), checked by the caller: ``gu`` as
-    gu_in, or [0, 2I] when none is kept (the op recomputes them); ``gu_part`` with its row map and the flags of the
-    128-row blocks it covers (kept_blocks over the ``slots`` slot ids), or empty ones. ``ranks``: the EP form's
-    leading rank axis (each rank's blocks from its own layout), None at EP 1."""
+    gu_in, or [0, 2I] when none is kept (the op recomputes them); ``gu_part`` with its row map and which of the
+    128-row blocks it covers are kept blocks (kept_blocks over the ``slots`` slot ids), or empty ones. ``ranks``: the
+    EP form's leading rank axis (each rank's blocks from its own layout), None at EP 1."""
     lead = () if ranks is None else (ranks,)
     gu_in = gu if gu is not None else jnp.zeros((*lead, 0, 2 * inter), KEPT_GU_DTYPE)
     if gu_part is None:
@@ -213,7 +213,7 @@ def experts_backward(
         jax.ShapeDtypeStruct((num_experts, hidden, 2 * inter), bf16),  # d_gate_up
         jax.ShapeDtypeStruct((num_experts, inter, hidden), bf16),  # d_down
         jax.ShapeDtypeStruct((), jnp.int32),  # status
-        *_row_scratch(m, hidden, inter, _flag_words(m, num_experts, s_rows)),
+        *_row_scratch(m, hidden, inter, _counter_words(m, num_experts, s_rows)),
         jax.ShapeDtypeStruct((hidden, 2 * s_inter), bf16),  # d_shared_gate_up
         jax.ShapeDtypeStruct((s_inter, hidden), bf16),  # d_shared_down
         # the shared expert's scratch, dropped: gus (as gu), dgus, hws = bf16(h), dxs (its f32 dx)
@@ -229,7 +229,7 @@ def experts_backward(
         "mok_experts_backward", out, vmap_method="sequential", input_output_aliases={8: 8} if kept else None)(
         x, dy, topk_weight, pos, src_slot, group_sizes, gate_up, down, gu_in, gu_part, gu_part_row, gu_block,
         shared_gate_up, shared_down, num_sms=np.int32(0 if num_sms is None else num_sms))
-    d_sgu, d_sdn = scratch[_FLAGS + 1], scratch[_FLAGS + 2]
+    d_sgu, d_sdn = scratch[_COUNTERS + 1], scratch[_COUNTERS + 2]
     result = ExpertsBackwardOutput(dx, dw, d_gate_up, d_down, status, dx_rows=scratch[_DX_ROWS],
                                    d_shared_gate_up=d_sgu if shared else None, d_shared_down=d_sdn if shared else None)
     extras = []
@@ -239,7 +239,7 @@ def experts_backward(
         zero = jnp.zeros((), KEPT_GU_DTYPE)
         extras.append(gu if kept else jnp.where((jnp.arange(m) < used)[:, None], scratch[3], zero))
     if return_item_ns:
-        words = scratch[_FLAGS][:_TIME_WORDS].reshape(len(ITEM_TIMES), len(ITEM_KINDS), 2)
+        words = scratch[_COUNTERS][:_TIME_WORDS].reshape(len(ITEM_TIMES), len(ITEM_KINDS), 2)
         extras.append(_u64_as_f32(words))
     return (result, *extras) if extras else result
 
@@ -269,11 +269,11 @@ def experts_backward_ep(
     bf16[L, H, 2I], down: bf16[L, I, H]; gu or gu_part, gu_part_row: its kept g | u in that layout, as
     experts_backward takes them (with R leading).
 
-    Inside the kernel each rank stages its x and dy rows in the workspace; each owner gathers its rows'
+    Inside the kernel each rank shares its x and dy rows through the workspace (SHARE); each owner gathers its rows'
     tokens from their ranks, runs experts_backward's GEMMs, and writes each slot's bf16 dx row and dw into the
     token's rank at (t, j); each rank then sums its tokens' k slot rows in slot order in f32. So dx, dw and the
     weight gradients are the bits of experts_backward at EP 1 over the same tokens, for every num_sms and
-    comm_items (the items the staging is split into). status as experts_backward's, or
+    comm_items (the items SHARE, the copy of x and dy for the peers, is split into). status as experts_backward's, or
     EXPERTS_BACKWARD_STATUS_COMM: a peer never came within the workspace's timeout (every rank must make the
     same calls in the same order); the workspace is then poisoned and its next call fails. A rank's outputs are
     defined only when every rank's status is 0 (an owner with bad group sizes sends no rows: the layer ORs the
@@ -339,7 +339,7 @@ def experts_backward_ep(
         jax.ShapeDtypeStruct((R, L, H, 2 * inter), bf16),  # d_gate_up
         jax.ShapeDtypeStruct((R, L, inter, H), bf16),  # d_down
         jax.ShapeDtypeStruct((R,), jnp.int32),  # status
-        *_row_scratch(m, H, inter, _ep_flag_words(m, L, R), lead=(R,)),
+        *_row_scratch(m, H, inter, _ep_counter_words(m, L, R), lead=(R,)),
     )
     # has_side_effect: the call talks to the peers through the workspace (as the comm ops and the forward)
     dx, dw, d_gate_up, d_down, status, *scratch = jax.ffi.ffi_call(
@@ -350,6 +350,6 @@ def experts_backward_ep(
         skip_rank=np.int32(skip_rank))
     result = ExpertsBackwardEpOutput(dx, dw, d_gate_up, d_down, status)
     if return_item_ns:
-        words = scratch[_FLAGS][:, :_TIME_WORDS].reshape(R, len(ITEM_TIMES), len(ITEM_KINDS), 2)
+        words = scratch[_COUNTERS][:, :_TIME_WORDS].reshape(R, len(ITEM_TIMES), len(ITEM_KINDS), 2)
         return result, _u64_as_f32(words)
     return result

@@ -46,7 +46,7 @@ def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, to
     the kernel does not support."""
     lib = _lib()
     args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
-            kernel.granularity, kernel.comm_sms_fwd, kernel.ring_slots, int(bool(fp8))]
+            kernel.granularity, kernel.comm_items_fwd, kernel.ring_slots, int(bool(fp8))]
     n = int(lib.mok_moe_scratch_bytes(*args, int(bool(identity_experts))))
     if n < 0:
         buf = ctypes.create_string_buffer(256)
@@ -82,7 +82,7 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
                          f"(\"pull\" is the standalone mok_jax.ops.combine's); use combine=\"push\"")
 
 
-# Timing variants (mok/moe/forward.cuh, TimingMode): a stage's row moves left out of the call, or done twice.
+# Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
                 "reduce rows twice": 16}
 
@@ -100,8 +100,8 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     zeros when the call went well). identity_experts (a test mode) replaces every expert by the identity
     and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
     emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
-    a sum of TIMING_MODES's bits: those stages move no rows (wrong outputs) or move them twice, every flag
-    still runs, so that differences of timings say what a stage costs the call. A call with skip_rank >= 0 or
+    a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
+    still runs, so that differences of timings say what a phase costs the call. A call with skip_rank >= 0 or
     timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16 only); every other
     call runs a production form without it. kernel None: the tuned table of the workspace's device, else the
     heuristic (mok_jax.tuning), for this call's per-rank problem.
@@ -200,7 +200,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         jax.ShapeDtypeStruct((R, int(keep_rows), 2 * inter), KEPT_GU_DTYPE),  # kept g | u ([R, 0, 2I]: none)
     )
     attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
-                 comm_items=np.int32(kernel.comm_sms_fwd), ring_slots=np.int32(kernel.ring_slots),
+                 comm_items=np.int32(kernel.comm_items_fwd), ring_slots=np.int32(kernel.ring_slots),
                  dispatch_push=np.int32(kernel.dispatch == "push"),
                  num_sms=np.int32(num_sms), identity_experts=np.int32(bool(identity_experts)),
                  skip_rank=np.int32(skip_rank), timing_mode=np.int32(timing_mode))

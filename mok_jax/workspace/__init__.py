@@ -1,7 +1,7 @@
 """Symmetric communication workspaces: set up outside ``jit``, used by the comm ops inside it.
 
 A :class:`Workspace` owns, for one layer instance, one device region per EP rank, laid out at the same
-offsets on every rank (``ffi/include/mok/comm/workspace.cuh``): staging buffers, routing, flags, the
+offsets on every rank (``ffi/include/mok/comm/workspace.cuh``): row buffers, routing, signals and epoch stamps, the
 device-side epoch counters and a poison word. Each rank gets a device table of its peers' base
 addresses. Two backends sit behind the same interface:
 
@@ -20,7 +20,7 @@ Typical use::
         y, status = f(x, topk_idx, topk_weight)
         ws.check()   # raises CommTimeoutError naming the op and the rank if a peer never came
 
-The comm ops' defaults (direction per operator, communication SMs) come from the workspace's
+The comm ops' defaults (direction per operator, communication blocks) come from the workspace's
 :class:`mok_jax.KernelConfig` (``Workspace.create(..., kernel=KernelConfig(dispatch="push"))``; None: its
 defaults); a call's own ``mode=`` / ``num_sms=`` wins. The megakernel takes its KernelConfig per call.
 

@@ -85,7 +85,7 @@ def moe_workspace(mesh: jax.sharding.Mesh, axis_name: str, *, max_tokens: int, h
 def local_workspace(*, max_tokens: int, hidden_size: int, top_k: int, num_experts: int,
                     kernel: KernelConfig | None = None, **removed) -> Workspace:
     """An EP-1 workspace on every local GPU (each its own group): what ``mok_jax.moe`` uses without an
-    expert-parallel axis (the kernel then needs only its flags, epoch and error words). kernel: as for
+    expert-parallel axis (the kernel then needs only its stamps, epoch and error words). kernel: as for
     :func:`moe_workspace`."""
     kernel = _kernel_arg("local_workspace", kernel, removed)
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]

@@ -37,7 +37,7 @@ class CommConfig:
     (``T <= max_tokens``) and a smaller top-k (``k <= top_k``).
 
     kernel: the tuning the standalone comm ops (``mok_jax.ops.dispatch`` / ``combine``) take as their
-        defaults: ``num_sms`` = ``kernel.comm_sms_fwd``, ``dispatch_mode`` = ``kernel.dispatch``,
+        defaults: ``num_sms`` = ``kernel.comm_items_fwd``, ``dispatch_mode`` = ``kernel.dispatch``,
         ``combine_mode`` = ``kernel.combine`` (a call's own ``mode=`` / ``num_sms=`` wins). It does not
         change the layout: the megakernel takes its KernelConfig per call (``mok_jax.ops.moe_forward``)
         and never reads this one.
@@ -72,8 +72,8 @@ class CommConfig:
 
     @property
     def num_sms(self) -> int:
-        """The comm ops' default number of communication blocks: ``kernel.comm_sms_fwd``."""
-        return self.kernel.comm_sms_fwd
+        """The comm ops' default number of communication blocks: ``kernel.comm_items_fwd``."""
+        return self.kernel.comm_items_fwd
 
     @property
     def dispatch_mode(self) -> str:
@@ -95,8 +95,8 @@ class CommConfig:
         return self.ep * tokens * min(k, self.num_local_experts)
 
     def workspace_bytes(self) -> int:
-        """Bytes of the symmetric region per rank (the two bf16 staging buffers dominate; at ep > 1 the fused
-        backward's buffers add (2 + top_k) * max_tokens * hidden_size * 2)."""
+        """Bytes of the symmetric region per rank (the two bf16 row buffers, dispatch_rows and combine_rows,
+        dominate; at ep > 1 the fused backward's buffers add (2 + top_k) * max_tokens * hidden_size * 2)."""
         lib = _native.library()
         if lib is None:  # same formula as make_layout, without the small control regions
             backward = (2 + self.top_k) * self.max_tokens * self.hidden_size * 2 if self.ep > 1 else 0
@@ -108,14 +108,14 @@ class CommConfig:
 
 
 # Tuning knobs the workspace once took one by one; KernelConfig holds them now.
-_REMOVED_KNOBS = {"num_sms": "comm_sms_fwd", "dispatch_mode": "dispatch", "combine_mode": "combine"}
+_REMOVED_KNOBS = {"num_sms": "comm_items_fwd", "dispatch_mode": "dispatch", "combine_mode": "combine"}
 
 
 def _kernel_arg(what: str, kernel, removed: dict) -> KernelConfig:
     """``kernel`` (None: the defaults) checked, after refusing the old per-knob keywords in ``removed``."""
     for name in removed:
         if name in _REMOVED_KNOBS:
-            raise TypeError(f"{what}: the keyword {name}= is gone; pass kernel=KernelConfig(comm_sms_fwd=..., "
+            raise TypeError(f"{what}: the keyword {name}= is gone; pass kernel=KernelConfig(comm_items_fwd=..., "
                             f"dispatch=..., combine=...) instead (its {_REMOVED_KNOBS[name]} is the old {name})")
         raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
     if kernel is None:

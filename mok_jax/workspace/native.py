@@ -52,8 +52,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_moe_scratch_bytes.restype = i64
         lib.mok_moe_unsupported.argtypes = [i32] * 11 + [p, i32]
         lib.mok_moe_unsupported.restype = i32
-        lib.mok_experts_backward_ep_flag_words.argtypes = [i64] * 3
-        lib.mok_experts_backward_ep_flag_words.restype = i64
+        lib.mok_experts_backward_ep_counter_words.argtypes = [i64] * 3
+        lib.mok_experts_backward_ep_counter_words.restype = i64
         _declared = True
 
 

@@ -26,9 +26,9 @@
 // One persistent launch (num_sms CTAs, one per SM, 384 threads: a TMA producer thread and two consumer
 // warpgroups, as the forward megakernel). The CTAs take the items of one list by ticket (an atomic counter, in
 // list order: a CTA that runs fast takes more); an item waits (bounded) only for items earlier in the list,
-// through dependency counters in the scratch `flags` (zeroed by the launcher), so the phases overlap without a
+// through dependency counters in the scratch `counters` (zeroed by the launcher), so the phases overlap without a
 // grid barrier:
-//   STAGE(i)       expert parallel only: a share of this rank's x and dy rows into its workspace's bwd_x, bwd_dy
+//   SHARE(i)       expert parallel only: a share of this rank's x and dy rows into its workspace's bwd_x, bwd_dy
 //                  (comm_items of them, then one that stamps kBwdSigX in every peer when they are done)
 //                                                                    after every peer's previous call (kBwdDone)
 //   GATHER(m)      x_e, dy_e, w_e of m-block m (128 rows); one warp per row, 16-byte copies
@@ -70,10 +70,10 @@
 //
 // Expert parallel (EP size P > 1, view set): the slots of every rank's tokens are laid out as at EP 1 over P T
 // tokens in rank order (src_slot, topk_weight), restricted to this rank's experts, so every row, every slot's
-// dx row and dw and every weight gradient are the bits of EP size 1; the rows cross NVLink in STAGE/GATHER and
-// SEND, and each rank sums its own tokens' k slot rows in slot order, as at EP 1. Its workspace's flags are
-// epoch stamps (mok/comm/workspace.cuh): a rank stages only after every peer finished its previous call
-// (kBwdDone, stamped by the rank's last CTA to exit), so no row is overwritten while a peer reads it. Every
+// dx row and dw and every weight gradient are the bits of EP size 1; the rows cross NVLink in SHARE/GATHER and
+// SEND, and each rank sums its own tokens' k slot rows in slot order, as at EP 1. Its workspace signals are
+// epoch stamps (bwd_stamps, mok/comm/workspace.cuh): a rank shares its rows only after every peer finished its
+// previous call (kBwdDone, stamped by the rank's last CTA to exit), so no row is overwritten while a peer reads it. Every
 // cross-rank wait is bounded by the workspace's timeout and stops on its poison word; a failed wait poisons the
 // workspace and sets kExpertsBackwardStatusComm | kStatusWaitTimeout, and the kernel stops early. Two limits:
 // the waits inside a rank for an earlier item are bounded by max(10 s, 4 x the workspace's timeout) at EP > 1 (so
@@ -97,7 +97,7 @@ namespace mok {
 constexpr int32_t kExpertsBackwardStatusUnpadded = 4;
 constexpr int32_t kExpertsBackwardStatusComm = 8;  // expert parallel: a wait for a peer failed (workspace poisoned)
 constexpr int kExpertsBackwardParamRanks = 8;   // ranks whose kernel parameters one launch's parameter space holds
-constexpr int kExpertsBackwardMaxRanks = 64;    // ranks one emulated call carries (above 8: experts_backward_ep_flag_words)
+constexpr int kExpertsBackwardMaxRanks = 64;    // ranks one emulated call carries (above 8: see ..._ep_counter_words)
 constexpr int kExpertsBackwardRowBlock = 128;  // group sizes are multiples of this
 
 struct ExpertsBackwardParams {
@@ -128,7 +128,7 @@ struct ExpertsBackwardParams {
   float* dw_part;              // scratch f32 [M, ceil(I / 256)]
   void* dx_e;                  // scratch bf16 [M, H]
   float* dw_e;                 // scratch f32 [M]
-  int32_t* flags;              // scratch s32 [experts_backward_flag_words(M, E, Ts)]: dependency counters
+  int32_t* counters;              // scratch s32 [experts_backward_counter_words(M, E, Ts)]: dependency counters
   const void* shared_gate_up;  // bf16 [H, 2Is], or nullptr with Is = 0 (no shared expert)
   const void* shared_down;     // bf16 [Is, H]
   void* d_shared_gate_up;      // bf16 [H, 2Is]
@@ -146,13 +146,13 @@ struct ExpertsBackwardParams {
   comm::CommView view;
   const int32_t* topk_idx;     // s32 [T, k]: this rank's own ids (its slot sum adds the slots with an owner)
   int64_t slot_tokens;         // T at EP 1
-  int32_t comm_items;          // items the staging of x and dy is split into (>= 1)
+  int32_t comm_items;          // items the sharing of x and dy is split into (>= 1)
 };
 
 // Columns of I per dgrad tile (the n-blocks of dw_part).
 constexpr int kExpertsBackwardColBlock = 256;
 
-// Kinds of work item (STAGE .. SLOT above), and the words of the kernel's scratch `flags`: first each kind's
+// Kinds of work item (SHARE .. SLOT above), and the words of the kernel's scratch `counters`: first each kind's
 // device time, three u64 per kind summed over the CTAs (the consumers' ns per item, the ns the producer and the
 // consumers waited for inputs, and of a GEMM tile's ns the part after its last MMA: its epilogue; integer sums,
 // read by mok_jax.bench.backward), then the dependency counters:
@@ -163,19 +163,19 @@ constexpr int kExpertsBackwardColBlock = 256;
 // with the same formula.
 constexpr int kExpertsBackwardKinds = 10;
 constexpr int64_t kExpertsBackwardTimeWords = 6 * kExpertsBackwardKinds;
-constexpr int64_t experts_backward_flag_words(int64_t rows, int64_t experts, int64_t shared_rows) {
+constexpr int64_t experts_backward_counter_words(int64_t rows, int64_t experts, int64_t shared_rows) {
   return (kExpertsBackwardTimeWords +
           4 * ((rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock + experts +
                (shared_rows + kExpertsBackwardRowBlock - 1) / kExpertsBackwardRowBlock) +
           2 * (experts + 1) + 5 + 3) / 4 * 4;
 }
 
-// One rank's flags scratch in a call of `ranks` ranks (the expert-parallel op; 1, or every rank of an emulated
-// group), in words: experts_backward_flag_words(rows, experts, 0), and in an emulated call of more than
+// One rank's counters scratch in a call of `ranks` ranks (the expert-parallel op; 1, or every rank of an emulated
+// group), in words: experts_backward_counter_words(rows, experts, 0), and in an emulated call of more than
 // kExpertsBackwardParamRanks ranks, from the next multiple of 16 words, the rank's kernel parameters (the launch
 // reads them there: experts_backward.cu, experts_backward_kernel_many; their TMA descriptors need 64 bytes of
 // alignment, so such a row is a multiple of 16 words too). mok_jax/ops/moe_backward.py asks the library for it.
-int64_t experts_backward_ep_flag_words(int64_t rows, int64_t experts, int64_t ranks);
+int64_t experts_backward_ep_counter_words(int64_t rows, int64_t experts, int64_t ranks);
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& params, cudaStream_t stream);

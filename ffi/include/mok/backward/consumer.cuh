@@ -1,4 +1,4 @@
-// mok backward: the backward megakernel's consumers, its two warpgroups. Each item from the work ring runs here:
+// mok backward: the backward megakernel's consumers, its two warpgroups. Each item from the work queue runs here:
 // a GEMM tile's MMAs and its epilogue, or a row item (rows.cuh), after the waits it needs (consumers_wait: one
 // thread waits, a named barrier gives all 256 the verdict); then one thread bumps its counters (complete).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
@@ -39,26 +39,26 @@ __device__ bool consumers_wait(SharedStorage& s, const int32_t* const (&ctr)[kN]
 
 // ---- consumers: completion -----------------------------------------------------------------------------
 __device__ void complete(const KernelParams& p, const Item& it) {
-  const Flags f = flags(p);
+  const Counters c = counters(p);
   __threadfence();
   switch (it.kind) {
-    case kStage:
-      if (it.index < p.stage_items) comm::fence_sys(), atomicAdd(f.totals + 4, 1);  // rows that peers read
+    case kShare:
+      if (it.index < p.share_items) comm::fence_sys(), atomicAdd(c.totals + 4, 1);  // rows that peers read
       break;
-    case kGather: atomicAdd(f.gathered + it.mb, 1), atomicAdd(f.gathered_e + it.group, 1); break;
-    case kGu: atomicAdd(f.gu + it.mb, 1); break;
-    case kDh: atomicAdd(f.dh + it.mb, 1), atomicAdd(f.dh_e + it.group, 1); break;
-    case kDx: atomicAdd(f.totals + 0, 1), atomicAdd(f.out + it.mb, 1); break;
-    case kDwSum: atomicAdd(f.totals + 1, 1), atomicAdd(f.out + it.mb, 1); break;
+    case kGather: atomicAdd(c.gathered + it.mb, 1), atomicAdd(c.gathered_e + it.group, 1); break;
+    case kGu: atomicAdd(c.gu + it.mb, 1); break;
+    case kDh: atomicAdd(c.dh + it.mb, 1), atomicAdd(c.dh_e + it.group, 1); break;
+    case kDx: atomicAdd(c.totals + 0, 1), atomicAdd(c.out + it.mb, 1); break;
+    case kDwSum: atomicAdd(c.totals + 1, 1), atomicAdd(c.out + it.mb, 1); break;
     case kSend:
-      if (it.mb >= 0) comm::fence_sys(), atomicAdd(f.totals + 3, 1);  // rows written into peers' memory
+      if (it.mb >= 0) comm::fence_sys(), atomicAdd(c.totals + 3, 1);  // rows written into peers' memory
       break;
     default: break;
   }
 }
 
 __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h, int ct, uint64_t epoch) {
-  const Flags f = flags(p);
+  const Counters c = counters(p);
   const int wg = ct / 128, t = ct % 128;
   gemm::RingPos pos;
   const int lane = ct % 32;
@@ -76,32 +76,32 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     uint64_t t_epi = 0;  // a GEMM tile's end of MMAs (thread 0): the rest of the item is its epilogue
     const int col0 = it.n_block * kBlockN;
     switch (it.kind) {
-      case kStage:  // no peer may still read the previous call's staged rows
-        if (!consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, f.wait_ns + kStage,
+      case kShare:  // no peer may still read the previous call's shared rows
+        if (!consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, c.wait_ns + kShare,
                                   ct))
           return;
-        if (it.index < p.stage_items) {
-          stage_rows(p, it, ct);
-        } else {  // the last: every share is staged, then the peers may read them
-          if (!consumers_wait<1>(s, {f.totals + 4}, {p.stage_items}, p, f.wait_ns + kStage, ct)) return;
+        if (it.index < p.share_items) {
+          share_rows(p, it, ct);
+        } else {  // the last: every SHARE(i) is done, then the peers may read the rows
+          if (!consumers_wait<1>(s, {c.totals + 4}, {p.share_items}, p, c.wait_ns + kShare, ct)) return;
           if (ct == 0) publish(p, comm::kBwdSigX, epoch);
         }
         break;
       case kGather:
         if (p.ep > 1 && !consumers_wait_peers(s, p, comm::kBwdSigX, epoch, comm::kErrTimeoutData, epoch,
-                                              f.wait_ns + kGather, ct))
+                                              c.wait_ns + kGather, ct))
           return;
         gather(p, it, ct);
         break;
       case kSend:
         if (it.mb >= 0) {  // the block's dx rows and dw; the origins' slot sums of the previous call are done
-          if (!consumers_wait<1>(s, {f.out + it.mb}, {h.nb_dx + 1}, p, f.wait_ns + kSend, ct) ||
-              !consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, f.wait_ns + kSend,
+          if (!consumers_wait<1>(s, {c.out + it.mb}, {h.nb_dx + 1}, p, c.wait_ns + kSend, ct) ||
+              !consumers_wait_peers(s, p, comm::kBwdDone, epoch - 1, comm::kErrTimeoutAck, epoch, c.wait_ns + kSend,
                                     ct))
             return;
           send_rows(p, it, ct);
         } else {  // the last: every block is sent, then the origins may sum them
-          if (!consumers_wait<1>(s, {f.totals + 3}, {s.table.tile_start[p.E]}, p, f.wait_ns + kSend, ct)) return;
+          if (!consumers_wait<1>(s, {c.totals + 3}, {s.table.tile_start[p.E]}, p, c.wait_ns + kSend, ct)) return;
           if (ct == 0) publish(p, comm::kBwdSigDx, epoch);
         }
         break;
@@ -121,7 +121,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         // The epilogue reads the routed rows' router weights (w_e, which the gather items store) with ordinary
         // loads, issued before the MMAs so that their latency runs under them: once the tile's first stage is full
         // they are visible here (the producer acquired the gather's counter before that stage's loads, and the
-        // stage's full barrier passes that on). Everything else the epilogue reads (g, u) comes through the ring.
+        // stage's full barrier passes that on). Everything else the epilogue reads (g, u) comes through the stage ring.
         gemm::RowWeights rw;
         if (!it.shared) {
           if (!gemm::mbarrier_wait(&s.stages.full[pos.stage], pos.phase, p.status)) return;
@@ -169,19 +169,19 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         break;
       }
       case kDwSum:
-        if (!consumers_wait<1>(s, {f.dh + it.mb}, {h.nb_dh}, p, f.wait_ns + kDwSum, ct)) return;
+        if (!consumers_wait<1>(s, {c.dh + it.mb}, {h.nb_dh}, p, c.wait_ns + kDwSum, ct)) return;
         dw_sum(p, h, it, ct);
         break;
       default:  // kSlot
         // expert parallel: also this rank's own slot rows (its SEND items) and every peer's are in bwd_dx (one
         // wait of each kind: their verdicts have a word each)
-        if (!consumers_wait<3>(s, {f.totals + 0, f.totals + 1, f.totals + 3},
+        if (!consumers_wait<3>(s, {c.totals + 0, c.totals + 1, c.totals + 3},
                                {h.begin[kDx + 1] - h.begin[kDx], h.begin[kDwSum + 1] - h.begin[kDwSum],
                                 p.ep > 1 ? s.table.tile_start[p.E] : 0},
-                               p, f.wait_ns + kSlot, ct))
+                               p, c.wait_ns + kSlot, ct))
           return;
         if (p.ep > 1 && !consumers_wait_peers(s, p, comm::kBwdSigDx, epoch, comm::kErrTimeoutData, epoch,
-                                              f.wait_ns + kSlot, ct))
+                                              c.wait_ns + kSlot, ct))
           return;
         slot_sum(p, s, it, ct);
         break;
@@ -190,8 +190,8 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
     if (ct == 0) {
       complete(p, it);
       const uint64_t t1 = gemm::global_timer_ns();
-      atomicAdd(f.busy_ns + it.kind, (unsigned long long)(t1 - t0));
-      if (t_epi != 0) atomicAdd(f.epi_ns + it.kind, (unsigned long long)(t1 - t_epi));
+      atomicAdd(c.busy_ns + it.kind, (unsigned long long)(t1 - t0));
+      if (t_epi != 0) atomicAdd(c.epi_ns + it.kind, (unsigned long long)(t1 - t_epi));
     }
   }
 }

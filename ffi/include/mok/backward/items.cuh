@@ -1,6 +1,6 @@
 // mok backward: the backward megakernel's list of work items and its dependency counters. The CTA's shared
 // memory (SharedStorage), the list's shape (make_shape: where each kind's items begin), an item decoded from its
-// index (decode), and the counters in p.flags by which an item waits for earlier ones (flags, wait_count).
+// index (decode), and the counters in p.counters by which an item waits for earlier ones (counters, wait_count).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
 #pragma once
 
@@ -45,8 +45,8 @@ struct SharedStorage {
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
 
-// ---- the dependency counters (p.flags) ------------------------------------------------------------------
-struct Flags {
+// ---- the dependency counters (p.counters) ------------------------------------------------------------------
+struct Counters {
   unsigned long long* busy_ns;  // [kind]: consumers' time in items of that kind, over the CTAs
   unsigned long long* wait_ns;  // [kind]: time spent waiting for their inputs
   unsigned long long* epi_ns;   // [kind]: of busy_ns, a GEMM tile's time after its last MMA (its epilogue)
@@ -56,15 +56,15 @@ struct Flags {
   int32_t* out;       // [mb]: DX tiles and the DWSUM item of m-block mb done (SEND reads their rows)
   int32_t* gathered_e;  // [E + 1]: GATHER items of expert e done
   int32_t* dh_e;        // [E + 1]: DH tiles of expert e done (index E: the shared expert's)
-  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets, [3] SEND items, [4] STAGE items (not
-                        // the last item of either: that one stamps the peers' flags)
+  int32_t* totals;      // [0] DX tiles, [1] DWSUM items, [2] tickets, [3] SEND items, [4] SHARE items (not
+                        // the last item of either: that one stamps the peers' bwd_stamps)
 };
-__device__ __forceinline__ Flags flags(const KernelParams& p) {
+__device__ __forceinline__ Counters counters(const KernelParams& p) {
   const int mbs = ceil_div(p.M, kBlockM) + p.E + ceil_div(p.Ts, kBlockM);
-  auto* ns = reinterpret_cast<unsigned long long*>(p.flags);
-  int32_t* c = p.flags + kExpertsBackwardTimeWords;
+  auto* ns = reinterpret_cast<unsigned long long*>(p.counters);
+  int32_t* c = p.counters + kExpertsBackwardTimeWords;
   const int es = p.E + 1;  // the experts, then the shared expert (index E)
-  return Flags{ns, ns + kKinds, ns + 2 * kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
+  return Counters{ns, ns + kKinds, ns + 2 * kKinds, c, c + mbs, c + 2 * mbs, c + 3 * mbs, c + 4 * mbs, c + 4 * mbs + es,
                c + 4 * mbs + 2 * es};
 }
 
@@ -95,10 +95,10 @@ __device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
   h.s_nb_gu = ceil_div(2 * p.Is, kBlockN), h.s_nb_dh = ceil_div(p.Is, kBlockN);
   h.s_mb_wd = ceil_div(p.Is, kBlockM), h.s_nb_wg = ceil_div(2 * p.Is, kBlockN);
   h.s_mb = ceil_div(p.Ts, kBlockM), h.s_mb0 = ceil_div(p.M, kBlockM) + p.E;
-  const bool ep = p.ep > 1;  // STAGE: comm_items + the stamp; SEND: one per m-block + the stamp
+  const bool ep = p.ep > 1;  // SHARE: comm_items + the stamp; SEND: one per m-block + the stamp
   const int shared[kKinds] = {0, 0, h.s_mb * h.s_nb_gu, h.s_mb * h.s_nb_dh, h.s_mb * h.nb_dx, 0, 0,
                               sh ? h.s_mb_wd * h.nb_wd : 0, sh ? h.mb_wg * h.s_nb_wg : 0, 0};
-  const int count[kKinds] = {ep ? p.stage_items + 1 : 0, nmb, p.kept ? 0 : nmb * h.nb_gu, nmb * h.nb_dh,
+  const int count[kKinds] = {ep ? p.share_items + 1 : 0, nmb, p.kept ? 0 : nmb * h.nb_gu, nmb * h.nb_dh,
                              nmb * h.nb_dx, nmb, ep ? nmb + 1 : 0, p.E * h.mb_wd * h.nb_wd, p.E * h.mb_wg * h.nb_wg,
                              ceil_div(p.T, kSlotTokens)};
   h.begin[0] = 0;
@@ -139,7 +139,7 @@ __device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shap
   }
   it.index -= h.shared[q];
   switch (q) {
-    case kStage: break;
+    case kShare: break;
     case kSend:
       if (it.index == tb.tile_start[p.E]) {  // the last one: the stamp
         it.mb = -1;

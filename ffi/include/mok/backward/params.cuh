@@ -1,5 +1,5 @@
 // mok backward: the backward megakernel's types and constants (mok/experts_backward.cuh says what it computes).
-// The tiles of its five GEMMs, the CTA's roles and budgets (threads, setmaxnreg, blocking, the work ring), the
+// The tiles of its five GEMMs, the CTA's roles and budgets (threads, setmaxnreg, blocking, the work queue), the
 // kinds of work item in their list's order, the TMA descriptors over one set of rows (Operands, and the host's
 // make_operands) and the kernel's parameters: one EP rank's (KernelParams) and the launch's (LaunchParams, or
 // ManyLaunchParams for an emulated call of more ranks than the parameter space holds).
@@ -41,15 +41,15 @@ constexpr int kMaxGroups = 1024;
 constexpr int kSlotTokens = 8;  // tokens per SLOT item: one per consumer warp
 constexpr int kGatherVecs = 4;  // 16-byte vectors in flight per lane and source in GATHER (more spill)
 constexpr int kSlotVecs = 8;    // slot rows loaded per lane before any is added, in SLOT
-constexpr int kCopyVecs = 4;    // 16-byte vectors per lane in flight when STAGE and SEND copy a row
+constexpr int kCopyVecs = 4;    // 16-byte vectors per lane in flight when SHARE and SEND copy a row
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
 constexpr int kWorkSlots = 2;             // tickets the producer hands the consumers ahead
 
 // The list's order: every item waits only for kinds before it. DWSUM sits after DX (whose tiles need every DH
 // tile too, so it never waits there), SEND after both (its rows leave as their blocks finish, while the
 // weight-gradient tiles run) and SLOT last: CTAs that are done with their weight-gradient tiles sum the tokens
-// while the others finish theirs. STAGE and SEND exist only expert parallel.
-enum Kind : int32_t { kStage, kGather, kGu, kDh, kDx, kDwSum, kSend, kWDown, kWGateUp, kSlot, kKinds };
+// while the others finish theirs. SHARE and SEND exist only expert parallel.
+enum Kind : int32_t { kShare, kGather, kGu, kDh, kDx, kDwSum, kSend, kWDown, kWGateUp, kSlot, kKinds };
 static_assert(kKinds == kExpertsBackwardKinds, "the kinds the time words count");
 
 // The TMA descriptors of the five GEMMs over one set of rows: the routed experts' gathered rows (M of them,
@@ -66,7 +66,7 @@ struct Operands {
   TileW::TmaB wd_b;   // dy rows [rows, H]
   TileW::TmaA wg_a;   // x rows read as H x rows
   TileW::TmaB wg_b;   // dgu [rows, 2I]
-  gemm::TmaGu dh_gu;  // g | u [rows, 2I] bf16: the DH tiles' epilogue operands, through the ring
+  gemm::TmaGu dh_gu;  // g | u [rows, 2I] bf16: the DH tiles' epilogue operands, through the stage ring
 };
 
 __device__ void prefetch(const Operands& o) {
@@ -127,7 +127,7 @@ struct KernelParams {  // one EP rank's
   Bf16* d_gate_up;
   Bf16* d_down;
   int32_t* status;
-  int32_t* flags;
+  int32_t* counters;
   gemm::SwigluBackwardOut sbwd;  // the shared expert's epilogue: weight 1, no dw partials
   __nv_bfloat16* gus;
   float* dxs;
@@ -139,7 +139,7 @@ struct KernelParams {  // one EP rank's
   // Expert parallel (ep > 1): the workspace, this rank's own ids, the slot numbering's tokens (ep T; T at EP 1)
   comm::CommView view;
   const int32_t* topk_idx;
-  int32_t ep, experts_all, stage_items, Tn;
+  int32_t ep, experts_all, share_items, Tn;
 };
 
 struct LaunchParams {
@@ -151,8 +151,8 @@ static_assert(sizeof(LaunchParams) <= 32764, "kernel parameters (CUDA 12.1+ limi
 static_assert(sizeof(KernelParams) % 64 == 0 && alignof(KernelParams) >= 64, "16-byte copies; 64-byte aligned tensormaps");
 
 // The launch of an emulated call of more than kExpertsBackwardParamRanks ranks (experts_backward_kernel_many): each
-// rank's KernelParams live in device memory, in its row of the flags scratch (experts_backward_ep_flag_words), where
-// upload_rank_params stored them before the launch. Such a call is expert parallel: no shared expert in the op.
+// rank's KernelParams live in device memory, in its row of the counters scratch (experts_backward_ep_counter_words),
+// where upload_rank_params stored them before the launch. Such a call is expert parallel: no shared expert in the op.
 struct ManyLaunchParams {
   Operands shared;  // unused (zeros): the run's code is LaunchParams'
   int32_t num_ranks, skip_rank;

@@ -1,5 +1,5 @@
 // mok backward: the backward megakernel's producer, one thread per CTA. It claims the items by ticket, hands
-// each to the consumers through the work ring, and for a GEMM tile waits (bounded) for its inputs' counters
+// each to the consumers through the work queue, and for a GEMM tile waits (bounded) for its inputs' counters
 // (wait_inputs), then issues its TMA loads into the stage ring (load_item).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
 #pragma once
@@ -19,25 +19,25 @@ namespace {
 
 // ---- producer (one thread): wait for a tile's inputs, then its TMA loads ---------------------------------
 __device__ bool wait_inputs(const KernelParams& p, const SharedStorage& s, const Shape& h, const Item& it) {
-  const Flags f = flags(p);
+  const Counters c = counters(p);
   if (it.shared) {
     switch (it.kind) {
       case kGu: return true;  // x is an input
-      case kDh: return wait_count(f.gu + it.mb, h.s_nb_gu, p.status, p.local_timeout_ns);
-      case kDx: return wait_count(f.dh + it.mb, h.s_nb_dh, p.status, p.local_timeout_ns);
-      default: return wait_count(f.dh_e + p.E, h.s_mb * h.s_nb_dh, p.status, p.local_timeout_ns);
+      case kDh: return wait_count(c.gu + it.mb, h.s_nb_gu, p.status, p.local_timeout_ns);
+      case kDx: return wait_count(c.dh + it.mb, h.s_nb_dh, p.status, p.local_timeout_ns);
+      default: return wait_count(c.dh_e + p.E, h.s_mb * h.s_nb_dh, p.status, p.local_timeout_ns);
     }
   }
   switch (it.kind) {
-    case kGu: return wait_count(f.gathered + it.mb, 1, p.status, p.local_timeout_ns);
+    case kGu: return wait_count(c.gathered + it.mb, 1, p.status, p.local_timeout_ns);
     case kDh:
-      return wait_count(f.gathered + it.mb, 1, p.status, p.local_timeout_ns) &&
-             (p.kept || wait_count(f.gu + it.mb, h.nb_gu, p.status, p.local_timeout_ns));
-    case kDx: return wait_count(f.dh + it.mb, h.nb_dh, p.status, p.local_timeout_ns);
+      return wait_count(c.gathered + it.mb, 1, p.status, p.local_timeout_ns) &&
+             (p.kept || wait_count(c.gu + it.mb, h.nb_gu, p.status, p.local_timeout_ns));
+    case kDx: return wait_count(c.dh + it.mb, h.nb_dh, p.status, p.local_timeout_ns);
     default: {  // weight gradients: every row of the expert
       const int mbs = s.table.tile_start[it.group + 1] - s.table.tile_start[it.group];
-      return wait_count(f.gathered_e + it.group, mbs, p.status, p.local_timeout_ns) &&
-             wait_count(f.dh_e + it.group, mbs * h.nb_dh, p.status, p.local_timeout_ns);
+      return wait_count(c.gathered_e + it.group, mbs, p.status, p.local_timeout_ns) &&
+             wait_count(c.dh_e + it.group, mbs * h.nb_dh, p.status, p.local_timeout_ns);
     }
   }
 }
@@ -72,12 +72,12 @@ __device__ __forceinline__ bool load_item(const Operands& o, SharedStorage& s, g
 // Items go out by ticket (one atomic counter): a CTA that runs fast takes more of them, and since tickets are
 // claimed in list order every wait still points to an earlier, already claimed item.
 __device__ void producer(const KernelParams& p, const Operands& shared, SharedStorage& s, const Shape& h) {
-  const Flags f = flags(p);
+  const Counters c = counters(p);
   gemm::RingPos pos;
   int w = 0;
   uint32_t phase = 0;
   for (;;) {
-    const int32_t ticket = atomicAdd(f.totals + 2, 1);
+    const int32_t ticket = atomicAdd(c.totals + 2, 1);
     const int32_t i = ticket < h.begin[kKinds] ? ticket : -1;
     if (!gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, p.status)) return;
     s.work[w] = i;
@@ -91,7 +91,7 @@ __device__ void producer(const KernelParams& p, const Operands& shared, SharedSt
     const uint64_t t0 = gemm::global_timer_ns();
     if (!wait_inputs(p, s, h, it)) return;
     if (const uint64_t waited = gemm::global_timer_ns() - t0; waited > 0)
-      atomicAdd(f.wait_ns + it.kind, (unsigned long long)waited);
+      atomicAdd(c.wait_ns + it.kind, (unsigned long long)waited);
     gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
     const bool ok = it.shared ? load_item(shared, s, pos, it, p.Ts, p.H, p.Is, 1, 0, p.status)
                               : load_item(p.routed, s, pos, it, p.M, p.H, p.I, p.E, it.group, p.status);

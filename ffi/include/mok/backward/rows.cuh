@@ -1,5 +1,5 @@
-// mok backward: the backward megakernel's row items, which the consumer warps run without a GEMM: STAGE
-// (stage_rows), GATHER (gather), SEND (send_rows), DWSUM (dw_sum) and SLOT (slot_sum), one warp per row or per
+// mok backward: the backward megakernel's row items, which the consumer warps run without a GEMM: SHARE
+// (share_rows), GATHER (gather), SEND (send_rows), DWSUM (dw_sum) and SLOT (slot_sum), one warp per row or per
 // token; and, expert parallel, the epoch stamps they publish to the peers and wait for (publish,
 // consumers_wait_peers) and where a slot's rows live (slot_home).
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
@@ -21,13 +21,13 @@ namespace mok {
 namespace {
 
 // ---- consumers: row items --------------------------------------------------------------------------------
-// Expert parallel, one thread: this call's epoch into row `row` of every peer's bwd_flags (after a system fence
+// Expert parallel, one thread: this call's epoch into row `row` of every peer's bwd_stamps (after a system fence
 // that orders every store this rank's items made before, through the counters the caller acquired).
 __device__ void publish(const KernelParams& p, int row, uint64_t epoch) {
-  comm::publish_stamps(p.view, p.view.layout.bwd_flags, row, epoch);
+  comm::publish_stamps(p.view, p.view.layout.bwd_stamps, row, epoch);
 }
 
-// The consumers wait until every peer stamped flag row `row` of this rank's region with at least `target` (one
+// The consumers wait until every peer stamped row `row` of this rank's bwd_stamps with at least `target` (one
 // thread waits, bounded; a timeout poisons the workspace, a poisoned one stops it). On failure the status bits
 // stop every other wait of the rank too. Its verdict has its own word (SharedStorage::peer_ok): an item makes at
 // most one such wait and one consumers_wait, in either order.
@@ -35,7 +35,7 @@ __device__ bool consumers_wait_peers(SharedStorage& s, const KernelParams& p, in
                                      uint64_t epoch, unsigned long long* wait_ns, int ct) {
   if (ct == 0) {
     const uint64_t t0 = gemm::global_timer_ns();
-    const bool ok = comm::wait_stamps(p.view, p.view.layout.bwd_flags, row, target, code, comm::kOpMoeBackward, epoch);
+    const bool ok = comm::wait_stamps(p.view, p.view.layout.bwd_stamps, row, target, code, comm::kOpMoeBackward, epoch);
     if (!ok) atomicOr(p.status, gemm::kStatusWaitTimeout | kExpertsBackwardStatusComm);
     s.peer_ok = ok;
     atomicAdd(wait_ns, (unsigned long long)(gemm::global_timer_ns() - t0));
@@ -53,11 +53,11 @@ __device__ __forceinline__ SlotHome slot_home(const KernelParams& p, int64_t slo
   return SlotHome{int32_t(tg / p.T), int32_t(tg % p.T), int32_t(slot % p.k)};
 }
 
-// STAGE(i), i < stage_items: rows [T i / n, T (i + 1) / n) of x and dy into this rank's bwd_x, bwd_dy (one warp
+// SHARE(i), i < share_items: rows [T i / n, T (i + 1) / n) of x and dy into this rank's bwd_x, bwd_dy (one warp
 // per row), where the owners of its slots read them.
-__device__ void stage_rows(const KernelParams& p, const Item& it, int ct) {
+__device__ void share_rows(const KernelParams& p, const Item& it, int ct) {
   const int lane = ct % 32, warp = ct / 32, chunks = p.H / 8;
-  const int64_t r0 = int64_t(p.T) * it.index / p.stage_items, r1 = int64_t(p.T) * (it.index + 1) / p.stage_items;
+  const int64_t r0 = int64_t(p.T) * it.index / p.share_items, r1 = int64_t(p.T) * (it.index + 1) / p.share_items;
   int4* xd = p.view.local<int4>(p.view.layout.bwd_x);
   int4* dd = p.view.local<int4>(p.view.layout.bwd_dy);
   const int4* xs = reinterpret_cast<const int4*>(p.x);
@@ -72,7 +72,7 @@ __device__ void stage_rows(const KernelParams& p, const Item& it, int ct) {
 // zeros for a padding row (or a slot id out of range), and with kept g, u zeros in a padding row's g | u. In a
 // block of part-kept g, u (block_kept) also gu[r] = gu_part[gu_part_row[r]] (zeros for a row without one: a
 // padding row, what the recompute gives it); the block's DH items read it after this item's release.
-// Expert parallel: a token of another rank is read from that rank's staged bwd_x, bwd_dy (over NVLink).
+// Expert parallel: a token of another rank is read from that rank's shared bwd_x, bwd_dy (over NVLink).
 // One warp per row, kGatherVecs 16-byte vectors of each source in flight per lane.
 __device__ void gather(const KernelParams& p, const Item& it, int ct) {
   const int lane = ct % 32, warp = ct / 32;

@@ -10,10 +10,10 @@
 // Kernels of one call, in stream order (epoch e = completed combines + 1):
 //   send    waits ack_comb >= (e-1) from every peer (the previous call's partials were consumed),
 //           computes partial(me, s, t) for every (s, t) with local slots and stores it
-//             push: into origin s's comb[me][t]      pull: into my own comb[s][t]
+//             push: into origin s's combine_rows[me][t]      pull: into my own combine_rows[s][t]
 //           then signals sig_comb on every peer.
 //   reduce  waits sig_comb >= e from every peer, then for each of my tokens sums the partials of its
-//           owner ranks in rank order (push: my comb[o][t]; pull: peer o's comb[me][t]), writes y,
+//           owner ranks in rank order (push: my combine_rows[o][t]; pull: peer o's combine_rows[me][t]), writes y,
 //           acks ack_comb to every peer; the last block advances the epoch and writes status.
 #pragma once
 

@@ -16,12 +16,12 @@
 // Kernels of one call, in stream order (epoch e = completed dispatches + 1, read from LocalState):
 //   post   waits ack_disp >= (e-1) from every peer (they finished reading what I published last time),
 //          writes my routing into every rank's route_idx/route_w[my rank], signals sig_route; then
-//            pull: copies the rows some peer needs into my own stage[my rank]
-//            push: writes each such row into stage[my rank] of every peer that needs it
+//            pull: copies the rows some peer needs into my own dispatch_rows[my rank]
+//            push: writes each such row into dispatch_rows[my rank] of every peer that needs it
 //          and signals sig_x.
 //   schedule (schedule.cuh; waits sig_route >= e from every peer)
 //   data   waits sig_x >= e from every peer, then for every (s, t) with local slots loads the row
-//          (s == me: from x; pull: from peer s's stage[s]; push: from my stage[s]) and stores it to
+//          (s == me: from x; pull: from peer s's dispatch_rows[s]; push: from my dispatch_rows[s]) and stores it to
 //          its rows; zeroes the padding rows; acks ack_disp to every peer; the last block advances the
 //          epoch and writes status (int32[4]: error code, op, rank that detected it, awaited peer).
 // Grid: num_blocks blocks of kCommThreads threads for post and data (the communication SM count).
@@ -44,7 +44,7 @@ struct DispatchParams {
   int32_t num_tokens;  // T, equal on every rank, <= shape.max_tokens
   int32_t top_k;       // k of this call, <= shape.top_k
   int32_t capacity;    // rows of recv_x
-  int32_t num_blocks;  // communication SMs
+  int32_t num_blocks;  // communication blocks (the op's num_sms)
   bool zero_padding;
   bool token_major;
   const __nv_bfloat16* x;     // [T][H]

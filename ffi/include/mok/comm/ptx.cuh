@@ -1,7 +1,7 @@
 // mok comm: named wrappers for the PTX the communication kernels use (memory-model operations at
 // system scope, the global timer, vector loads and stores). Nothing else in mok/comm writes inline PTX.
 //
-// Why system scope: a flag written by GPU A into GPU B's memory (or read by B from A's memory over
+// Why system scope: a stamp written by GPU A into GPU B's memory (or read by B from A's memory over
 // NVLink) is only ordered with the data it guards if both the release (writer) and the acquire
 // (reader) are at .sys scope; .gpu scope orders memory operations of one device only.
 #pragma once

@@ -110,7 +110,7 @@ __device__ inline void block_signal_peers(const CommView& v, size_t region) {
 
 __device__ inline uint64_t next_epoch(const uint64_t* counter) { return ld_volatile(counter) + 1; }
 
-// Epoch-stamp tables (the megakernel's moe_flags, the fused backward's bwd_flags): u64[rows][ep] at `region` of
+// Epoch-stamp tables (the megakernel's moe_stamps, the fused backward's bwd_stamps): u64[rows][ep] at `region` of
 // every rank; [row][s] is written by rank s and holds the epoch of the call that last stamped it.
 __device__ __forceinline__ uint64_t* stamp_row(const CommView& v, size_t region, int rank_of_region, int row) {
   return v.peer<uint64_t>(rank_of_region, region) + size_t(row) * v.shape.ep;

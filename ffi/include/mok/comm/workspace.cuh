@@ -9,7 +9,7 @@
 // Names with [ep] are indexed by the *other* rank of a pair, as seen by the owner of the region:
 //
 //   sig_route   u64[ep]        routing of rank s has landed here (dispatch), written by s
-//   sig_x       u64[ep]        token rows of rank s are ready (pull: in s's stage; push: in mine)
+//   sig_x       u64[ep]        token rows of rank s are ready (pull: in s's dispatch_rows; push: in mine)
 //   ack_disp    u64[ep]        rank d finished reading what I published for dispatch
 //   sig_comb    u64[ep]        partial sums of owner o for my tokens are ready
 //   ack_comb    u64[ep]        origin s finished reading my partials (pull) / its buffer (push)
@@ -19,27 +19,27 @@
 //   chunk_base  i32[ep][num_chunks][L]   schedule scratch: first output row of each of those
 //   route_idx   i32[ep][route_stride]    topk_idx of rank s (T*k used, k <= top_k)
 //   route_w     f32[ep][route_stride]    topk_weight of rank s
-//   moe_flags   u64[kMoeFlagRows + max_microbatches][ep]   the MoE megakernel's flags (mok/moe/forward.cuh):
+//   moe_stamps  u64[kMoeStampRows + max_microbatches][ep]   the MoE megakernel's epoch stamps (mok/moe/forward.cuh):
 //                                        row kMoeSigRoute/kMoeSigX/kMoeAckDisp/kMoeAckComb, then one
 //                                        row per microbatch (kMoeSigComb + m); [row][s] is written by rank s
 //                                        and holds the epoch of the call that last set it
-//   stage       bf16[ep][max_tokens][H]  dispatch rows: [s][t] = x_t of rank s
+//   dispatch_rows  bf16[ep][max_tokens][H]  [s][t] = x_t of rank s
 //                                        (pull: rank s fills its own [s]; push: s fills peers' [s])
-//   comb        bf16[max(ep, top_k)][max_tokens][H] (ep 1: [1][..])  combine rows. The comm ops' combine: partials [ep][T][H]
+//   combine_rows   bf16[max(ep, top_k)][max_tokens][H] (ep 1: [1][..]). The comm ops' combine: partials [ep][T][H]
 //                                        (push: [o][t] on the origin, from owner o; pull: [s][t] on the owner,
 //                                        for origin s). The megakernel: one row per slot, [T][top_k][H] on the
 //                                        origin, pushed by the slot's owner (the same terms at every EP size)
 //   the fused backward's buffers (ep > 1 only; none at ep 1, whose backward does not communicate):
-//   bwd_flags   u64[kBwdFlagRows][ep]    epoch stamps of the experts' backward (mok/experts_backward.cuh):
+//   bwd_stamps  u64[kBwdStampRows][ep]   epoch stamps of the experts' backward (mok/experts_backward.cuh):
 //                                        rows kBwdSigX, kBwdSigDx, kBwdDone; [row][s] is written by rank s
-//   bwd_x       bf16[max_tokens][H]      this rank's x rows, staged for the owners of its slots to read
+//   bwd_x       bf16[max_tokens][H]      this rank's x rows, shared with the owners of its slots (SHARE)
 //   bwd_dy      bf16[max_tokens][H]      its dy rows, likewise
 //   bwd_dx      bf16[max_tokens][top_k][H]  the dx row of each of its slots (t, j), written by the slot's owner
 //   bwd_dw      f32[max_tokens][top_k]   the router-weight gradient of each slot, likewise
 //
-// The megakernel's flags are epoch stamps, not counts: the last of the items that a flag guards stores
-// the call's epoch with a release at system scope, and a consumer waits for flag >= epoch. So a call may
-// use any number of microbatches, and calls of the comm ops and of the megakernel never share a flag.
+// The megakernel's stamps are epochs, not counts: the last of the items that a stamp guards stores
+// the call's epoch with a release at system scope, and a consumer waits for stamp >= epoch. So a call may
+// use any number of microbatches, and calls of the comm ops and of the megakernel never share a stamp.
 //
 // Sizes: the two bf16 buffers dominate: (ep + max(ep, top_k)) * max_tokens * H * 2 bytes at ep > 1, linear in ep past top_k
 // (H 7168, 4096 tokens, k 8: 587 MB per rank at ep 2, 940 MB at ep 8; docs/memory.md). At ep > 1 the backward's buffers add (2 + top_k) * max_tokens * H * 2 bytes, independent of ep
@@ -69,8 +69,8 @@ constexpr int kChunkTokens = 64;                        // schedule granularity 
 constexpr size_t kRegionAlign = 256;
 constexpr int kMinGranularity = 512;                    // smallest microbatch of the megakernel (tokens)
 constexpr int kMoeSigRoute = 0, kMoeSigX = 1, kMoeAckDisp = 2, kMoeAckComb = 3, kMoeSigComb = 4;
-constexpr int kMoeFlagRows = kMoeSigComb;               // rows before the per-microbatch ones
-constexpr int kBwdSigX = 0, kBwdSigDx = 1, kBwdDone = 2, kBwdFlagRows = 3;  // the backward's flag rows
+constexpr int kMoeStampRows = kMoeSigComb;               // rows before the per-microbatch ones
+constexpr int kBwdSigX = 0, kBwdSigDx = 1, kBwdDone = 2, kBwdStampRows = 3;  // the backward's stamp rows
 
 // Fixed at setup, identical on every rank of the group.
 struct CommShape {
@@ -98,9 +98,9 @@ struct LocalState {
 };
 
 struct SymLayout {
-  size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_flags;
-  size_t chunk_count, chunk_base, route_idx, route_w, stage, comb;
-  size_t bwd_flags, bwd_x, bwd_dy, bwd_dx, bwd_dw;  // ep > 1 only (0 at ep 1)
+  size_t sig_route, sig_x, ack_disp, sig_comb, ack_comb, error, state, moe_stamps;
+  size_t chunk_count, chunk_base, route_idx, route_w, dispatch_rows, combine_rows;
+  size_t bwd_stamps, bwd_x, bwd_dy, bwd_dx, bwd_dw;  // ep > 1 only (0 at ep 1)
   size_t route_stride;  // elements per source rank in route_idx / route_w
   size_t total_bytes;
 };
@@ -122,15 +122,15 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
     off = align_up(off + bytes, kRegionAlign);
     return at;
   };
-  const size_t flags = sizeof(uint64_t) * size_t(s.ep);
-  l.sig_route = take(flags);
-  l.sig_x = take(flags);
-  l.ack_disp = take(flags);
-  l.sig_comb = take(flags);
-  l.ack_comb = take(flags);
+  const size_t signal = sizeof(uint64_t) * size_t(s.ep);
+  l.sig_route = take(signal);
+  l.sig_x = take(signal);
+  l.ack_disp = take(signal);
+  l.sig_comb = take(signal);
+  l.ack_comb = take(signal);
   l.error = take(sizeof(uint64_t));
   l.state = take(sizeof(LocalState));
-  l.moe_flags = take(sizeof(uint64_t) * size_t(kMoeFlagRows + max_microbatches(s.max_tokens)) * s.ep);
+  l.moe_stamps = take(sizeof(uint64_t) * size_t(kMoeStampRows + max_microbatches(s.max_tokens)) * s.ep);
   const size_t chunk_cells = size_t(s.ep) * num_chunks(s.max_tokens) * s.num_local_experts();
   l.chunk_count = take(sizeof(int32_t) * chunk_cells);
   l.chunk_base = take(sizeof(int32_t) * chunk_cells);
@@ -138,12 +138,12 @@ __host__ __device__ inline SymLayout make_layout(const CommShape& s) {
   l.route_idx = take(sizeof(int32_t) * s.ep * l.route_stride);
   l.route_w = take(sizeof(float) * s.ep * l.route_stride);
   const size_t rows = size_t(s.ep) * s.max_tokens * s.hidden * 2;  // bf16
-  l.stage = take(rows);
+  l.dispatch_rows = take(rows);
   // the comm ops' [ep][T][H] partials; the megakernel's [T][top_k][H] slot rows, which EP 1 never sends
-  l.comb = take(size_t(s.ep == 1 || s.ep > s.top_k ? s.ep : s.top_k) * s.max_tokens * s.hidden * 2);
+  l.combine_rows = take(size_t(s.ep == 1 || s.ep > s.top_k ? s.ep : s.top_k) * s.max_tokens * s.hidden * 2);
   if (s.ep > 1) {
     const size_t own = size_t(s.max_tokens) * s.hidden * 2;  // bf16 [max_tokens][H]
-    l.bwd_flags = take(sizeof(uint64_t) * kBwdFlagRows * s.ep);
+    l.bwd_stamps = take(sizeof(uint64_t) * kBwdStampRows * s.ep);
     l.bwd_x = take(own);
     l.bwd_dy = take(own);
     l.bwd_dx = take(own * s.top_k);

@@ -14,7 +14,7 @@
 //   warpgroup 0, warps 1..3       : write zeros into the padding rows [sum(group sizes), M) of `out`.
 //   warpgroups 1, 2 (consumers)   : Sm90Tile::mma_tile, then the epilogue policy (SwiGLU or plain bf16).
 //
-// Shared memory: the stage ring (192 KB), 2 x 9 KB epilogue staging, 8 KB group table; < 227 KB.
+// Shared memory: the stage ring (192 KB), 2 x 9 KB epilogue buffers, 8 KB group table; < 227 KB.
 //
 // Invariants: every output row of a group is written by exactly one CTA with a fixed k order, so results
 // are bitwise reproducible and independent of the number of CTAs; tile rows past the group's end (read

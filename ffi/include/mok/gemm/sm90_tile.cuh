@@ -304,7 +304,7 @@ struct Sm90TileT {
     int32_t col0, n_out;
   };
 
-  // bf16 out through a per-warpgroup staging buffer (64 x 64, padded rows) into 16-byte row-masked stores.
+  // bf16 out through a per-warpgroup epilogue buffer (64 x 64, padded rows) into 16-byte row-masked stores.
   template <bool kSwiGLU>
   __device__ static void store_bf16(const Accumulator& acc, uint32_t* buf, const TileStore& st, int wg, int t) {
     constexpr int kOutCols = kSwiGLU ? kHalfN : kBlockN;

@@ -42,7 +42,7 @@
 namespace mok::gemm {
 
 struct SwigluBackwardOut {
-  const __nv_bfloat16* gu;  // [M, 2I]: g in columns [0, I), u in [I, 2I) (read through the ring, by TMA)
+  const __nv_bfloat16* gu;  // [M, 2I]: g in columns [0, I), u in [I, 2I) (read through the stage ring, by TMA)
   const float* w;           // [M]: the router weight of each row's slot (0 for padding rows); unread without
                             // a router weight (kWeighted = false: the shared expert's rows, weight 1)
   __nv_bfloat16* dgu;       // [M, 2I]: dg | du

@@ -10,7 +10,7 @@
 // one rank (the caller's, inside shard_map); an emulated call carries all `ep` ranks of one EP group on
 // one device (docs/design.md, "EP on one GPU (emulation)"), each against its own workspace.
 //
-// Memory per rank: the workspace (symmetric: flags, routing, staging; mok/comm/workspace.cuh) and one
+// Memory per rank: the workspace (symmetric: signals and stamps, routing, row buffers; mok/comm/workspace.cuh) and one
 // scratch buffer that the caller allocates per call (forward_scratch_layout): the ring of `ring_slots`
 // microbatch slots of received rows (the down GEMM's output overwrites them in place), the SwiGLU
 // activations of those rows, the shared expert's activations and fp32 output, the call's schedule and
@@ -59,17 +59,17 @@ struct ForwardShape {
 // every other call runs a production form, compiled without their checks (mok/moe/forward_params.cuh, timing_bits).
 struct ForwardKnobs {
   int32_t granularity;    // G: tokens per microbatch, a multiple of 64 in [512, 32768]
-  int32_t comm_items;     // work items per communication stage (how many SMs move rows at once)
+  int32_t comm_items;     // work items per communication phase (how many SMs move rows at once)
   int32_t ring_slots;     // S: microbatch slots of the receive ring
-  int32_t dispatch_push;  // 0 pull (owners read the sources' staged rows), 1 push
+  int32_t dispatch_push;  // 0 pull (owners read the sources' posted rows), 1 push
   int32_t num_sms;        // persistent CTAs (0: every SM)
   int32_t identity_experts;  // test mode: every expert is the identity, the shared expert is skipped
   int32_t skip_rank;         // test mode (lab form): this emulated rank makes no call (-1: none)
   int32_t timing_mode;       // bench only (lab form): TimingMode bits (leaving rows out makes the outputs wrong)
 };
 
-// Timing variants that leave one stage's row moves out or do them twice (every flag and counter still runs),
-// so that a bench can take differences: what a stage costs the whole call beyond what the overlap hides.
+// Timing variants that leave one phase's row moves out or do them twice (every stamp and counter still runs),
+// so that a bench can take differences: what a phase costs the whole call beyond what the overlap hides.
 // Leaving rows out also changes what the GEMMs read (stale ring rows, maybe zeros, which run faster), so
 // the "twice" variants, whose outputs stay right, are the sound measure. Only the kernel's lab form (bf16) has
 // their code: a bench's timings of them come from that form, whose code otherwise is the production bf16 form's.

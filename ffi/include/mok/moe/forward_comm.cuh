@@ -51,7 +51,7 @@ __device__ inline void run_post(const LaunchParams& P, const RankParams& R, cons
   gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
   if (ct == 0 && bump(R.sync + kCtlPostRoute) == p.n_post - 1) publish(v, comm::kMoeSigRoute, epoch);
   const int nvec = p.H / 8;
-  const size_t stage_row0 = size_t(v.rank) * v.shape.max_tokens;
+  const size_t dispatch_row0 = size_t(v.rank) * v.shape.max_tokens;
   for (int64_t t = t0 + warp; t < t1; t += kWorkerWarps) {
     const int32_t id = lane < k ? R.topk_idx[t * k + lane] : -1;
     const int owner = (id >= 0 && id < p.L * p.ep) ? id / p.L : -1;
@@ -61,10 +61,10 @@ __device__ inline void run_post(const LaunchParams& P, const RankParams& R, cons
     if (lanes == 0) continue;
     int4* my_dst = nullptr;
     if (!P.dispatch_push) {
-      lanes &= -lanes;  // one copy, into my own stage, for every owner to pull
-      my_dst = v.local<int4>(v.layout.stage) + (stage_row0 + t) * nvec;
+      lanes &= -lanes;  // one copy, into my own dispatch_rows, for every owner to pull
+      my_dst = v.local<int4>(v.layout.dispatch_rows) + (dispatch_row0 + t) * nvec;
     } else if (remote) {
-      my_dst = v.peer<int4>(owner, v.layout.stage) + (stage_row0 + t) * nvec;
+      my_dst = v.peer<int4>(owner, v.layout.dispatch_rows) + (dispatch_row0 + t) * nvec;
     }
     if constexpr (kFp8) {
       auto* q = reinterpret_cast<uint8_t*>(my_dst);
@@ -239,7 +239,7 @@ __device__ inline void run_place(const Plan& p, const RankParams& R, const Item&
   }
 }
 
-__device__ __forceinline__ size_t stage_row(const CommView& v, int s, int64_t t) {
+__device__ __forceinline__ size_t dispatch_row(const CommView& v, int s, int64_t t) {
   return size_t(s) * v.shape.max_tokens + size_t(t);
 }
 
@@ -248,8 +248,8 @@ __device__ __forceinline__ int4* ring_slot(const Plan& p, const RankParams& R, i
   return reinterpret_cast<int4*>(R.recv) + size_t(m % p.S) * p.slot_rows * (p.H / 8);
 }
 
-// The first token of microbatch m, and this item's share [*q0, *q1) of the stage's per_token * tokens units.
-__device__ __forceinline__ int stage_share(const Plan& p, const Item& it, int per_token, int64_t* q0, int64_t* q1) {
+// The first token of microbatch m, and this item's share [*q0, *q1) of the microbatch's per_token * tokens units.
+__device__ __forceinline__ int mb_share(const Plan& p, const Item& it, int per_token, int64_t* q0, int64_t* q1) {
   int t_lo, t_hi;
   mb_tokens(p, it.mb, &t_lo, &t_hi);
   share(int64_t(t_hi - t_lo) * per_token, it.idx, it.count, q0, q1);
@@ -257,7 +257,7 @@ __device__ __forceinline__ int stage_share(const Plan& p, const Item& it, int pe
 }
 
 // DISPATCH(m): every (source, token) of microbatch m with local slots -> its rows of the ring slot. FP8: my own
-// rows are quantised here, a source's staged row (quantised by its POST) is copied as E4M3 bytes and scales.
+// rows are quantised here, a source's posted row (quantised by its POST) is copied as E4M3 bytes and scales.
 template <bool kFp8, bool kLab, class LaunchParams>
 __device__ inline void run_dispatch(const LaunchParams& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
@@ -265,7 +265,7 @@ __device__ inline void run_dispatch(const LaunchParams& P, const RankParams& R, 
   const int warp = ct / 32, lane = ct % 32, k = p.k, ep = p.ep;
   const int nvec = p.H / 8;
   int64_t q0, q1;
-  const int t_lo = stage_share(p, it, ep, &q0, &q1);
+  const int t_lo = mb_share(p, it, ep, &q0, &q1);
   int4* slot = ring_slot(p, R, it.mb);
   const int32_t* row_table = R.sync + p.o_row;
   if (timing_bits<kLab>(p) & kTimingNoDispatchRows) q1 = q0;  // timing mode (lab form)
@@ -276,8 +276,8 @@ __device__ inline void run_dispatch(const LaunchParams& P, const RankParams& R, 
     const uint32_t lanes = __ballot_sync(kFull, row >= 0);
     if (lanes == 0) continue;
     const int4* src = s == v.rank ? R.x + t * nvec
-                      : P.dispatch_push ? v.local<const int4>(v.layout.stage) + stage_row(v, s, t) * nvec
-                                        : v.peer<const int4>(s, v.layout.stage) + stage_row(v, s, t) * nvec;
+                      : P.dispatch_push ? v.local<const int4>(v.layout.dispatch_rows) + dispatch_row(v, s, t) * nvec
+                                        : v.peer<const int4>(s, v.layout.dispatch_rows) + dispatch_row(v, s, t) * nvec;
     int4* my_dst = row >= 0 ? slot + size_t(row) * nvec : nullptr;
     for (int rep = (timing_bits<kLab>(p) & kTimingTwiceDispatchRows) ? 2 : 1; rep > 0; --rep) {
       if constexpr (kFp8) {
@@ -299,9 +299,9 @@ __device__ inline void run_dispatch(const LaunchParams& P, const RankParams& R, 
 }
 
 // SEND(m) (owner side, ep > 1): the row of every remote slot (s, t, j) of microbatch m that is mine, as the down
-// tile left it in the ring (bf16, before the router weight), into origin s's comb[t][j]: one row per slot, so that
-// the origin sums the same terms in the same order at every EP size (run_reduce). A slot past the ring slot (row
-// -2) gets a NaN row there.
+// tile left it in the ring (bf16, before the router weight), into origin s's combine_rows[t][j]: one row per slot, so
+// that the origin sums the same terms in the same order at every EP size (run_reduce). A slot past the ring slot
+// (row -2) gets a NaN row there.
 template <bool kLab, class LaunchParams>
 __device__ inline void run_send(const LaunchParams& P, const RankParams& R, const Item& it, int ct) {
   const Plan& p = P.plan;
@@ -309,7 +309,7 @@ __device__ inline void run_send(const LaunchParams& P, const RankParams& R, cons
   const int warp = ct / 32, lane = ct % 32, k = p.k, ep = p.ep;
   const int nvec = p.H / 8;
   int64_t q0, q1;
-  const int t_lo = stage_share(p, it, ep - 1, &q0, &q1);
+  const int t_lo = mb_share(p, it, ep - 1, &q0, &q1);
   const int4* slot = ring_slot(p, R, it.mb);
   if (timing_bits<kLab>(p) & kTimingNoSendRows) q1 = q0;  // timing mode (lab form)
   for (int64_t q = q0 + warp; q < q1; q += kWorkerWarps) {
@@ -317,7 +317,7 @@ __device__ inline void run_send(const LaunchParams& P, const RankParams& R, cons
     const int so = int(q % (ep - 1));
     const int s = so < v.rank ? so : so + 1;
     const int32_t row = lane < k ? R.sync[p.o_row + (int64_t(s) * p.T + t) * k + lane] : -1;
-    int4* cell = v.peer<int4>(s, v.layout.comb) + size_t(t) * k * nvec;  // origin s's comb[t][0]
+    int4* cell = v.peer<int4>(s, v.layout.combine_rows) + size_t(t) * k * nvec;  // origin s's combine_rows[t][0]
     const uint32_t dropped = __ballot_sync(kFull, row == -2);
     for (uint32_t m = dropped; m; m &= m - 1) nan_row(cell + size_t(__ffs(m) - 1) * nvec, nvec, lane);
     const int4* my_src = row >= 0 ? slot + size_t(row) * nvec : nullptr;
@@ -328,8 +328,8 @@ __device__ inline void run_send(const LaunchParams& P, const RankParams& R, cons
 
 // y_t = bf16( sum over t's slots j, ascending, of w_j * row_j  +  shared_row ), fp32, one rounding per operation:
 // row_j is slot j's expert output row, bf16 (my ring's row when its expert is mine, else the one its owner pushed
-// into my comb[t][j]); lane j holds its address (my_src) and weight, `used` the slots with an expert. The terms and
-// their order do not depend on which rank owns which expert, so y has the same bits at every EP size.
+// into my combine_rows[t][j]); lane j holds its address (my_src) and weight, `used` the slots with an expert. The
+// terms and their order do not depend on which rank owns which expert, so y has the same bits at every EP size.
 __device__ inline void reduce_row(const int4* my_src, float my_w, uint32_t used, const float* shared_row, int nvec,
                                   int4* dst, int lane) {
   constexpr int kU = kReduceUnroll;
@@ -365,9 +365,9 @@ __device__ inline void run_reduce(const LaunchParams& P, const RankParams& R, co
   const int nvec = p.H / 8;
   const int num_experts = p.L * p.ep;
   int64_t b, e;
-  const int t_lo = stage_share(p, it, 1, &b, &e);
+  const int t_lo = mb_share(p, it, 1, &b, &e);
   const int4* rows = ring_slot(p, R, it.mb);
-  const int4* comb = v.local<const int4>(v.layout.comb);
+  const int4* combine_rows = v.local<const int4>(v.layout.combine_rows);
   if (timing_bits<kLab>(p) & kTimingNoReduceRows) e = b;  // timing mode (lab form)
   for (int64_t t = t_lo + b + warp; t < t_lo + e; t += kWorkerWarps) {
     int4* dst = R.y + t * nvec;
@@ -390,7 +390,7 @@ __device__ inline void run_reduce(const LaunchParams& P, const RankParams& R, co
       continue;
     }
     const int4* my_src = mine ? rows + size_t(my_row) * nvec
-                         : id >= 0 ? comb + (size_t(t) * k + lane) * nvec : nullptr;
+                         : id >= 0 ? combine_rows + (size_t(t) * k + lane) * nvec : nullptr;
     const float my_w = id >= 0 ? R.topk_weight[t * k + lane] : 0.0f;
     const uint32_t used = __ballot_sync(kFull, id >= 0);
     const float* shared_row = p.Is > 0 ? R.shared_out + t * p.H : nullptr;

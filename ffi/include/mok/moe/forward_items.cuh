@@ -17,16 +17,16 @@
 
 namespace mok::moe {
 
-// ================================================================================ flags and counters
+// ================================================================================ stamps and counters
 
-// Store this call's epoch into flag row `row` of moe_flags, slot [my rank], of every peer (after a system fence).
+// Store this call's epoch into stamp row `row` of moe_stamps, slot [my rank], of every peer (after a system fence).
 __device__ inline void publish(const CommView& v, int row, uint64_t epoch) {
-  comm::publish_stamps(v, v.layout.moe_flags, row, epoch);
+  comm::publish_stamps(v, v.layout.moe_stamps, row, epoch);
 }
 
-// Wait until every peer stamped flag row `row` of my moe_flags with at least `target`.
+// Wait until every peer stamped row `row` of my moe_stamps with at least `target`.
 __device__ inline bool wait_peers(const CommView& v, int row, uint64_t target, uint32_t code, uint64_t epoch) {
-  return comm::wait_stamps(v, v.layout.moe_flags, row, target, code, comm::kOpMoeForward, epoch);
+  return comm::wait_stamps(v, v.layout.moe_stamps, row, target, code, comm::kOpMoeForward, epoch);
 }
 
 // A wait for an item of the same rank outlasts the cross-rank bound: when a peer never comes, the wait for

@@ -6,22 +6,22 @@
 // Roles. One CTA per SM (384 threads), every CTA a general worker of one EP rank (CTA b serves rank
 // b % num_ranks); nothing is tied to an SM, so the same code serves any EP size and any SM count:
 //   warp 0, one lane ("producer"): claims the rank's next ticket (atomicAdd), decodes it into an item,
-//       waits (bounded) for the item's dependencies, hands it to the consumers through a 2-slot work ring
+//       waits (bounded) for the item's dependencies, hands it to the consumers through a 2-slot work queue
 //       in shared memory, and for a GEMM tile issues its TMA loads into the stage ring (Sm90Tile::load_tile).
 //       It then claims the next ticket while the consumers still work: loads of tile n+1 overlap MMAs of n.
 //   warps 1-3: idle (registers given to the consumers).
 //   warpgroups 1-2 ("consumers", 8 warps): execute every item: a GEMM tile (Sm90Tile::mma_tile, 64 rows
 //       each, then an epilogue policy), or a communication/schedule item (the warps move rows with 16-byte
 //       vectors, one row per warp at a time). Then one thread publishes the item's completion.
-// Communication therefore time-shares SMs with compute: a communication stage is split into comm_items
-// items, so that many SMs move rows while the rest run tiles (the "communication SMs" knob).
+// Communication therefore time-shares SMs with compute: a communication phase is split into comm_items
+// items, so that many CTAs move rows while the rest run tiles (KernelConfig.comm_items_fwd).
 //
 // Registers: producer warpgroup 40, consumers 232 per thread (setmaxnreg; the CTA's 168 x 384 in all). Shared memory: stage ring
-// 192 KB + the FP8 stages' scales 2 KB + epilogue staging 18 KB + work ring and scan scratch; one CTA per SM.
+// 192 KB + the FP8 stages' scales 2 KB + epilogue buffers 18 KB + work queue and scan scratch; one CTA per SM.
 //
 // FP8 routed experts (the kernel's kFp8 form, Plan::fp8): each token row is quantised once in 1 x 128 tiles by
-// its source (POST into its staged row at EP > 1, DISPATCH for its own rows: comm::warp_quantize_row), so the
-// staged rows carry H E4M3 bytes and H/128 scales and DISPATCH copies those into the ring: the E4M3 bytes at
+// its source (POST into its posted row at EP > 1, DISPATCH for its own rows: comm::warp_quantize_row), so the
+// posted rows carry H E4M3 bytes and H/128 scales and DISPATCH copies those into the ring: the E4M3 bytes at
 // the start of the ring row (whose 2H bytes the down tile's bf16 output overwrites in place, as in the bf16
 // form) and the scales into the ring's k-block-major recv_scale. GU and DN tiles are gemm::Sm90Fp8Tile's (the
 // standalone FP8 FFN's chains, promotions and epilogues: the same bits per row), fed through the same stage ring
@@ -34,7 +34,7 @@
 //
 // Synchronisation. Within a rank: counters in the call's scratch (zeroed before the launch), bumped with
 // a release after an item's stores (and a proxy fence where TMA reads the data next), polled with acquire
-// loads. Across ranks: epoch stamps in the workspace's moe_flags, stored by the last item of what they
+// loads. Across ranks: epoch stamps in the workspace's moe_stamps, stored by the last item of what they
 // guard with a release at system scope. Every wait is bounded by the workspace's timeout and gives up at
 // once when the workspace is poisoned; a producer whose wait fails marks the item skipped (consumers do
 // nothing but count it), so a failed call ends quickly; its last CTA then fills y with NaN and writes the
@@ -151,10 +151,10 @@ __device__ inline void finish_call(const Plan& p, const RankParams& R, SharedSto
   comm::LocalState* st = v.state();
   if (threadIdx.x == 0) {
     __threadfence();
-    s.flag = atomicAdd(&st->moe_exit, 1u) == uint32_t(ctas - 1);
+    s.last_cta = atomicAdd(&st->moe_exit, 1u) == uint32_t(ctas - 1);
   }
   __syncthreads();
-  if (!s.flag) return;
+  if (!s.last_cta) return;
   __threadfence();
   const uint64_t poison = comm::read_poison(v);
   if (poison != 0) {  // outputs are defined: every row NaN

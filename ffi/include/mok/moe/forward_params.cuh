@@ -150,7 +150,7 @@ __device__ __forceinline__ int32_t timing_bits(const Plan& p) {
 }
 
 struct Item {
-  int32_t kind, mb, idx, count;            // communication items: idx of count in the stage
+  int32_t kind, mb, idx, count;            // communication items: idx of count in the phase
   int32_t group, row0, row_end, n_block;   // GEMM tiles: matrix, rows [row0, row_end) of A/out, column block
   int32_t mblock;                          // GEMM tiles: the m-block counter this tile adds to
   int32_t skip;                            // a dependency failed (poisoned workspace): do nothing
@@ -164,7 +164,7 @@ struct SharedStorage {
   alignas(8) uint64_t work_full[kWorkSlots];
   alignas(8) uint64_t work_empty[kWorkSlots];
   int32_t scan_warp[kWorkerWarps];
-  int32_t flag;
+  int32_t last_cta;  // finish_call: this CTA is the rank's last to finish
 };
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");

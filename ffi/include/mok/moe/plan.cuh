@@ -13,9 +13,9 @@
 //   D = comm_items. The dynamic part's tile counts come from the schedule, so SCAN writes its segment table.
 //
 // Dependencies (waited for by the CTA's producer thread before the item starts; every wait is bounded):
-//   POST        peers' ack of the previous call's dispatch (they are done with my staged rows and routing)
+//   POST        peers' ack of the previous call's dispatch (they are done with my posted rows and routing)
 //   COUNT       peers' routing (sig_route)          SCAN     every COUNT        PLACE    SCAN
-//   DISPATCH(m) every PLACE, peers' staged rows (sig_x), and COMBINE(m - S) (its ring slot is free again)
+//   DISPATCH(m) every PLACE, peers' posted rows (sig_x), and COMBINE(m - S) (its ring slot is free again)
 //   SHARED_DN   the SHARED_GU tiles of its m-block  GU(m)    DISPATCH(m)        DN(m)    GU(m) of its m-block
 //   SEND(m)     DISPATCH(m), DN(m), peers' ack of the previous call's combine
 //   REDUCE(m)   DISPATCH(m), DN(m), SHARED_DN, every peer's SEND(m) (sig_comb[m])
@@ -51,7 +51,7 @@ struct Plan {
   int32_t T, H, I, Is, k, L, ep;
   int32_t G, M, S, slot_rows;
   int32_t nchunks, chunks_per_mb;
-  int32_t D;                        // items per communication stage
+  int32_t D;                        // items per communication phase
   int32_t n_post, n_count, n_place, n_shared_gu, n_shared_dn;
   int32_t nb_gu, nb_dn, nb_shared_gu, nb_shared_dn;   // output column blocks of each GEMM
   int32_t shared_mblocks;           // ceil(T / 128)
@@ -139,7 +139,7 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
   return p;
 }
 
-// Items of a communication stage: the last microbatch's combine is split over every CTA of the rank (there
+// Items of a communication phase: the last microbatch's combine is split over every CTA of the rank (there
 // is nothing left to overlap it with), the rest over D.
 __host__ __device__ inline int32_t n_send(const Plan& p, int m, int ctas) {
   return p.ep > 1 ? (m == p.M - 1 ? ctas : p.D) : 0;
