@@ -428,8 +428,8 @@ def test_results_written_before_issue_35_read_with_the_new_knob_names(capsys):
     session, where comm_sms_fwd varies) prints through --from-json with the new names."""
     from mok_jax.bench import report as rep
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "moe_backward_h200",
-                        "tune_q30_session18.json")
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "forward",
+                        "tune_qwen3_30b.json")
     assert '"comm_sms_fwd"' in open(path).read()
     results, _ = rep.load_results([path])
     kernels = [r["kernel"] for r in results if r.get("kernel")]
