@@ -97,10 +97,7 @@ __device__ void run(const Launch& P) {
   }
   if (warp == 0 && lane == 0) {
     TileKK::init_stages(s.stages);
-    for (int i = 0; i < kWorkSlots; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.work_full[i], 1);
-      cutlass::arch::ClusterBarrier::init(&s.work_empty[i], kConsumers / 32);
-    }
+    s.work.init(kConsumers / 32);
     cutlass::arch::fence_barrier_init();
     prefetch(p.routed);
     if (p.Ts > 0) prefetch(P.shared);

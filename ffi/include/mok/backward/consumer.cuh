@@ -62,14 +62,12 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
   const int wg = ct / 128, t = ct % 128;
   gemm::RingPos pos;
   const int lane = ct % 32;
-  int w = 0;
-  uint32_t phase = 0;
+  WorkCursor w;
   for (;;) {
-    if (!gemm::mbarrier_wait(&s.work_full[w], phase, p.status)) return;
-    const int32_t i = s.work[w];
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.work_empty[w]);
-    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    if (!s.work.wait_ready(w, p.status)) return;
+    const int32_t i = s.work.at(w);
+    s.work.give_back(w, lane);
+    s.work.advance(w);
     if (i < 0) return;
     const Item it = decode(p, s, h, i);
     const uint64_t t0 = ct == 0 ? gemm::global_timer_ns() : 0;

@@ -12,6 +12,7 @@
 #include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
+#include "mok/work_queue.cuh"
 
 namespace mok {
 namespace {
@@ -38,9 +39,7 @@ struct SharedStorage {
                     // and a slow warp may still be reading the first verdict when the second is written)
   int32_t last;     // this CTA is the rank's last to exit
   Shape shape;      // the item list (from the table)
-  int32_t work[kWorkSlots];  // tickets (item indices; -1: no more) from the producer to the consumers
-  alignas(8) uint64_t work_full[kWorkSlots];
-  alignas(8) uint64_t work_empty[kWorkSlots];
+  WorkQueue<int32_t, kWorkSlots> work;  // tickets (item indices; -1: no more) from the producer to the consumers
 };
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");

@@ -74,15 +74,13 @@ __device__ __forceinline__ bool load_item(const Operands& o, SharedStorage& s, g
 __device__ void producer(const KernelParams& p, const Operands& shared, SharedStorage& s, const Shape& h) {
   const Counters c = counters(p);
   gemm::RingPos pos;
-  int w = 0;
-  uint32_t phase = 0;
+  WorkCursor w;
   for (;;) {
     const int32_t ticket = atomicAdd(c.totals + 2, 1);
     const int32_t i = ticket < h.begin[kKinds] ? ticket : -1;
-    if (!gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, p.status)) return;
-    s.work[w] = i;
-    cutlass::arch::ClusterBarrier::arrive(&s.work_full[w]);
-    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    if (!s.work.wait_free(w, p.status)) return;
+    s.work.publish(w, i);
+    s.work.advance(w);
     if (i < 0) return;
     const Item it = decode(p, s, h, i);
     if (!is_tile(it.kind) || ((it.kind == kWDown || it.kind == kWGateUp) && it.k_len == 0) ||

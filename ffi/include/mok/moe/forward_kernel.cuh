@@ -76,19 +76,17 @@ __device__ inline void producer(const LaunchParams& P, const RankParams& R, Shar
                                 uint64_t epoch) {
   const Plan& p = P.plan;
   Tile::StagePos pos;
-  int w = 0;
-  uint32_t phase = 0;
+  WorkCursor w;
   for (;;) {
     const int32_t ticket = atomicAdd(R.sync + kCtlTickets, 1);
     Item it = decode(p, R, ticket, epoch);
     if (it.kind != kEnd) it.skip = wait_deps(p, R, it, ctas, epoch) ? 0 : 1;
-    if (!gemm::mbarrier_wait(&s.work_empty[w], phase ^ 1, nullptr)) {
+    if (!s.work.wait_free(w, nullptr)) {
       comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
       return;
     }
-    s.work[w] = it;
-    cutlass::arch::ClusterBarrier::arrive(&s.work_full[w]);
-    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    s.work.publish(w, it);
+    s.work.advance(w);
     if (it.kind == kEnd) return;
     if (is_tile(it.kind) && !it.skip) {
       gemm::fence_proxy_async_global();  // rows that other CTAs stored are read next through TMA
@@ -106,16 +104,15 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
   const Plan& p = P.plan;
   Tile::StagePos pos;
   const int lane = ct % 32;
-  int w = 0;
-  uint32_t phase = 0;
+  WorkCursor w;
   for (;;) {
-    if (!gemm::mbarrier_wait(&s.work_full[w], phase, nullptr)) {
+    if (!s.work.wait_ready(w, nullptr)) {
       comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
       return;
     }
     // The item is read from its slot where it is used, and the slot is given back only when the item is done: a
     // copy in registers would stay live across a tile's K loop, where the FP8 tiles' 192 accumulators leave none.
-    const Item& it = s.work[w];
+    const Item& it = s.work.at(w);
     if (it.kind == kEnd) return;
     if (is_tile(it.kind)) {
       if (!it.skip && !tile_item<kFp8>(p, R, s, pos, it, ct)) {
@@ -139,9 +136,8 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
     }
     gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
     if (ct == 0) complete(p, R, it, ctas, epoch);
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.work_empty[w]);
-    if (++w == kWorkSlots) w = 0, phase ^= 1;
+    s.work.give_back(w, lane);
+    s.work.advance(w);
   }
 }
 
@@ -225,10 +221,7 @@ __device__ inline void run(const LaunchParams& P) {
   }
   if (threadIdx.x == 0) {
     Tile::init_stages(s.stages);
-    for (int i = 0; i < kWorkSlots; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.work_full[i], 1);
-      cutlass::arch::ClusterBarrier::init(&s.work_empty[i], kWorkerWarps);
-    }
+    s.work.init(kWorkerWarps);
     cutlass::arch::fence_barrier_init();
     if constexpr (kFp8) {
       const Fp8RoutedTma& d = R.routed.fp8;

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "mok/comm/workspace.cuh"
+#include "mok/work_queue.cuh"
 #include "mok/common.cuh"
 #include "mok/gemm/sm90_fp8_tile.cuh"
 #include "mok/gemm/sm90_tile.cuh"
@@ -160,9 +161,7 @@ struct SharedStorage {
   Tile::Stages stages;
   gemm::Fp8StageScales scales;  // the FP8 tiles' scales of each stage (unused by the bf16 form)
   alignas(16) uint32_t epi[Tile::kConsumerWarpgroups][Tile::kEpiWords];
-  Item work[kWorkSlots];
-  alignas(8) uint64_t work_full[kWorkSlots];
-  alignas(8) uint64_t work_empty[kWorkSlots];
+  WorkQueue<Item, kWorkSlots> work;  // decoded items from the producer to the consumers
   int32_t scan_warp[kWorkerWarps];
   int32_t last_cta;  // finish_call: this CTA is the rank's last to finish
 };
