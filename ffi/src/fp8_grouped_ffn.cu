@@ -3,15 +3,14 @@
 #include <climits>
 
 #include "mok/fp8_grouped_ffn.cuh"
-#include "mok/gemm/sm90_fp8_grouped_gemm.cuh"
-#include "mok/gemm/sm90_grouped_gemm.cuh"  // persistent_grid, launch_persistent_gemm
+#include "mok/gemm/sm90_grouped_gemm.cuh"
 #include "mok/grouped_ffn.cuh"             // the limits and the M == 0 path, shared with the bf16 op
 
 namespace mok {
 namespace {
 
-using GateUpGemm = gemm::Sm90Fp8GroupedGemm<gemm::Fp8Epilogue::kSwiGLUQuant>;
-using DownGemm = gemm::Sm90Fp8GroupedGemm<gemm::Fp8Epilogue::kBf16>;
+using GateUpGemm = gemm::Sm90GroupedGemm<gemm::Fp8BlockScaledMainloop, gemm::Epilogue::kSwiGLUQuant>;
+using DownGemm = gemm::Sm90GroupedGemm<gemm::Fp8BlockScaledMainloop, gemm::Epilogue::kBf16>;
 using E4M3 = cutlass::float_e4m3_t;
 static_assert(GateUpGemm::kMaxGroups == kGroupedFfnMaxExperts, "expert limit");
 
@@ -62,36 +61,36 @@ cudaError_t launch_fp8_grouped_ffn(const Fp8GroupedFfnParams& p, cudaStream_t st
   GateUpGemm::Params up{};
   up.tma_a = GateUpGemm::make_tma_a(static_cast<const E4M3*>(p.x_q), m, hidden);
   up.tma_b = GateUpGemm::make_tma_b(static_cast<const E4M3*>(p.gate_up), 2 * inter, hidden, num_experts);
-  up.a_scale = p.x_scale;
-  up.b_scale = p.gate_up_scale;
+  up.scales.a = p.x_scale;
+  up.scales.b = p.gate_up_scale;
   up.group_sizes = p.group_sizes;
   up.num_groups = num_experts;
   up.num_rows = m;
   up.k = hidden;
   up.n_out = inter;
   up.n_b = 2 * inter;
-  up.second_half = inter;  // the tile's up columns sit I after its gate columns
-  up.out = p.h;
-  up.out_ld = inter;
-  up.out_scale = p.h_scale;
+  up.b_second_offset = inter;  // the tile's up columns sit I after its gate columns
+  up.out.ptr = p.h;
+  up.out.ld = inter;
+  up.out.scale = p.h_scale;
   up.status = p.status;
   up.write_status = 1;
 
   DownGemm::Params dn{};
   dn.tma_a = DownGemm::make_tma_a(static_cast<const E4M3*>(p.h), m, inter);
   dn.tma_b = DownGemm::make_tma_b(static_cast<const E4M3*>(p.down), hidden, inter, num_experts);
-  dn.a_scale = p.h_scale;
-  dn.b_scale = p.down_scale;
+  dn.scales.a = p.h_scale;
+  dn.scales.b = p.down_scale;
   dn.group_sizes = p.group_sizes;
   dn.num_groups = num_experts;
   dn.num_rows = m;
   dn.k = inter;
   dn.n_out = hidden;
   dn.n_b = hidden;
-  dn.second_half = DownGemm::kHalfN;  // the two halves are adjacent
-  dn.out = p.y;
-  dn.out_ld = hidden;
-  dn.out_scale = nullptr;
+  dn.b_second_offset = DownGemm::kHalfN;  // the two halves are adjacent
+  dn.out.ptr = p.y;
+  dn.out.ld = hidden;
+  dn.out.scale = nullptr;
   dn.status = p.status;
   dn.write_status = 0;
 

@@ -7,8 +7,8 @@
 namespace mok {
 namespace {
 
-using GateUpGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kSwiGLU>;
-using DownGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kBf16>;
+using GateUpGemm = gemm::Sm90GroupedGemm<gemm::Bf16Mainloop<>, gemm::Epilogue::kSwiGLU>;
+using DownGemm = gemm::Sm90GroupedGemm<gemm::Bf16Mainloop<>, gemm::Epilogue::kBf16>;
 using Bf16 = cutlass::bfloat16_t;
 static_assert(gemm::kStatusNegativeGroup == kGroupedFfnStatusNegativeGroup, "status bits");
 static_assert(gemm::kStatusRowOverflow == kGroupedFfnStatusRowOverflow, "status bits");
@@ -77,8 +77,8 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   up.n_out = inter;
   up.n_b = 2 * inter;
   up.b_second_offset = inter;  // up columns start I after the gate columns
-  up.out = h;
-  up.out_ld = inter;
+  up.out.ptr = h;
+  up.out.ld = inter;
   up.status = p.status;
   up.write_status = 1;
 
@@ -92,8 +92,8 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   dn.n_out = hidden;
   dn.n_b = hidden;
   dn.b_second_offset = DownGemm::kHalfN;  // the two halves are adjacent
-  dn.out = static_cast<Bf16*>(p.y);
-  dn.out_ld = hidden;
+  dn.out.ptr = p.y;
+  dn.out.ld = hidden;
   dn.status = p.status;
   dn.write_status = 0;
 
