@@ -34,7 +34,7 @@ from helpers import module_seed, record_metrics, seeded_key
 
 from mok_jax import _native, fp8, reference
 from mok_jax.config import load_model
-from mok_jax.ops.fp8_grouped_ffn import fp8_grouped_ffn
+from mok_jax.ops.grouped_ffn import fp8_grouped_ffn
 from mok_jax.ops.grouped_ffn import GROUPED_FFN_STATUS_NEGATIVE_GROUP, GROUPED_FFN_STATUS_ROW_OVERFLOW
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]

@@ -31,7 +31,7 @@ import mok_jax as mj
 from mok_jax import fp8, reference
 from mok_jax.config import KernelConfig
 from mok_jax.emulation import emulated_moe
-from mok_jax.ops.fp8_grouped_ffn import fp8_grouped_ffn
+from mok_jax.ops.grouped_ffn import fp8_grouped_ffn
 from mok_jax.workspace import InvalidRoutingError, local_workspace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_kernels")]

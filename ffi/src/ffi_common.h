@@ -48,9 +48,9 @@ inline bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> 
   return true;
 }
 
-// The grouped FFN handlers (mok_grouped_ffn, mok_fp8_grouped_ffn) take x [M, H] and group_sizes [E] and write
-// y [M, H], h [M, I] and status []: only the weights (their dtype and layout, which give I) and the FP8 op's
-// scales differ, and each handler checks those itself.
+// The grouped FFN handlers (mok_grouped_ffn, mok_fp8_grouped_ffn: ffi_grouped_ffn.cu) take x [M, H] and group_sizes
+// [E] and write y [M, H], h [M, I] and status []: only the weights (their dtype and layout, which give I) and the
+// FP8 op's scales differ, and each handler checks those itself.
 struct GroupedFfnSizes {
   int64_t rows = 0;          // M, from x
   int64_t hidden = 0;        // H, from x
@@ -69,8 +69,8 @@ inline ffi::Error grouped_ffn_sizes(const char* op, ffi::Span<const int64_t> x, 
   return ffi::Error::Success();
 }
 
-// Check y [M, H], h [M, I] and status [], then fill the members that both ops' Params share: x, group_sizes, y,
-// h, status, the sizes and num_sms (the handler sets the weights and the FP8 scales).
+// Check y [M, H], h [M, I] and status [], then fill the GroupedFfnParams members that both precisions share: x,
+// group_sizes, y, h, status, the sizes and num_sms (the handler sets the precision, the weights and the FP8 scales).
 template <class Params, class HResult>
 ffi::Error fill_grouped_ffn(const char* op, const GroupedFfnSizes& s, int32_t num_sms, ffi::Buffer<ffi::BF16>& x,
                             ffi::Buffer<ffi::S32>& group_sizes, ffi::ResultBuffer<ffi::BF16>& y, HResult& h,

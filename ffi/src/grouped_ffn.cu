@@ -1,18 +1,17 @@
-// Host side of mok/grouped_ffn.cuh: TMA descriptors, the two grouped-GEMM launches, test helpers.
+// Host side of mok/grouped_ffn.cuh: the limits, the row quantisation of x (FP8), TMA descriptors and the two
+// grouped-GEMM launches of either precision, test helpers.
+#include <algorithm>
 #include <climits>
 
+#include "mok/gemm/fp8_quant.cuh"
 #include "mok/gemm/sm90_grouped_gemm.cuh"
 #include "mok/grouped_ffn.cuh"
 
 namespace mok {
 namespace {
 
-using GateUpGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kSwiGLU>;
-using DownGemm = gemm::Sm90GroupedGemm<gemm::Epilogue::kBf16>;
-using Bf16 = cutlass::bfloat16_t;
 static_assert(gemm::kStatusNegativeGroup == kGroupedFfnStatusNegativeGroup, "status bits");
 static_assert(gemm::kStatusRowOverflow == kGroupedFfnStatusRowOverflow, "status bits");
-static_assert(GateUpGemm::kMaxGroups == kGroupedFfnMaxExperts, "expert limit");
 
 // M == 0: no GEMM to run, but the status still reports bad group sizes.
 __global__ void grouped_ffn_status_kernel(const int32_t* sizes, int num_groups, int32_t* status) {
@@ -29,62 +28,55 @@ __global__ void occupy_sms_kernel(int64_t duration_ns, int32_t* started) {
   while (gemm::global_timer_ns() - t0 < uint64_t(duration_ns)) __nanosleep(10000);
 }
 
-}  // namespace
-
-const char* grouped_ffn_limits_unsupported(int64_t hidden, int64_t intermediate, int64_t num_experts,
-                                           int32_t num_sms) {
-  if (num_experts < 1 || num_experts > kGroupedFfnMaxExperts)
-    return "group_sizes: the number of experts E must be in [1, 1024]";
-  if (hidden > INT_MAX / 2 || 2 * intermediate > INT_MAX) return "gate_up: H and 2I must be below 2^31";
-  if (num_sms < 0) return "num_sms must be >= 0 (0 = all SMs)";
-  return nullptr;
+// x [M, K] -> x_q [M, K], x_scale [K/128, M]: one warp per 1 x 128 tile, grid-stride.
+__global__ void __launch_bounds__(256) fp8_quantize_rows_kernel(const __nv_bfloat16* __restrict__ x,
+                                                               uint8_t* __restrict__ q, float* __restrict__ scale,
+                                                               int64_t num_rows, int64_t k) {
+  const int lane = threadIdx.x % 32;
+  const int64_t blocks = k / gemm::kFp8ScaleBlock;
+  const int64_t tiles = num_rows * blocks;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t tile = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; tile < tiles; tile += warps) {
+    const int64_t row = tile / blocks, kb = tile % blocks;
+    const int64_t offset = row * k + kb * gemm::kFp8ScaleBlock;
+    const float sc = gemm::fp8_quantize_tile_warp(x + offset, q + offset, lane);
+    if (lane == 0) scale[kb * num_rows + row] = sc;
+  }
 }
 
-cudaError_t launch_grouped_ffn_status(const int32_t* group_sizes, int num_experts, int32_t* status,
-                                      cudaStream_t stream) {
-  grouped_ffn_status_kernel<<<1, 32, 0, stream>>>(group_sizes, num_experts, status);
-  return cudaGetLastError();
-}
-
-const char* grouped_ffn_unsupported(const GroupedFfnParams& p) {
-  if (const char* why = grouped_ffn_limits_unsupported(p.hidden, p.intermediate, p.num_experts, p.num_sms))
-    return why;
-  // 16-byte rows for TMA
-  if (p.hidden <= 0 || p.hidden % 8 != 0) return "x: hidden size H must be a positive multiple of 8";
-  if (p.intermediate <= 0 || p.intermediate % 8 != 0)
-    return "gate_up: intermediate size I must be a positive multiple of 8";
-  if (p.num_rows < 0 || p.num_rows > INT_MAX) return "rows M must be in [0, 2^31)";
-  return nullptr;
-}
-
-cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
-  if (grouped_ffn_unsupported(p)) return cudaErrorInvalidValue;
+// The op's two grouped GEMMs with `Mainloop` (its precision): gate/up (A = x, or x_q) with the SwiGLU epilogue
+// kGateUpEpi writes h; down reads h and writes y.
+template <class Mainloop, gemm::Epilogue kGateUpEpi>
+cudaError_t launch_gemm_pair(const GroupedFfnParams& p, const void* a, int grid, cudaStream_t stream) {
+  using GateUpGemm = gemm::Sm90GroupedGemm<Mainloop, kGateUpEpi>;
+  using DownGemm = gemm::Sm90GroupedGemm<Mainloop, gemm::Epilogue::kBf16>;
+  using Element = typename Mainloop::Element;
+  constexpr bool kFp8 = kGateUpEpi == gemm::Epilogue::kSwiGLUQuant;
+  static_assert(GateUpGemm::kMaxGroups == kGroupedFfnMaxExperts, "expert limit");
   const int num_experts = int(p.num_experts);
-  if (p.num_rows == 0) return launch_grouped_ffn_status(p.group_sizes, num_experts, p.status, stream);
-  int grid = 0;
-  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
-
   const int m = int(p.num_rows), hidden = int(p.hidden), inter = int(p.intermediate);
-  auto* h = static_cast<Bf16*>(p.h);
 
-  GateUpGemm::Params up{};
-  up.tma_a = GateUpGemm::make_tma_a(static_cast<const Bf16*>(p.x), m, hidden);
-  up.tma_b = GateUpGemm::make_tma_b(static_cast<const Bf16*>(p.gate_up), 2 * inter, hidden, num_experts);
+  typename GateUpGemm::Params up{};
+  up.tma_a = GateUpGemm::make_tma_a(static_cast<const Element*>(a), m, hidden);
+  up.tma_b = GateUpGemm::make_tma_b(static_cast<const Element*>(p.gate_up), 2 * inter, hidden, num_experts);
+  if constexpr (kFp8) up.scales = {p.scales.x_scale, p.scales.gate_up_scale};
   up.group_sizes = p.group_sizes;
   up.num_groups = num_experts;
   up.num_rows = m;
   up.k = hidden;
   up.n_out = inter;
   up.n_b = 2 * inter;
-  up.b_second_offset = inter;  // up columns start I after the gate columns
-  up.out = h;
-  up.out_ld = inter;
+  up.b_second_offset = inter;  // the tile's up columns sit I after its gate columns
+  up.out.ptr = p.h;
+  up.out.ld = inter;
+  if constexpr (kFp8) up.out.scale = p.scales.h_scale;
   up.status = p.status;
   up.write_status = 1;
 
-  DownGemm::Params dn{};
-  dn.tma_a = DownGemm::make_tma_a(h, m, inter);
-  dn.tma_b = DownGemm::make_tma_b(static_cast<const Bf16*>(p.down), hidden, inter, num_experts);
+  typename DownGemm::Params dn{};
+  dn.tma_a = DownGemm::make_tma_a(static_cast<const Element*>(p.h), m, inter);
+  dn.tma_b = DownGemm::make_tma_b(static_cast<const Element*>(p.down), hidden, inter, num_experts);
+  if constexpr (kFp8) dn.scales = {p.scales.h_scale, p.scales.down_scale};
   dn.group_sizes = p.group_sizes;
   dn.num_groups = num_experts;
   dn.num_rows = m;
@@ -92,13 +84,55 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   dn.n_out = hidden;
   dn.n_b = hidden;
   dn.b_second_offset = DownGemm::kHalfN;  // the two halves are adjacent
-  dn.out = static_cast<Bf16*>(p.y);
-  dn.out_ld = hidden;
+  dn.out.ptr = p.y;
+  dn.out.ld = hidden;
   dn.status = p.status;
   dn.write_status = 0;
 
   MOK_CUDA_RETURN_IF_ERROR(gemm::launch_persistent_gemm<GateUpGemm>(up, grid, stream));
   return gemm::launch_persistent_gemm<DownGemm>(dn, grid, stream);
+}
+
+}  // namespace
+
+const char* grouped_ffn_unsupported(const GroupedFfnParams& p) {
+  if (p.num_experts < 1 || p.num_experts > kGroupedFfnMaxExperts)
+    return "group_sizes: the number of experts E must be in [1, 1024]";
+  if (p.hidden > INT_MAX / 2 || 2 * p.intermediate > INT_MAX) return "gate_up: H and 2I must be below 2^31";
+  if (p.num_sms < 0) return "num_sms must be >= 0 (0 = all SMs)";
+  if (p.precision == GroupedFfnPrecision::kFp8) {  // whole scale blocks along both reductions
+    if (p.hidden <= 0 || p.hidden % 128 != 0) return "x: hidden size H must be a positive multiple of 128";
+    if (p.intermediate <= 0 || p.intermediate % 128 != 0)
+      return "gate_up: intermediate size I must be a positive multiple of 128";
+    if (p.num_rows < 0 || p.num_rows > INT_MAX) return "x: rows M must be in [0, 2^31)";
+  } else {  // 16-byte rows for TMA
+    if (p.hidden <= 0 || p.hidden % 8 != 0) return "x: hidden size H must be a positive multiple of 8";
+    if (p.intermediate <= 0 || p.intermediate % 8 != 0)
+      return "gate_up: intermediate size I must be a positive multiple of 8";
+    if (p.num_rows < 0 || p.num_rows > INT_MAX) return "rows M must be in [0, 2^31)";
+  }
+  return nullptr;
+}
+
+cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
+  if (grouped_ffn_unsupported(p)) return cudaErrorInvalidValue;
+  if (p.num_rows == 0) {
+    grouped_ffn_status_kernel<<<1, 32, 0, stream>>>(p.group_sizes, int(p.num_experts), p.status);
+    return cudaGetLastError();
+  }
+  int grid = 0;
+  MOK_CUDA_RETURN_IF_ERROR(gemm::persistent_grid(p.num_sms, &grid));
+  if (p.precision == GroupedFfnPrecision::kBf16)
+    return launch_gemm_pair<gemm::Bf16Mainloop<>, gemm::Epilogue::kSwiGLU>(p, p.x, grid, stream);
+
+  // Row quantisation of x: 8 warps (tiles) per block; a few waves of blocks per SM, grid-stride beyond.
+  const int64_t m = p.num_rows, hidden = p.hidden;
+  const int64_t tiles = m * (hidden / gemm::kFp8ScaleBlock);
+  const int64_t quant_blocks = std::min<int64_t>((tiles + 7) / 8, int64_t(grid) * 16);
+  fp8_quantize_rows_kernel<<<int(quant_blocks), 256, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(p.x), static_cast<uint8_t*>(p.scales.x_q), p.scales.x_scale, m, hidden);
+  MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return launch_gemm_pair<gemm::Fp8BlockScaledMainloop, gemm::Epilogue::kSwiGLUQuant>(p, p.scales.x_q, grid, stream);
 }
 
 cudaError_t launch_occupy_sms(int32_t num_blocks, int64_t duration_ns, int32_t* started, cudaStream_t stream) {

@@ -38,7 +38,7 @@ from mok_jax._native import native_status
 from mok_jax.bench.timing import kernels_unavailable, time_fn
 from mok_jax.config import load_model
 from mok_jax.fp8 import quantize_expert_weights
-from mok_jax.ops.fp8_grouped_ffn import fp8_grouped_ffn
+from mok_jax.ops.grouped_ffn import fp8_grouped_ffn
 from mok_jax.ops.grouped_ffn import grouped_ffn
 
 __all__ = ["main", "run"]

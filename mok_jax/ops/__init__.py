@@ -6,8 +6,7 @@ without the kernels they raise ``NativeLibraryUnavailable``.
 """
 
 from mok_jax.ops.comm import DispatchLayout, combine, dispatch
-from mok_jax.ops.fp8_grouped_ffn import Fp8GroupedFfnOutput, fp8_grouped_ffn
-from mok_jax.ops.grouped_ffn import grouped_ffn
+from mok_jax.ops.grouped_ffn import Fp8GroupedFfnOutput, fp8_grouped_ffn, grouped_ffn
 from mok_jax.ops.moe_backward import (ExpertsBackwardEpOutput, ExpertsBackwardOutput, experts_backward,
                                       experts_backward_ep)
 from mok_jax.ops.moe_forward import moe_forward

@@ -3,8 +3,8 @@
 //   total[r, n] = sum_{kb} partial_kb[r, n] * a_scale[kb, r] * b_scale[group][n / 128, kb]
 //   partial_kb[r, n] = sum_{k in block kb (128 long)} A[r, k] * B[group][n, k]        E4M3 x E4M3 -> fp32
 //
-// The pieces every FP8 GEMM of the library is built from: the standalone grouped FFN
-// (sm90_fp8_grouped_gemm.cuh) and the MoE megakernel's routed tiles (mok/moe/forward_tiles.cuh). Hopper has
+// The pieces every FP8 GEMM of the library is built from: the grouped GEMM's block-scaled mainloop
+// (sm90_mainloop.cuh's Fp8BlockScaledMainloop) and the MoE megakernel's routed tiles (mok/moe/forward_tiles.cuh). Hopper has
 // no hardware block scaling, so each 128-long K block is one wgmma chain of 4 x k32 into a `partial`
 // accumulator started from zero, and the CUDA cores promote it into an fp32 `total` with the two block scales
 // (the tensor core keeps only ~14 bits while it accumulates, so its chains stay 128 long).
@@ -28,7 +28,8 @@
 //     copy's source must be 16-byte aligned), so the consumers read them kScaleShift = row0 % 4 further on; the
 //     thread loads the two weight scales itself before it waits for the stage and stores them to shared memory
 //     before its arrive (whose release the consumers' wait acquires), so full[s] takes one arrival;
-//   the standalone grouped GEMM's producer warp, which copies the scales by cp.async (its own arrival count).
+//   the grouped GEMM's producer warp (Fp8BlockScaledMainloop::load_tile), which copies the scales by cp.async (its
+//     own arrival count).
 // The consumers (mma_tile) do not depend on which producer ran.
 //
 // Invariants: every output element comes from one tile with a fixed K order and fixed per-thread arithmetic,

@@ -1,26 +1,29 @@
-// mok gemm: persistent, warp-specialised grouped GEMM for Hopper (sm_90a), TMA + wgmma through CuTe.
+// mok gemm: the persistent, warp-specialised grouped GEMM for Hopper (sm_90a), TMA + wgmma through CuTe; one
+// kernel for every precision, which is its mainloop (sm90_mainloop.cuh: Bf16Mainloop, Fp8BlockScaledMainloop).
 //
 //   out[r, n] = epilogue( sum_k A[r, k] * B[g][k, n] )        for rows r of group g (expert-major rows)
-//   kSwiGLU:  the CTA tile's 256 MMA columns are 128 gate columns [n0, n0+128) and the 128 matching up
-//             columns [n0 + I, n0 + I + 128) of gate_up[g] (H x 2I); out = silu(gate) * up  (h, M x I)
-//   kBf16:    the 256 MMA columns are [n0, n0 + 256) of B[g]; out = acc  (y = h @ down, M x H; and in the
-//             backward gu = x @ gate_up, M x 2I, and, with K-major B, dx = dgu @ gate_up^T, M x H)
-//   kF32:     as kBf16 with fp32 out (`out` points at floats): the backward's g, u at the forward's precision
-// fp32 accumulation in registers, bf16 out with round-to-nearest-even.
+//   bf16:  fp32 accumulation in registers;  FP8: sum over 128-long k blocks of the block's E4M3 product times the
+//          row's and the weight block's scales (DeepSeek-V3), promoted into fp32 on the CUDA cores
+// The epilogues (kSwiGLU, kSwiGLUQuant, kBf16, kF32) are listed in sm90_mainloop.cuh; a SwiGLU tile's 256 MMA
+// columns are 128 gate columns and the 128 up columns b_second_offset (= I) further on, a plain tile's are 256
+// adjacent columns (b_second_offset = 128).
 //
-// Built from the tile pieces of sm90_tile.cuh and the static group scheduler of group_scheduler.cuh.
-// Roles (384 threads = 3 warpgroups, one CTA per SM, persistent over the tiles of the group scheduler):
-//   warpgroup 0, warp 0, one lane : producer: Sm90Tile::load_tile for each of its tiles; registers trimmed.
-//   warpgroup 0, warps 1..3       : write zeros into the padding rows [sum(group sizes), M) of `out`.
-//   warpgroups 1, 2 (consumers)   : Sm90Tile::mma_tile, then the epilogue policy (SwiGLU or plain bf16).
+// Roles (384 threads = 3 warpgroups, one CTA per SM, persistent over the tiles of the group scheduler,
+// group_scheduler.cuh):
+//   warpgroup 0, warp 0           : producer: Mainloop::load_tile for each of its tiles (one elected lane for bf16,
+//                                   the whole warp for FP8, whose lanes copy the stage's scales); registers trimmed.
+//   warpgroup 0, warps 1..3       : padding rows [sum(group sizes), M) of `out` (zeros; FP8 h's scales 1).
+//   warpgroups 1, 2 (consumers)   : Mainloop::mma_tile, then the epilogue Mainloop::store<kEpi>.
 //
-// Shared memory: the stage ring (192 KB), 2 x 9 KB epilogue buffers, 8 KB group table; < 227 KB.
+// Shared memory: the stage ring (192 KB, the same bytes for either precision), the mainloop's extra (bf16: 2 x 9 KB
+// epilogue buffers; FP8: the stages' scales, 2 KB), 8 KB group table; < 227 KB.
 //
 // Invariants: every output row of a group is written by exactly one CTA with a fixed k order, so results
 // are bitwise reproducible and independent of the number of CTAs; tile rows past the group's end (read
 // from the next group's rows or TMA zero fill) are computed but never stored; rows past M are zero-filled
-// by TMA; K and N tails are zero-filled by TMA (H and I need only be multiples of 8 for 16-byte strides).
-// A bounded wait that times out sets kStatusWaitTimeout in the status word and ends the CTA early.
+// by TMA; K and N tails are zero-filled by TMA (bf16: H and I need only be multiples of 8 for 16-byte strides;
+// FP8: multiples of 128, whole scale blocks). A bounded wait that times out sets kStatusWaitTimeout in the status
+// word and ends the CTA early.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,22 +32,19 @@
 
 #include "mok/common.cuh"
 #include "mok/gemm/group_scheduler.cuh"
+#include "mok/gemm/sm90_mainloop.cuh"
 #include "mok/gemm/sm90_sync.cuh"
-#include "mok/gemm/sm90_tile.cuh"
 
 namespace mok::gemm {
 
-enum class Epilogue { kSwiGLU, kBf16, kF32 };
-
-template <Epilogue kEpi, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
+template <class Mainloop, Epilogue kEpi>
 struct Sm90GroupedGemm {
-  using Tile = Sm90TileT<cute::GMMA::Major::K, kMajorB>;
-  using Element = typename Tile::Element;
-  static constexpr bool kSwiGLU = kEpi == Epilogue::kSwiGLU;
-  static constexpr bool kF32Out = kEpi == Epilogue::kF32;  // out is float (the backward's g, u)
+  using Tile = typename Mainloop::Tile;
+  using Element = typename Mainloop::Element;
+  static constexpr bool kSwiGLU = kEpi == Epilogue::kSwiGLU || kEpi == Epilogue::kSwiGLUQuant;
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kHalfN = Tile::kHalfN;
-  static constexpr int kOutCols = kSwiGLU ? Tile::kHalfN : Tile::kBlockN;  // output columns per tile
+  static constexpr int kOutCols = kTileOutCols<Tile, kEpi>;  // output columns per tile
   static constexpr int kThreads = 128 + Tile::kConsumerThreads;
   // Raster band height (m-blocks): a 132-tile wave spans ~16 m-blocks x ~8 n-blocks of one group,
   // about the L2 footprint that minimises A + B re-reads for the ep64-slice shapes.
@@ -56,16 +56,16 @@ struct Sm90GroupedGemm {
   static_assert(kProducerRegs * 128 + kConsumerRegs * Tile::kConsumerThreads <= (65536 / kThreads / 8 * 8) * kThreads,
                 "setmaxnreg budget of the CTA");
 
-  using TmaA = typename Tile::TmaA;
-  using TmaB = typename Tile::TmaB;
-  static auto make_tma_a(const Element* ptr, int rows, int k) { return Tile::make_tma_a(ptr, rows, k); }
+  using TmaA = typename Mainloop::TmaA;
+  using TmaB = typename Mainloop::TmaB;
+  static auto make_tma_a(const Element* ptr, int rows, int k) { return Mainloop::make_tma_a(ptr, rows, k); }
   static auto make_tma_b(const Element* ptr, int n_b, int k, int groups) {
-    return Tile::make_tma_b(ptr, n_b, k, groups);
+    return Mainloop::make_tma_b(ptr, n_b, k, groups);
   }
 
-  struct Params {
-    TmaA tma_a;
-    TmaB tma_b;
+  // The mainloop's operands (tma_a, tma_b; FP8: `scales`) first, then the grouped problem, then the output. As a
+  // base class (not a member) the operands take no tail padding: group_sizes follows the FP8 scales directly.
+  struct Params : Mainloop::Operands {
     const int32_t* group_sizes;  // [num_groups], device
     int32_t num_groups;
     int32_t num_rows;            // M: rows of A and of out
@@ -73,63 +73,44 @@ struct Sm90GroupedGemm {
     int32_t n_out;               // columns of out (I for gate/up, H for down)
     int32_t n_b;                 // columns of one B matrix (2I, or H)
     int32_t b_second_offset;     // column of the second B half relative to the first (I, or 128)
-    Element* out;                // [num_rows, out_ld]
-    int64_t out_ld;
+    typename Mainloop::Out out;  // ptr [num_rows, ld] (FP8: and scale)
     int32_t* status;             // status word (bounded-wait failures are or-ed in)
     int32_t write_status;        // CTA 0 stores the group-size status (the first GEMM of the pair)
   };
 
   struct SharedStorage {
-    typename Tile::Stages stages;
-    alignas(16) uint32_t epi[Tile::kConsumerWarpgroups][Tile::kEpiWords];
+    StageRing stages;
+    typename Mainloop::SharedExtra extra;
     GroupTable<kMaxGroups> table;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
 
-  __device__ static typename Tile::TileLoad tile_load(const Params& p, const TileCoord& tc) {
-    const int col0 = tc.n_block * kOutCols;
-    return typename Tile::TileLoad{p.num_rows, p.k, tc.row_begin, p.n_b, p.num_groups, tc.group, col0,
-                          col0 + p.b_second_offset};
-  }
-
-  // ---- producer: one thread ------------------------------------------------------------------------
-  __device__ static void producer(const Params& p, SharedStorage& s, int n_blocks) {
+  // ---- producer: warp 0 (one lane of it for the bf16 mainloop) ---------------------------------------------
+  __device__ static void producer(const Params& p, SharedStorage& s, int n_blocks, int lane) {
     const int num_tiles = s.table.tile_start[p.num_groups];
-    typename Tile::StagePos pos;
+    const auto state = Mainloop::load_init(p);
+    RingPos pos;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileCoord tc = decode_tile<kMaxGroups, kBlockM, kGroupM>(s.table, p.num_groups, tile, n_blocks);
-      if (!Tile::load_tile(p.tma_a, p.tma_b, s.stages, pos, tile_load(p, tc), p.status)) return;
-    }
-  }
-
-  // ---- padding rows: warps 1..3 of the producer warpgroup -------------------------------------------
-  __device__ static void zero_padding_rows(const Params& p, const SharedStorage& s, int t, int num_threads) {
-    const int64_t first = s.table.row_start[p.num_groups];
-    const int64_t chunks_per_row = p.n_out / 8;
-    const int64_t total = (int64_t(p.num_rows) - first) * chunks_per_row;
-    for (int64_t idx = int64_t(blockIdx.x) * num_threads + t; idx < total; idx += int64_t(gridDim.x) * num_threads) {
-      const int64_t row = first + idx / chunks_per_row, col = (idx % chunks_per_row) * 8;
-      *reinterpret_cast<uint4*>(p.out + row * p.out_ld + col) = make_uint4(0, 0, 0, 0);
+      if (!Mainloop::template load_tile<kEpi>(state, p, s.stages, s.extra, pos, tc, lane)) return;
     }
   }
 
   // ---- consumers: two warpgroups, 64 rows each --------------------------------------------------------
   __device__ static void consumer(const Params& p, SharedStorage& s, int ct, int n_blocks) {
-    typename Tile::Accumulator acc;
+    Mainloop::with_accumulators([&](auto&... acc) { consume(p, s, ct, n_blocks, acc...); });
+  }
+  template <class... Accumulator>
+  __device__ static void consume(const Params& p, SharedStorage& s, int ct, int n_blocks, Accumulator&... acc) {
     const int num_tiles = s.table.tile_start[p.num_groups];
     const int wg = ct / 128, t = ct % 128;
-    typename Tile::StagePos pos;
+    const auto state = Mainloop::mma_init(p);
+    RingPos pos;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const TileCoord tc = decode_tile<kMaxGroups, kBlockM, kGroupM>(s.table, p.num_groups, tile, n_blocks);
-      if (!Tile::mma_tile(s.stages, pos, acc, p.k, ct, p.status)) return;
-      if constexpr (kF32Out) {
-        const typename Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
-        Tile::store_f32(acc, st, wg, t);
-      } else {
-        const typename Tile::TileStore st{p.out, p.out_ld, tc.row_begin, tc.row_end, tc.n_block * kOutCols, p.n_out};
-        Tile::template store_bf16<kSwiGLU>(acc, s.epi[wg], st, wg, t);
-      }
+      if (!Mainloop::mma_tile(state, p, s.stages, s.extra, pos, ct, acc...)) return;
+      Mainloop::template store<kEpi>(p, s.extra, tc, wg, t, acc...);
     }
   }
 
@@ -141,7 +122,7 @@ struct Sm90GroupedGemm {
     const int lane = threadIdx.x % 32;
     const int n_blocks = (p.n_out + kOutCols - 1) / kOutCols;
     if (warp == 0 && lane == 0) {
-      Tile::init_stages(s.stages);
+      Mainloop::init_stages(s.stages);
       cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
       cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
     }
@@ -151,9 +132,13 @@ struct Sm90GroupedGemm {
     if (threadIdx.x < 128) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == 0) {
-        if (cute::elect_one_sync()) producer(p, s, n_blocks);
-      } else if constexpr (!kF32Out) {  // the backward's outputs past the groups are scratch
-        zero_padding_rows(p, s, threadIdx.x - 32, 96);
+        if constexpr (Mainloop::kProducerLanes == 32) {
+          producer(p, s, n_blocks, lane);
+        } else if (cute::elect_one_sync()) {
+          producer(p, s, n_blocks, lane);
+        }
+      } else if constexpr (kEpi != Epilogue::kF32) {  // the backward's outputs past the groups are scratch
+        Mainloop::template zero_padding_rows<kEpi>(p, s.table, threadIdx.x - 32, 96);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
