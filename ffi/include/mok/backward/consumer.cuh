@@ -143,7 +143,7 @@ __device__ void consumer(const KernelParams& p, SharedStorage& s, const Shape& h
         if (!TileKK::mma_tile(s.stages, pos, acc, 2 * (it.shared ? p.Is : p.I), ct, p.status)) return;
         if (ct == 0) t_epi = gemm::global_timer_ns();
         if (it.shared)  // fp32: the slot sum adds it to the routed sum before the one rounding
-          TileKK::store_f32(acc, {p.dxs, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
+          TileKK::store_regs<float>(acc, {p.dxs, p.H, it.row0, it.row_end, col0, p.H}, 0, wg, t);
         else
           TileKK::store_bf16<false>(acc, s.epi[wg], {p.dx_e, p.H, it.row0, it.row_end, col0, p.H}, wg, t);
         break;

@@ -74,18 +74,11 @@ struct Fp8StageScales {
 // A class template only so that the TMA types below can be deduced from the member functions' bodies inside
 // the class (as sm90_tile.cuh's Sm90TileT); Sm90Fp8Tile is its one form.
 template <int kForm = 0>
-struct Sm90Fp8TileT {
+struct Sm90Fp8TileT : Sm90TileBase {
   using Element = cutlass::float_e4m3_t;
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 256;              // MMA columns of a tile: two halves of 128
   static constexpr int kBlockK = kFp8ScaleBlock;   // one stage = one scale block
-  static constexpr int kHalfN = 128;               // one wgmma chain (m64n128k32) covers a half
-  static constexpr int kBox = 64;                  // B rows (columns of the product) per TMA box
-  static constexpr int kBoxes = kBlockN / kBox;    // 4: boxes 2 hf, 2 hf + 1 make half hf
-  static constexpr int kStages = StageRing::kStages;
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kBoxes = kBlockN / kBox;    // 4 boxes of 64 B rows: boxes 2 hf, 2 hf + 1 make half hf
+  static_assert(kHalfN == 128, "one wgmma chain (m64n128k32) covers a half");
 
   using SmemLayoutAStage = detail::Fp8KTile<kBlockM, kBlockK>;
   using SmemLayoutAWg = detail::Fp8KTile<kRowsPerConsumer, kBlockK>;
@@ -135,15 +128,6 @@ struct Sm90Fp8TileT {
   static __device__ Element* stage_b(StageRing& s, int stage) {
     return reinterpret_cast<Element*>(s.b) + stage * kStageElemsB;
   }
-
-  // What a producer loads for one tile. A half whose first column is at or past n_b is not loaded.
-  struct TileLoad {
-    int32_t a_rows, k;            // shape of A as its TMA descriptor sees it
-    int32_t a_row0;               // first row of the tile in A
-    int32_t n_b, groups, group;   // shape of B, and this tile's matrix
-    int32_t col0, col1;           // first B row (output column) of each 128-column half
-    __device__ int32_t col(int j) const { return (j < 2 ? col0 : col1) + (j % 2) * kBox; }  // box j's first row
-  };
 
   // ---- producer (one thread): the TMA loads of one tile's K blocks and its scales -------------------------
   // tma_a / tma_b must be kernel parameters (__grid_constant__): TMA reads the descriptor from there. a_scale: A's
@@ -262,18 +246,13 @@ struct Sm90Fp8TileT {
   }
 
   // ---- epilogues --------------------------------------------------------------------------------------
-  // Where a tile's output goes: rows [row0, row_end) of `out` (row0 = the tile's first row; warpgroup wg writes
-  // its 64 rows), columns [col0, ..) below n_out; for the quantised SwiGLU also the scales of column block
-  // col0 / 128 at out_scale[(col0 / 128) * scale_ld + row].
-  struct TileStore {
-    void* out;
-    int64_t ld;          // elements per row of out
-    float* out_scale;    // SwiGLU only
-    int64_t scale_ld;
-    int32_t row0, row_end;
-    int32_t col0, n_out;
+  // Where a tile's output goes (Sm90TileBase::TileStore), and for the quantised SwiGLU also the scales of column
+  // block col0 / 128 at out_scale[(col0 / 128) * scale_ld + row]. (TileLoad and the bf16 epilogue,
+  // store_regs<__nv_bfloat16> per half, are Sm90TileBase's.)
+  struct TileStore : Sm90TileBase::TileStore {
+    float* out_scale = nullptr;  // SwiGLU only
+    int64_t scale_ld = 0;
   };
-
   __device__ static float silu(float g) { return g / (1.0f + expf(-g)); }
 
   // h = silu(gate) * up for the tile's 128 h columns (gate value i of total0 pairs with up value i of total1),
@@ -314,22 +293,6 @@ struct Sm90Fp8TileT {
       float* scale = st.out_scale + int64_t(st.col0 / kFp8ScaleBlock) * st.scale_ld;
       if (row0 < st.row_end) scale[row0] = sc0;
       if (row1 < st.row_end) scale[row1] = sc1;
-    }
-  }
-
-  // bf16 out of half hf (columns [col0 + 128 hf, ..)) straight from registers (two columns per store).
-  __device__ static void store_bf16(const Accumulator& acc, const TileStore& st, int hf, int wg, int t) {
-    const int lane = t % 32, warp = t / 32;
-    const int row0 = st.row0 + kRowsPerConsumer * wg + 16 * warp + lane / 4;
-    const int col_base = st.col0 + hf * kHalfN + 2 * (lane % 4);
-    auto* out = static_cast<__nv_bfloat16*>(st.out);
-    CUTE_UNROLL
-    for (int i = 0; i < 64; i += 2) {
-      const int row = row0 + 8 * ((i >> 1) & 1);
-      const int col = col_base + 8 * (i >> 2);
-      if (row < st.row_end && col < st.n_out)
-        *reinterpret_cast<__nv_bfloat162*>(out + int64_t(row) * st.ld + col) =
-            __floats2bfloat162_rn(acc(i), acc(i + 1));
     }
   }
 };

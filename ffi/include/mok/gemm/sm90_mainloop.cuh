@@ -133,7 +133,7 @@ struct Bf16Mainloop {
     const typename Tile::TileStore st{p.out.ptr, p.out.ld, tc.row_begin, tc.row_end,
                                       tc.n_block * kTileOutCols<Tile, kEpi>, p.n_out};
     if constexpr (kEpi == Epilogue::kF32) {
-      Tile::store_f32(acc, st, wg, t);
+      Tile::template store_regs<float>(acc, st, 0, wg, t);
     } else {
       Tile::template store_bf16<kEpi == Epilogue::kSwiGLU>(acc, x.epi[wg], st, wg, t);
     }
@@ -313,13 +313,15 @@ struct Fp8BlockScaledMainloop {
   __device__ static void store(const Params& p, Fp8StageScales&, const TileCoord& tc, int wg, int t,
                                const Tile::Accumulator& total0, const Tile::Accumulator& total1) {
     static_assert(kEpi == Epilogue::kSwiGLUQuant || kEpi == Epilogue::kBf16, "the FP8 mainloop's epilogues");
-    const Tile::TileStore st{p.out.ptr,    p.out.ld,   p.out.scale, p.num_rows, tc.row_begin,
-                             tc.row_end, tc.n_block * kTileOutCols<Tile, kEpi>, p.n_out};
+    const Tile::TileStore st{{p.out.ptr, p.out.ld, tc.row_begin, tc.row_end, tc.n_block * kTileOutCols<Tile, kEpi>,
+                              p.n_out},
+                             p.out.scale,
+                             p.num_rows};
     if constexpr (kEpi == Epilogue::kSwiGLUQuant) {
       Tile::store_swiglu_quant(total0, total1, st, wg, t);
     } else {
-      Tile::store_bf16(total0, st, 0, wg, t);
-      Tile::store_bf16(total1, st, 1, wg, t);
+      Tile::store_regs<__nv_bfloat16>(total0, st, 0, wg, t);
+      Tile::store_regs<__nv_bfloat16>(total1, st, Tile::kHalfN, wg, t);
     }
   }
 

@@ -10,7 +10,7 @@
 // 128B-swizzled shared memory, one batch of 4 in flight), and the epilogue policies:
 //   store_swiglu_bf16  out[r, c] = bf16(silu(acc[r, c]) * acc[r, c + 128])     128 columns
 //   store_bf16         out[r, c] = bf16(acc[r, c])                             256 columns
-//   store_f32          out[r, c] = acc[r, c]                                   256 columns
+//   store_regs<float>  out[r, c] = acc[r, c]                                   256 columns (Sm90TileBase's)
 // Each epilogue writes rows [row, row_end) and columns [.., n_out) only, so rows of the next group that a
 // tile reads past its own group's end and TMA's zero fill past the matrix are computed but never stored.
 //
@@ -78,11 +78,87 @@ struct RingPos {
   }
 };
 
+// What every tile kind shares, bf16 (Sm90TileT below) and FP8 (sm90_fp8_tile.cuh's Sm90Fp8TileT, whose operand
+// precision is its own mainloop): the 128 x 256 output tile of two consumer warpgroups (64 rows each), the stage
+// ring, what the producer loads for a tile and where its output goes, and the register epilogues.
+struct Sm90TileBase {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 256;                  // MMA columns of a tile: two halves of 128
+  static constexpr int kHalfN = kBlockN / 2;
+  static constexpr int kBox = 64;                      // B rows of one of the FP8 tile's TMA boxes (TileLoad::col)
+  static constexpr int kStages = StageRing::kStages;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;
+
+  // The ring and a position in it do not depend on the operands: kernels that mix tile kinds (the experts'
+  // backward, the FP8 megakernel) walk one ring with one position through tiles of every kind.
+  using Stages = StageRing;
+  using StagePos = RingPos;
+
+  // For a one-thread producer: full[s] takes its one arrive (with the TMA bytes), empty[s] one per consumer warp.
+  __device__ static void init_stages(Stages& s) {  // one thread, before the CTA's first barrier
+    for (int i = 0; i < kStages; ++i) {
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarpgroups * 4);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // What the producer loads for one tile. A B half (bf16) or box (FP8) that starts past the last column of B is
+  // skipped (and never stored): the N tail of a down projection.
+  struct TileLoad {
+    int32_t a_rows, k;            // shape of A as its TMA descriptor sees it
+    int32_t a_row0;               // first row of the tile in A
+    int32_t n_b, groups, group;   // shape of B, and this tile's matrix
+    int32_t col0, col1;           // first column (B row) of each 128-column half of B
+    int32_t k0 = 0;               // bf16: the k range this tile reduces over: [k0, k0 + k_len)
+    int32_t k_len = -1;           // -1: all of k (the FP8 tile always reduces over all of k)
+    __device__ int32_t k_count() const { return k_len < 0 ? k : k_len; }
+    __device__ int32_t col(int j) const { return (j < 2 ? col0 : col1) + (j % 2) * kBox; }  // box j's first row
+  };
+
+  // Where a tile's output goes: rows [row0, row_end) of `out` (row0 = the tile's first row; warpgroup wg writes
+  // its 64 rows), columns [col0, ..) below n_out. (The FP8 tile's TileStore extends it by the scales' place. Not
+  // here with defaults: two more fields, though never read, change the bf16 megakernel's register allocation.)
+  struct TileStore {
+    void* out;
+    int64_t ld;                   // elements per row of out
+    int32_t row0, row_end;
+    int32_t col0, n_out;
+  };
+
+  // Out (float or bf16) straight from a wgmma accumulator's registers, two columns per store, columns from
+  // col0 + col_off on: fp32 (a bf16 tile's 256 columns, each warp store 8 rows x 32 bytes, whole sectors) or
+  // bf16 (one FP8 half of 128 columns). n_out must be even. Fragment (PTX ISA, m64nNk16 f32 D): value i of
+  // thread (warp w, lane l) of the warpgroup sits at row 16w + l/4 + 8*((i/2)%2), column 8*(i/4) + 2*(l%4) + i%2.
+  template <class Out, class Acc>
+  __device__ static void store_regs(const Acc& acc, const TileStore& st, int col_off, int wg, int t) {
+    constexpr int kValues = decltype(cute::size(std::declval<const Acc&>()))::value;
+    auto* out = static_cast<Out*>(st.out);
+    const int lane = t % 32, warp = t / 32;
+    const int r_base = st.row0 + kRowsPerConsumer * wg + 16 * warp + lane / 4;
+    const int c_base = st.col0 + col_off + 2 * (lane % 4);
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; i += 2) {
+      const int row = r_base + 8 * ((i >> 1) & 1);
+      const int col = c_base + 8 * (i >> 2);
+      if (row < st.row_end && col < st.n_out) {
+        if constexpr (std::is_same_v<Out, float>)
+          *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
+        else
+          *reinterpret_cast<__nv_bfloat162*>(out + int64_t(row) * st.ld + col) =
+              __floats2bfloat162_rn(acc(i), acc(i + 1));
+      }
+    }
+  }
+};
+
 // A class template (also) so that the TMA types below can be deduced from the member functions' bodies
 // inside the class (a plain class would see them undefined); Sm90Tile is the forward's K-major A,
 // MN-major B tile.
 template <cute::GMMA::Major kMajorA = cute::GMMA::Major::K, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
-struct Sm90TileT {
+struct Sm90TileT : Sm90TileBase {
   using Element = cutlass::bfloat16_t;
   static constexpr bool kAKMajor = kMajorA == cute::GMMA::Major::K;
   static constexpr bool kBKMajor = kMajorB == cute::GMMA::Major::K;
@@ -90,14 +166,7 @@ struct Sm90TileT {
   // 128 x 256 x 64 is the tile cuBLAS/CUTLASS pick for large bf16 GEMMs on H100: 64x256 wgmma per
   // consumer warpgroup has the lowest shared-memory traffic per FLOP, and 4 stages of 48 KB cover the
   // TMA latency.
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
-  static constexpr int kStages = StageRing::kStages;
-  static constexpr int kHalfN = kBlockN / 2;
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static constexpr int kRowsPerConsumer = kBlockM / kConsumerWarpgroups;
   static constexpr int kEpiCols = 64;
   static constexpr int kEpiPitch = kEpiCols + 8;  // bf16; +16 B per row makes the bf16x2 writes conflict-free
   static constexpr int kEpiWords = kRowsPerConsumer * kEpiPitch / 2;  // per consumer warpgroup
@@ -151,33 +220,9 @@ struct Sm90TileT {
   using TmaA = decltype(make_tma_a(nullptr, 0, 0));
   using TmaB = decltype(make_tma_b(nullptr, 0, 0, 0));
 
-  // What the producer loads for one tile. B's second half is skipped (and never stored) when it starts
-  // past the last column of B: the N tail of a down projection.
-  struct TileLoad {
-    int32_t a_rows, k;            // shape of A as its TMA descriptor sees it
-    int32_t a_row0;               // first row of the tile in A
-    int32_t n_b, groups, group;   // shape of B, and this tile's matrix
-    int32_t col0, col1;           // first column of each 128-column half of B
-    int32_t k0 = 0;               // the k range this tile reduces over: [k0, k0 + k_len)
-    int32_t k_len = -1;           // -1: all of k
-    __device__ int32_t k_count() const { return k_len < 0 ? k : k_len; }
-  };
-
-  // The ring and a position in it do not depend on the operand majors: kernels that mix tile kinds (the
-  // experts' backward) walk one ring with one position through tiles of every kind.
-  using Stages = StageRing;
-  using StagePos = RingPos;
   static_assert(cute::cosize_v<SmemLayoutA> == kStageElemsA * kStages &&
                     cute::cosize_v<SmemLayoutB> == kStageElemsB * kStages,
                 "the stage ring holds the tiles of either major");
-
-  __device__ static void init_stages(Stages& s) {  // one thread, before the CTA's first barrier
-    for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarpgroups * 4);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
 
   static constexpr int k_tiles(int k) { return (k + kBlockK - 1) / kBlockK; }
 
@@ -295,15 +340,6 @@ struct Sm90TileT {
     return *reinterpret_cast<uint32_t*>(&v);
   }
 
-  // Where a tile's output goes: rows [row0, row_end) of `out` (row0 = the tile's first row; warpgroup wg
-  // writes its 64 rows), columns [col0, min(col0 + width, n_out)).
-  struct TileStore {
-    void* out;
-    int64_t ld;        // elements per row of out
-    int32_t row0, row_end;
-    int32_t col0, n_out;
-  };
-
   // bf16 out through a per-warpgroup epilogue buffer (64 x 64, padded rows) into 16-byte row-masked stores.
   template <bool kSwiGLU>
   __device__ static void store_bf16(const Accumulator& acc, uint32_t* buf, const TileStore& st, int wg, int t) {
@@ -344,22 +380,6 @@ struct Sm90TileT {
         }
       }
       named_barrier_sync(1 + wg, 128);
-    }
-  }
-
-  // fp32 out straight from registers: each store instruction of a warp writes 8 rows x 32 bytes (whole
-  // sectors). n_out must be even (two columns per store).
-  __device__ static void store_f32(const Accumulator& acc, const TileStore& st, int wg, int t) {
-    auto* out = static_cast<float*>(st.out);
-    const int lane = t % 32, warp = t / 32;
-    const int r_base = st.row0 + kRowsPerConsumer * wg + 16 * warp + lane / 4;
-    const int c_base = st.col0 + 2 * (lane % 4);
-    CUTE_UNROLL
-    for (int i = 0; i < kBlockN / 2; i += 2) {  // 128 values per thread, two at a time
-      const int row = r_base + 8 * ((i >> 1) & 1);
-      const int col = c_base + 8 * (i >> 2);
-      if (row < st.row_end && col < st.n_out)
-        *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
     }
   }
 };

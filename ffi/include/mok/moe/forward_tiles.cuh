@@ -127,7 +127,8 @@ __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStor
       gemm::fence_proxy_async_global();
       break;
     default:
-      Tile::store_f32(acc, Tile::TileStore{R.shared_out, p.H, it.row0, it.row_end, it.n_block * kDnCols, p.H}, wg, t);
+      Tile::store_regs<float>(acc, Tile::TileStore{R.shared_out, p.H, it.row0, it.row_end, it.n_block * kDnCols, p.H},
+                               0, wg, t);
       break;
   }
 }
@@ -147,14 +148,14 @@ __device__ __forceinline__ bool fp8_tile_item(const Plan& p, const RankParams& R
   const int wg = ct / 128, t = ct % 128;
   if (it.kind == kGu) {
     Fp8Tile::store_swiglu_quant(total0, total1,
-                                Fp8Tile::TileStore{R.h, p.I, R.h_scale, p.scale_ld, it.row0, it.row_end,
-                                                   it.n_block * kGuCols, p.I},
+                                Fp8Tile::TileStore{{R.h, p.I, it.row0, it.row_end, it.n_block * kGuCols, p.I},
+                                                   R.h_scale, p.scale_ld},
                                 wg, t);
     gemm::fence_proxy_async_global();  // the DN tiles read h and its scales with TMA
   } else {
-    const Fp8Tile::TileStore st{R.recv, p.H, nullptr, 0, it.row0, it.row_end, it.n_block * kDnCols, p.H};
-    Fp8Tile::store_bf16(total0, st, 0, wg, t);
-    Fp8Tile::store_bf16(total1, st, 1, wg, t);
+    const Fp8Tile::TileStore st{{R.recv, p.H, it.row0, it.row_end, it.n_block * kDnCols, p.H}};
+    Fp8Tile::store_regs<__nv_bfloat16>(total0, st, 0, wg, t);
+    Fp8Tile::store_regs<__nv_bfloat16>(total1, st, Fp8Tile::kHalfN, wg, t);
   }
   return true;
 }
