@@ -53,15 +53,6 @@
 
 namespace mok::gemm {
 
-namespace detail {
-// A K-major shared-memory tile of 8-bit values (rows x 128 k, 128B swizzle): a column of 8-row x 128-byte
-// atoms. (sm90_tile.cuh's StageTile instantiates its MN-major branch too, which has no 64-row form for
-// 8-bit values.)
-template <int kRows, int kCols>
-using Fp8KTile = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<cutlass::float_e4m3_t>{},
-                                              cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{}));
-}  // namespace detail
-
 // The scales of each stage's K block: the tile's 128 row scales (from index a_shift on: the one-thread producer's
 // bulk copy starts at a 16-byte boundary of global memory, up to 3 rows early) and its two halves' weight scales
 // ([2], [3] unused).
@@ -80,10 +71,10 @@ struct Sm90Fp8TileT : Sm90TileBase {
   static constexpr int kBoxes = kBlockN / kBox;    // 4 boxes of 64 B rows: boxes 2 hf, 2 hf + 1 make half hf
   static_assert(kHalfN == 128, "one wgmma chain (m64n128k32) covers a half");
 
-  using SmemLayoutAStage = detail::Fp8KTile<kBlockM, kBlockK>;
-  using SmemLayoutAWg = detail::Fp8KTile<kRowsPerConsumer, kBlockK>;
-  using SmemLayoutBox = detail::Fp8KTile<kBox, kBlockK>;
-  using SmemLayoutBHalf = detail::Fp8KTile<kHalfN, kBlockK>;
+  using SmemLayoutAStage = detail::StageTile<Element, true, kBlockM, kBlockK>;
+  using SmemLayoutAWg = detail::StageTile<Element, true, kRowsPerConsumer, kBlockK>;
+  using SmemLayoutBox = detail::StageTile<Element, true, kBox, kBlockK>;
+  using SmemLayoutBHalf = detail::StageTile<Element, true, kHalfN, kBlockK>;
   static constexpr int kStageElemsA = kBlockM * kBlockK;
   static constexpr int kBoxElems = kBox * kBlockK;
   static constexpr int kStageElemsB = kBlockN * kBlockK;

@@ -43,21 +43,30 @@
 namespace mok::gemm {
 
 namespace detail {
-// Shared-memory layouts of one operand tile (rows x cols, cols = the k extent) and of a ring of them.
+// Shared-memory layouts (128B swizzle) of one operand tile (rows x cols, cols = the k extent) and of a ring of
+// them, for 16-bit (bf16) and 8-bit (FP8, K-major only) elements. Only the asked major is instantiated: an 8-bit
+// MN-major atom has no 64-row form.
+template <class E, bool kKMajor, int... kExtents>
+struct StageLayout {  // K-major: 8-row x 128-byte atoms tiled along rows first
+  using type =
+      decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<cute::Int<kExtents>...>{}));
+};
+template <class E, int kRows, int kCols>
+struct StageLayout<E, false, kRows, kCols> {  // MN-major: atoms tiled along k first
+  using type = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{},
+                                            cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{},
+                                            cute::Step<cute::_2, cute::_1>{}));
+};
+template <class E, int kRows, int kCols, int kStages>
+struct StageLayout<E, false, kRows, kCols, kStages> {
+  using type = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{},
+                                            cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::Int<kStages>>{},
+                                            cute::Step<cute::_2, cute::_1, cute::_3>{}));
+};
 template <class E, bool kKMajor, int kRows, int kCols>
-using StageTile = std::conditional_t<
-    kKMajor,
-    decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{})),
-    decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{}, cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{},
-                                 cute::Step<cute::_2, cute::_1>{}))>;
+using StageTile = typename StageLayout<E, kKMajor, kRows, kCols>::type;
 template <class E, bool kKMajor, int kRows, int kCols, int kStages>
-using StageRing = std::conditional_t<
-    kKMajor,
-    decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{},
-                                 cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::Int<kStages>>{})),
-    decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<E>{},
-                                 cute::Shape<cute::Int<kRows>, cute::Int<kCols>, cute::Int<kStages>>{},
-                                 cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
+using StageRing = typename StageLayout<E, kKMajor, kRows, kCols, kStages>::type;
 }  // namespace detail
 
 // The stage ring of every bf16 tile kind below (128 x 64 A and 256 x 64 B per stage, 4 stages), and a
