@@ -199,13 +199,7 @@ struct Fp8BlockScaledMainloop {
     f(total0, total1);
   }
 
-  __device__ static void init_stages(StageRing& s) {
-    for (int i = 0; i < StageRing::kStages; ++i) {
-      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1 + 32);  // TMA bytes + the scale copies
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], Tile::kConsumerWarpgroups * 4);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  __device__ static void init_stages(StageRing& s) { Tile::init_stages(s, 1 + 32); }  // TMA bytes + the scale copies
 
   // ---- producer: one warp, one tile ---------------------------------------------------------------------
   // Lane 0 issues the stage's TMA loads (full[s] counts their bytes); every lane copies 4 of the tile's 128 row

@@ -105,10 +105,11 @@ struct Sm90TileBase {
   using Stages = StageRing;
   using StagePos = RingPos;
 
-  // For a one-thread producer: full[s] takes its one arrive (with the TMA bytes), empty[s] one per consumer warp.
-  __device__ static void init_stages(Stages& s) {  // one thread, before the CTA's first barrier
+  // full[s] takes full_arrivals arrives (a one-thread producer's one, with the TMA bytes), empty[s] one per
+  // consumer warp.
+  __device__ static void init_stages(Stages& s, int full_arrivals = 1) {  // one thread, before the CTA's first barrier
     for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], full_arrivals);
       cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarpgroups * 4);
     }
     cutlass::arch::fence_barrier_init();
