@@ -17,7 +17,7 @@ import tomllib
 
 from mok_jax.config import RENAMED_KERNEL_FIELDS, KernelConfig, renamed_kernel_field
 
-__all__ = ["ProblemKey", "device_slug", "heuristic", "load_table", "resolve", "table_path"]
+__all__ = ["ProblemKey", "check_entry_keys", "device_slug", "heuristic", "load_table", "resolve", "table_path"]
 
 _KNOBS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 
@@ -57,6 +57,19 @@ def table_path(device_kind: str, root: pathlib.Path | None = None) -> pathlib.Pa
     return _tuned_dirs()[-1] / device_slug(device_kind) / "kernel.toml"
 
 
+def check_entry_keys(entry: dict, where: str) -> None:
+    """A tuned-table entry's keys (``where`` names the entry in the error): a knob name from before issue 35 is refused
+    naming the field it became (RENAMED_KERNEL_FIELDS), and any key that is neither a ProblemKey field, a knob,
+    median_ms nor model as unknown. load_table and mok-bench's tuned-table writer (mok_jax.bench.tune) both check
+    their entries here."""
+    renamed = sorted(set(entry) & set(RENAMED_KERNEL_FIELDS))
+    if renamed:
+        raise ValueError(f"{where} has the key {renamed[0]}: {renamed_kernel_field(renamed[0])}")
+    unknown = set(entry) - {f.name for f in dataclasses.fields(ProblemKey)} - set(_KNOBS) - {"median_ms", "model"}
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
+
+
 @functools.lru_cache(maxsize=16)
 def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
     """The entries of a tuned table (empty when the file is absent). Bad entries raise ValueError."""
@@ -68,12 +81,7 @@ def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
     out = []
     key_fields = {f.name for f in dataclasses.fields(ProblemKey)}
     for i, e in enumerate(raw.get("entry", [])):
-        renamed = sorted(set(e) & set(RENAMED_KERNEL_FIELDS))
-        if renamed:
-            raise ValueError(f"{p}: entry {i} has the key {renamed[0]}: {renamed_kernel_field(renamed[0])}")
-        unknown = set(e) - key_fields - set(_KNOBS) - {"median_ms", "model"}
-        if unknown:
-            raise ValueError(f"{p}: entry {i} has unknown keys {sorted(unknown)}")
+        check_entry_keys(e, f"{p}: entry {i}")
         try:
             key = ProblemKey(**{k: int(e[k]) for k in key_fields})
         except KeyError as missing:

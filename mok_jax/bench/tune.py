@@ -22,7 +22,7 @@ import tomllib
 from typing import Any, Iterable
 
 from mok_jax import tuning
-from mok_jax.config import RENAMED_KERNEL_FIELDS, KernelConfig, renamed_kernel_field
+from mok_jax.config import KernelConfig
 
 __all__ = ["KEY_FIELDS", "KNOBS", "TUNE_COMM_ITEMS", "TUNE_GRANULARITIES", "TUNE_RING_SLOTS", "best_entries", "grid",
            "problem_key", "read_entries", "resolve_kernel", "tuned_root", "write_table"]
@@ -96,12 +96,7 @@ def _problem(e: dict) -> tuple[int, ...]:
 
 
 def _check_entry(e: dict, where: str) -> dict:
-    renamed = sorted(set(e) & set(RENAMED_KERNEL_FIELDS))
-    if renamed:
-        raise ValueError(f"{where}: the key {renamed[0]}: {renamed_kernel_field(renamed[0])}")
-    unknown = set(e) - set(KEY_FIELDS) - set(KNOBS) - {"median_ms", "model"}
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    tuning.check_entry_keys(e, where)
     missing = [k for k in KEY_FIELDS if k not in e]
     if missing:
         raise ValueError(f"{where}: lacks {missing}")
