@@ -23,6 +23,21 @@ GROUPED_FFN_STATUS_NEGATIVE_GROUP = 1  # status bit: some group size < 0
 GROUPED_FFN_STATUS_ROW_OVERFLOW = 2  # status bit: sum(group_sizes) > M
 
 
+def _rows(x: jax.Array, group_sizes: jax.Array) -> tuple[int, int, int]:
+    """(M, H, E) of the rows and groups both precisions take: x bf16[M, H] with M below 2^31, group_sizes int32[E]."""
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"x must be rank 2 [M, H], got shape {getattr(x, 'shape', None)}")
+    if getattr(group_sizes, "ndim", None) != 1:
+        raise ValueError(f"group_sizes must be rank 1 [E], got shape {getattr(group_sizes, 'shape', None)}")
+    if x.dtype != jnp.bfloat16:
+        raise TypeError(f"x must be bfloat16, got {x.dtype}")
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+    if x.shape[0] >= 2**31:
+        raise ValueError(f"x: rows M must be below 2^31, got {x.shape[0]}")
+    return (*x.shape, group_sizes.shape[0])
+
+
 class GroupedFfnOutput(NamedTuple):
     """y: bf16[M, H]; h: bf16[M, I] (the SwiGLU activation, kept for the backward pass); status: int32[]."""
 
@@ -46,23 +61,15 @@ def grouped_ffn(
     num_sms: persistent CTAs (one per SM) to use; None uses every SM. The result does not depend on it.
     Same semantics as mok_jax.reference.grouped_ffn for y.
     """
-    if getattr(x, "ndim", None) != 2:
-        raise ValueError(f"x must be rank 2 [M, H], got shape {getattr(x, 'shape', None)}")
-    if getattr(group_sizes, "ndim", None) != 1:
-        raise ValueError(f"group_sizes must be rank 1 [E], got shape {getattr(group_sizes, 'shape', None)}")
+    m, hidden, num_experts = _rows(x, group_sizes)
     if getattr(gate_up, "ndim", None) != 3:
         raise ValueError(f"gate_up must be rank 3 [E, H, 2I], got shape {getattr(gate_up, 'shape', None)}")
     if getattr(down, "ndim", None) != 3:
         raise ValueError(f"down must be rank 3 [E, I, H], got shape {getattr(down, 'shape', None)}")
-    for name, arr, want in (("x", x, jnp.bfloat16), ("group_sizes", group_sizes, jnp.int32),
-                            ("gate_up", gate_up, jnp.bfloat16), ("down", down, jnp.bfloat16)):
-        if arr.dtype != want:
-            raise TypeError(f"{name} must be {jnp.dtype(want).name}, got {arr.dtype}")
-    m, hidden = x.shape
-    (num_experts,) = group_sizes.shape
+    for name, arr in (("gate_up", gate_up), ("down", down)):
+        if arr.dtype != jnp.bfloat16:
+            raise TypeError(f"{name} must be bfloat16, got {arr.dtype}")
     inter = check_expert_weights(gate_up, down, num_experts, hidden, max_experts=GROUPED_FFN_MAX_EXPERTS)
-    if m >= 2**31:
-        raise ValueError(f"x: rows M must be below 2^31, got {m}")
     check_num_sms(num_sms)
     require_native("mok_jax.ops.grouped_ffn")
     out = (
@@ -115,19 +122,8 @@ def fp8_grouped_ffn(
     num_sms: persistent CTAs (one per SM); None uses every SM. The result does not depend on it, and two
     runs give the same bits.
     """
-    if getattr(x, "ndim", None) != 2:
-        raise ValueError(f"x must be rank 2 [M, H], got shape {getattr(x, 'shape', None)}")
-    if getattr(group_sizes, "ndim", None) != 1:
-        raise ValueError(f"group_sizes must be rank 1 [E], got shape {getattr(group_sizes, 'shape', None)}")
-    if x.dtype != jnp.bfloat16:
-        raise TypeError(f"x must be bfloat16, got {x.dtype}")
-    if group_sizes.dtype != jnp.int32:
-        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
-    m, hidden = x.shape
-    (num_experts,) = group_sizes.shape
+    m, hidden, num_experts = _rows(x, group_sizes)
     inter = check_fp8_expert_weights(weights, num_experts, hidden, max_experts=GROUPED_FFN_MAX_EXPERTS)
-    if m >= 2**31:
-        raise ValueError(f"x: rows M must be below 2^31, got {m}")
     check_num_sms(num_sms)
     require_native("mok_jax.ops.fp8_grouped_ffn")
     out = (
