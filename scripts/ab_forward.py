@@ -2,17 +2,20 @@
 each in its own process): for each problem, the CRC32 of y at emulated EP 1, 2, 4 and 8 (the same tokens and
 experts split over the ranks: the same total work on one GPU), whether they agree across EP sizes, then the median
 ms of the dense FFN of the same FLOPs, of the layer's forward (EP 1, the default config) and of each emulated EP
-size's forward, with the SM clock while each ran. One JSON line per problem on stdout.
+size's forward, with the SM clock while each ran. One JSON line per problem on stdout. AB_PRECISION=fp8: the same
+for the layer's FP8 form (precision="fp8", the weights quantised once outside the timed calls). AB_EPS="1 2": only
+those emulated EP sizes (default 1 2 4 8).
 
     python scripts/ab_forward.py kimi-k2:2048:16 qwen3-30b-a3b:8192:16
     python scripts/ab_forward.py --summary LOGS A B     (what gpu_backward_ab.sh prints last)
 """
+import os
 import sys
 
 from ab_backward import ab_main, ab_rows, crc  # this script's folder, first on sys.path when it runs
 
 SAMPLES = 5
-EPS = (1, 2, 4, 8)
+EPS = tuple(int(e) for e in os.environ.get("AB_EPS", "1 2 4 8").split())
 
 
 def case(spec: str) -> dict:
@@ -30,9 +33,13 @@ def case(spec: str) -> dict:
     m, x, idx, w, W, flops = _problem(name, tokens, 3, experts)
     E = W.gate_up.shape[0]
     eps = [ep for ep in EPS if E % ep == 0 and tokens % ep == 0]
-    layer = jax.jit(lambda x, i, w, W: mj.moe(x, i, w, W, config=mj.MoEConfig(implementation="mok")))
-    emulated = {ep: jax.jit(lambda x, i, w, W, ep=ep: emulated_moe(x, i, w, W, ep=ep)[0]) for ep in eps}
-    res = {"problem": spec, "experts": E, "bits": {"layer": crc(layer(x, idx, w, W))}}
+    precision = os.environ.get("AB_PRECISION", "bf16")
+    w8 = mj.fp8.quantize_expert_weights(W.gate_up, W.down) if precision == "fp8" else None
+    config = mj.MoEConfig(implementation="mok", precision=precision)
+    layer = jax.jit(lambda x, i, w, W: mj.moe(x, i, w, W, config=config, fp8_weights=w8))
+    emulated = {ep: jax.jit(lambda x, i, w, W, ep=ep: emulated_moe(x, i, w, W, ep=ep, precision=precision,
+                                                                    fp8_weights=w8)[0]) for ep in eps}
+    res = {"problem": spec, "precision": precision, "experts": E, "bits": {"layer": crc(layer(x, idx, w, W))}}
     for ep in eps:
         res["bits"][f"ep{ep}"] = crc(emulated[ep](x, idx, w, W))
     res["same bits at every EP size"] = len(set(res["bits"].values())) == 1
