@@ -115,7 +115,12 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
     const Item& it = s.work.at(w);
     if (it.kind == kEnd) return;
     if (is_tile(it.kind)) {
-      if (!it.skip && !tile_item<kFp8>(p, R, s, pos, it, ct)) {
+      // FP8: the thread's index is read afresh for each tile (opaque to the compiler), so that the epilogues'
+      // addresses derived from it are recomputed per tile instead of hoisted out of the loop, where beside the 192
+      // accumulators they were spilled.
+      int tile_ct = ct;
+      if constexpr (kFp8) asm volatile("mov.b32 %0, %0;" : "+r"(tile_ct));
+      if (!it.skip && !tile_item<kFp8>(p, R, s, pos, it, tile_ct)) {
         comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
         return;
       }

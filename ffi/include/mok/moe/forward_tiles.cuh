@@ -108,18 +108,25 @@ __device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const T
   }
 }
 
+// The FP8 form's bf16 tiles are the shared expert's only (its routed tiles are fp8_tile_item's), so the routed
+// epilogues are not compiled into it: their registers spilled into the FP8 consumer's.
+template <bool kFp8>
 __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStorage& s, const Tile::Accumulator& acc,
                                   const Item& it, int wg, int t) {
   switch (it.kind) {
     case kGu:
-      if (R.keep_gu != nullptr) store_kept_gu(p, R, acc, it, wg, t);
-      Tile::store_bf16<true>(acc, s.epi[wg], Tile::TileStore{R.h, p.I, it.row0, it.row_end, it.n_block * kGuCols, p.I},
-                             wg, t);
-      gemm::fence_proxy_async_global();  // the DN tiles read h with TMA
+      if constexpr (!kFp8) {
+        if (R.keep_gu != nullptr) store_kept_gu(p, R, acc, it, wg, t);
+        Tile::store_bf16<true>(acc, s.epi[wg],
+                               Tile::TileStore{R.h, p.I, it.row0, it.row_end, it.n_block * kGuCols, p.I}, wg, t);
+        gemm::fence_proxy_async_global();  // the DN tiles read h with TMA
+      }
       break;
     case kDn:
-      Tile::store_bf16<false>(acc, s.epi[wg],
-                              Tile::TileStore{R.recv, p.H, it.row0, it.row_end, it.n_block * kDnCols, p.H}, wg, t);
+      if constexpr (!kFp8) {
+        Tile::store_bf16<false>(acc, s.epi[wg],
+                                Tile::TileStore{R.recv, p.H, it.row0, it.row_end, it.n_block * kDnCols, p.H}, wg, t);
+      }
       break;
     case kSharedGu:
       Tile::store_bf16<true>(acc, s.epi[wg],
@@ -168,7 +175,7 @@ __device__ __forceinline__ bool tile_item(const Plan& p, const RankParams& R, Sh
   }
   Tile::Accumulator acc;
   if (!Tile::mma_tile(s.stages, pos, acc, tile_k(p, it.kind), ct, nullptr)) return false;
-  store_item(p, R, s, acc, it, ct / 128, ct % 128);
+  store_item<kFp8>(p, R, s, acc, it, ct / 128, ct % 128);
   return true;
 }
 
