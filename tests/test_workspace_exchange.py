@@ -73,6 +73,28 @@ def meet(arrive):
     except CommError as e:
         return {"error": str(e), "s": time.monotonic() - t0}
 
+def descriptors():
+    # Each process serves a descriptor of its rank's "region" (a memfd) and publishes the socket in its record; each
+    # receives the other's through the socket the exchange names, as Workspace.create does for memory="vmm".
+    import os
+    from mok_jax.workspace.descriptors import DescriptorServer, fetch_descriptors
+    fd = os.memfd_create("region")
+    os.write(fd, f"region of process {pid}".encode())
+    with DescriptorServer({f"0,{pid}": fd}, label="test") as server:
+        sockets = {}
+        exchange.exchange_handles(107, process=pid, processes=[0, 1], fingerprint="f", handles={(0, pid): b"h"},
+                                  failure=None, ranks=RANKS, timeout_s=deadline, descriptor_socket=server.address,
+                                  sockets=sockets)
+        other = 1 - pid
+        got = fetch_descriptors(sockets[(0, other)], [f"0,{other}"], timeout_s=deadline, peer=f"process {other}")
+        text = os.pread(got[f"0,{other}"], 64, 0).decode()
+        os.close(got[f"0,{other}"])
+        own = sockets[(0, pid)] == server.address
+        distributed.global_state.client.wait_at_barrier("mok_test_exchange_descriptors_read", 60_000)
+    os.close(fd)
+    return {"read": text, "own socket listed": own}
+
+cases["descriptors"] = descriptors
 cases["agree"] = lambda: agree({0, 1})
 cases["noid"] = lambda: agree({1})  # process 0 never publishes the id
 out = {}
@@ -104,6 +126,13 @@ def results():
 def test_both_publish_and_each_gets_every_rank(results):
     want = {"0,0": (b"\x01" * 8).hex(), "0,1": (b"\x02" * 8).hex()}
     assert results[0]["both"]["ok"] == want and results[1]["both"]["ok"] == want
+
+
+def test_descriptor_sockets_travel_in_the_records_and_pass_each_region(results):
+    """memory="vmm" with POSIX descriptors: the exchange names each rank's owner's descriptor socket, and each
+    process receives the other's descriptor through it (mok_jax/workspace/descriptors.py)."""
+    for pid in (0, 1):
+        assert results[pid]["descriptors"] == {"read": f"region of process {1 - pid}", "own socket listed": True}
 
 
 def test_a_process_that_never_publishes_is_named_after_the_deadline(results):

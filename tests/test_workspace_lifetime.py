@@ -224,6 +224,12 @@ class FakeLib:
     def mok_comm_handle_bytes(self):
         return self.HANDLE_BYTES
 
+    def mok_comm_handle_descriptor(self, handle, fd):  # the fake's handles name no POSIX descriptor
+        return 0
+
+    def mok_comm_handle_name_local_descriptor(self, handle, fd):
+        return -1
+
     def mok_comm_alloc(self, ws_id, g, ordinal, r, ep, T, H, k, E, timeout, memory, want_handle, out, err, err_len):
         self.calls.append(("alloc", ws_id, ordinal, r, want_handle) + ((memory,) if memory else ()))
         rc = self.alloc_rc.get(ordinal, 0)

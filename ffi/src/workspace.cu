@@ -251,6 +251,24 @@ MOK_EXPORT int64_t mok_comm_workspace_bytes(int32_t ep, int32_t max_tokens, int3
 // The bytes of one rank's handle as the processes exchange it (memory::WireHandle; opaque to Python).
 MOK_EXPORT int32_t mok_comm_handle_bytes() { return memory::handle_bytes(); }
 
+// Descriptor passing (memory::handle_descriptor): 1 when `handle` names a POSIX descriptor of this process, 2 one
+// of another process, 0 neither (*fd: the descriptor's number in its process).
+MOK_EXPORT int32_t mok_comm_handle_descriptor(const uint8_t* handle, int32_t* fd) {
+  memory::WireHandle h;
+  std::memcpy(&h, handle, sizeof(h));
+  return memory::handle_descriptor(h, fd);
+}
+
+// Rewrites `handle` in place to name descriptor `fd` of this process (memory::name_local_descriptor): 0, or -1
+// when it is no descriptor handle or fd is negative.
+MOK_EXPORT int32_t mok_comm_handle_name_local_descriptor(uint8_t* handle, int32_t fd) {
+  memory::WireHandle h;
+  std::memcpy(&h, handle, sizeof(h));
+  if (!memory::name_local_descriptor(&h, fd)) return -1;
+  std::memcpy(handle, &h, sizeof(h));
+  return 0;
+}
+
 namespace {
 
 // " (CUDA device d has F of T MiB free)", or "" when the driver cannot say.

@@ -420,4 +420,19 @@ void release(Region* r) {
   *r = Region{};
 }
 
+DescriptorOwner handle_descriptor(const WireHandle& h, int32_t* fd) {
+  if (h.type != kHandlePosixFd) return kDescriptorNone;
+  *fd = h.fd;
+  return h.process == process_id() ? kDescriptorOwn : kDescriptorPeer;
+}
+
+bool name_local_descriptor(WireHandle* h, int32_t fd) {
+  if (h->type != kHandlePosixFd || fd < 0) return false;
+  h->pid = int32_t(getpid());
+  h->fd = fd;
+  h->host = host_id();
+  h->process = process_id();
+  return true;
+}
+
 }  // namespace mok::comm::memory

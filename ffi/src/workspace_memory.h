@@ -5,7 +5,9 @@
 //   kMemoryVmm  CUDA virtual memory management: cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess,
 //               exported as a FABRIC handle where the device reports support for it and the allocation with that
 //               handle type succeeds (an IMEX channel is open: the form that crosses hosts in an NVL72 rack), else
-//               as a POSIX file descriptor, which another process of the same host takes over with pidfd_getfd.
+//               as a POSIX file descriptor, which another process of the same host receives over a UNIX socket
+//               (mok_jax/workspace/descriptors.py; handle_descriptor, name_local_descriptor) or takes over with
+//               pidfd_getfd.
 //               A peer on another host with only a file descriptor, or a peer its device cannot reach, is an error
 //               at set-up that names what is missing.
 // The driver calls go through cudaGetDriverEntryPointByVersion, so the library still links only the static CUDA
@@ -64,6 +66,16 @@ std::string import_handle(const WireHandle& h, int device, size_t min_bytes, con
 // Grants `device` access to an owned VMM region of another device of this process (peer access does not cover
 // VMM mappings). A no-op for kMemoryIpc regions (the caller enables peer access for those).
 std::string grant_access(const Region& r, int device, const std::string& peer);
+
+// Descriptor passing (mok_jax/workspace/descriptors.py hands a POSIX-descriptor region's descriptor to the other
+// processes of its host over a UNIX socket, so that no process needs ptrace permission over another):
+// the descriptor a handle names: kDescriptorOwn when it is this very process's (*fd: its number here),
+// kDescriptorPeer when another process's of the same host (*fd: its number there), kDescriptorNone otherwise.
+enum DescriptorOwner : int32_t { kDescriptorNone = 0, kDescriptorOwn = 1, kDescriptorPeer = 2 };
+DescriptorOwner handle_descriptor(const WireHandle& h, int32_t* fd);
+// Makes a descriptor handle name descriptor `fd` of this process (one received from its exporter), so that
+// import_handle duplicates it instead of taking the exporter's. False when h is not a descriptor handle.
+bool name_local_descriptor(WireHandle* h, int32_t fd);
 
 // Unmaps and frees (owned) or unmaps (imported); best effort, leaves no sticky CUDA error.
 void release(Region* r);

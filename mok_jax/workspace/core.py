@@ -17,6 +17,7 @@ import numpy as np
 from mok_jax import _native
 from mok_jax.config import KernelConfig, _require
 from mok_jax.workspace import exchange
+from mok_jax.workspace.descriptors import DescriptorServer, fetch_descriptors
 from mok_jax.workspace.errors import (_ALLOC_OUT_OF_MEMORY, _TIMEOUT_CODES, CommError, CommTimeoutError,
                                       InvalidRoutingError, WorkspaceMemoryError, _out_of_memory_message)
 from mok_jax.workspace.native import _declare, _lib, describe_error
@@ -208,6 +209,51 @@ def _drain(devices) -> None:
         pass
 
 
+_DESCRIPTOR_OWN, _DESCRIPTOR_PEER = 1, 2  # mok_comm_handle_descriptor
+
+
+def _serve_descriptors(lib, ws_id: int, handles: np.ndarray, local) -> DescriptorServer | None:
+    """A server of this process's ranks' POSIX descriptors (memory="vmm" without FABRIC), None when it has none."""
+    fd = ctypes.c_int32()
+    fds = {}
+    for lr in local:
+        if lib.mok_comm_handle_descriptor(handles[lr.group, lr.rank].ctypes.data, ctypes.byref(fd)) == _DESCRIPTOR_OWN:
+            fds[f"{lr.group},{lr.rank}"] = fd.value
+    return DescriptorServer(fds, label=f"workspace/{ws_id}") if fds else None
+
+
+def _take_descriptors(lib, handles: np.ndarray, sockets: dict, wanted_groups, timeout_s: float) -> list[int]:
+    """Receive, from the processes that serve them, the POSIX descriptors of the other processes' ranks in
+    ``wanted_groups`` and make their handles name the received descriptors (the native connect then duplicates
+    those, needing no ptrace permission over their exporters). Returns the received descriptors (to close once
+    connected). A socket this process cannot reach (another host or network namespace) leaves its ranks' handles to
+    the native path (``pidfd_getfd``, or its error)."""
+    fd = ctypes.c_int32()
+    by_socket: dict[str, list[tuple[int, int]]] = {}
+    for (g, r), address in sorted(sockets.items()):
+        if g in wanted_groups and address and lib.mok_comm_handle_descriptor(
+                handles[g, r].ctypes.data, ctypes.byref(fd)) == _DESCRIPTOR_PEER:
+            by_socket.setdefault(address, []).append((g, r))
+    taken: list[int] = []
+    try:
+        for address, grs in by_socket.items():
+            try:
+                got = fetch_descriptors(address, [f"{g},{r}" for g, r in grs], timeout_s=timeout_s,
+                                        peer=f"the process holding (group, rank) {grs}")
+            except ConnectionError:
+                continue
+            taken.extend(got.values())
+            for g, r in grs:
+                if lib.mok_comm_handle_name_local_descriptor(handles[g, r].ctypes.data, got[f"{g},{r}"]) != 0:
+                    raise CommError(f"Workspace.create: (group, rank) ({g}, {r}) sent a descriptor for a handle "
+                                    f"that names none")
+    except BaseException:
+        for d in taken:
+            os.close(d)
+        raise
+    return taken
+
+
 @dataclasses.dataclass(frozen=True)
 class _LocalRank:
     device: jax.Device
@@ -280,6 +326,8 @@ class Workspace:
         handles = np.zeros((*groups.shape, hbytes), np.uint8)
         local: list[_LocalRank] = []
         err = ctypes.create_string_buffer(1024)
+        server: DescriptorServer | None = None
+        taken: list[int] = []
         try:
             failure: CommError | None = None
             try:
@@ -303,7 +351,10 @@ class Workspace:
                         handles[g, r] = out
             except CommError as e:
                 failure = e
+            sockets: dict[tuple[int, int], str] = {}
             if multi:
+                if failure is None and memory == "vmm":
+                    server = _serve_descriptors(lib, ws_id, handles, local)
                 # Every process publishes its record, also one whose allocation failed: its peers then raise
                 # instead of waiting for it; one that never publishes is named after the exchange's deadline.
                 theirs = exchange.exchange_handles(
@@ -311,13 +362,15 @@ class Workspace:
                     handles={(lr.group, lr.rank): handles[lr.group, lr.rank].tobytes() for lr in local},
                     failure=None if failure is None else str(failure),
                     ranks=[(g, r) for g in range(groups.shape[0]) for r in range(groups.shape[1])],
-                    timeout_s=setup_s)
+                    timeout_s=setup_s, descriptor_socket="" if server is None else server.address, sockets=sockets)
                 for (g, r), h in theirs.items():
                     handles[g, r] = np.frombuffer(h, np.uint8)
             if failure is not None:
                 raise failure
             if multi:  # every process read every record and found it sound, or each raises: none connects alone
                 exchange.barrier(f"mok_comm_workspace_{ws_id}_exchanged", processes=procs, timeout_s=setup_s)
+                if memory == "vmm":
+                    taken = _take_descriptors(lib, handles, sockets, {lr.group for lr in local}, setup_s)
             for lr in local:
                 table = np.ascontiguousarray(handles[lr.group])
                 rc = lib.mok_comm_connect(ws_id, lr.ordinal, table.ctypes.data, err, len(err))
@@ -331,6 +384,11 @@ class Workspace:
             lib.mok_comm_release_peers(ws_id)
             lib.mok_comm_free(ws_id)
             raise
+        finally:  # every process has connected (or this one failed): no descriptor is asked for any more
+            if server is not None:
+                server.close()
+            for d in taken:  # the native connect duplicated each
+                os.close(d)
         return cls(ws_id=ws_id, config=config, mesh=mesh, axis_name=axis_name, local=local, memory_kind=memory)
 
     @classmethod

@@ -111,19 +111,22 @@ def key(ws_id: int, process: int) -> str:
 
 def exchange_handles(ws_id: int, *, process: int, processes: Iterable[int], fingerprint: str,
                      handles: Mapping[tuple[int, int], bytes], failure: str | None, ranks: Iterable[tuple[int, int]],
-                     timeout_s: float, client=None) -> dict[tuple[int, int], bytes]:
+                     timeout_s: float, client=None, descriptor_socket: str = "",
+                     sockets: dict[tuple[int, int], str] | None = None) -> dict[tuple[int, int], bytes]:
     """Publish this process's record, read those of the other ``processes`` (the processes that hold the workspace's
     devices) within ``timeout_s``, and return the handle of every (group, rank) in ``ranks``.
 
     ``handles``: this process's own ranks' handles ({(group, rank): bytes}); ``failure``: why its allocation failed
     (None: it did not), published so that its peers raise at once instead of waiting for it; ``fingerprint``: the
-    shape its ranks were made with (every process must agree). With a ``failure`` it only publishes (returns {}: its
+    shape its ranks were made with (every process must agree); ``descriptor_socket``: where this process serves its
+    ranks' POSIX descriptors (mok_jax.workspace.descriptors; "" none), and ``sockets``, when given, receives each
+    returned rank's owner's. With a ``failure`` it only publishes (returns {}: its
     caller raises its own error). Raises CommError naming the processes that did not publish within ``timeout_s``,
     whose shape differs, that failed, or a rank held by none or by two. ``client``: the key-value store (default:
     jax.distributed's).
     """
     client = _client() if client is None else client
-    record = {"fingerprint": fingerprint, "failure": failure or "",
+    record = {"fingerprint": fingerprint, "failure": failure or "", "descriptors": descriptor_socket,
               "ranks": {f"{g},{r}": bytes(h).hex() for (g, r), h in handles.items()}}
     where = f"Workspace.create (workspace {ws_id})"
     if failure:
@@ -162,11 +165,13 @@ def exchange_handles(ws_id: int, *, process: int, processes: Iterable[int], fing
                         f"was connected")
     owner: dict[tuple[int, int], list[int]] = {}
     table: dict[tuple[int, int], bytes] = {}
+    served: dict[tuple[int, int], str] = {}
     for p in sorted(records):
         for name, h in records[p]["ranks"].items():
             g, r = (int(v) for v in name.split(","))
             owner.setdefault((g, r), []).append(p)
             table[(g, r)] = bytes.fromhex(h)
+            served[(g, r)] = records[p].get("descriptors", "")
     wanted = list(ranks)
     bad = {gr: owner.get(gr, []) for gr in wanted if len(owner.get(gr, [])) != 1}
     extra = sorted(set(owner) - set(wanted))
@@ -174,6 +179,8 @@ def exchange_handles(ws_id: int, *, process: int, processes: Iterable[int], fing
         raise CommError(f"{where}: every EP rank must be held by exactly one process; (group, rank): processes "
                         f"{ {gr: ps for gr, ps in sorted(bad.items())} }"
                         + (f", ranks outside the mesh {extra}" if extra else "") + ". No rank was connected")
+    if sockets is not None:
+        sockets.update({gr: served[gr] for gr in wanted})
     return {gr: table[gr] for gr in wanted}
 
 

@@ -23,6 +23,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_comm_workspace_bytes.restype = i64
         lib.mok_comm_handle_bytes.argtypes = []
         lib.mok_comm_handle_bytes.restype = i32
+        lib.mok_comm_handle_descriptor.argtypes = [p, p]
+        lib.mok_comm_handle_descriptor.restype = i32
+        lib.mok_comm_handle_name_local_descriptor.argtypes = [p, i32]
+        lib.mok_comm_handle_name_local_descriptor.restype = i32
         lib.mok_comm_alloc.argtypes = [i64, i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_double, i32, i32, p, p,
                                        i32]
         lib.mok_comm_alloc.restype = i32
