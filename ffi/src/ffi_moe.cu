@@ -17,7 +17,7 @@
 //   num_sms, identity_experts (a test mode), skip_rank (a fault-injection test mode), timing_mode (a bench-only timing
 //   mode: TimingMode bits). A call with skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form (bf16 only: the
 //   FP8 handler refuses them), the only form with their code (mok/moe/forward.cuh, ForwardKnobs). The combine has no
-//   knob: the owners push each slot's row into the origin's combine_rows (mok/moe/forward_comm.cuh, run_send).
+//   knob: the owners push each slot's row into the origin's combine_rows (mok/moe/items/send.cuh, SendItem).
 //
 // The handler finds the rank(s) of (ws_id, XLA's device ordinal), refuses to launch on a poisoned workspace
 // and reports (then clears) a call error that an earlier call left, checks every shape against the

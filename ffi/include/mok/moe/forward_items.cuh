@@ -1,8 +1,8 @@
 // mok moe: the forward megakernel's work items from ticket to completion (plan.cuh says which items a call has, in
 // which order, and what each waits for). The epoch stamps across ranks and the counters within one (publish,
 // wait_peers, wait_count) and the call error word (record_call_error); a microbatch's schedule tables (tables,
-// local_expert, band_tile); a ticket decoded into its item (decode); the waits before an item starts (wait_deps)
-// and the counters it bumps when done (complete).
+// local_expert, band_tile); a ticket decoded into its item (decode); what an item's waits and completion read
+// (ItemContext: each item's own are its type's, items.cuh).
 // Included by forward_kernel.cuh only (directly and through its other pieces).
 #pragma once
 
@@ -53,10 +53,25 @@ __device__ inline bool wait_count(const CommView& v, const int32_t* ctr, int32_t
   }
 }
 
+__device__ inline int32_t bump(int32_t* ctr) {
+  __threadfence();
+  return atomicAdd(ctr, 1);
+}
+
 // First call error of this rank wins (bad expert id, ring overflow); it does not poison the workspace.
 __device__ inline void record_call_error(const RankParams& R, uint32_t code, int32_t token) {
   if (atomicCAS(R.sync + kCtlCallError, 0, int32_t(code)) == 0) atomicExch(R.sync + kCtlCallErrorToken, token);
 }
+
+// What an item's waits and completion read, made once per dispatch (items.cuh: wait_deps, complete).
+struct ItemContext {
+  const Plan& p;
+  const RankParams& R;
+  const CommView& v;
+  int32_t* sync;
+  int ctas;
+  uint64_t epoch;
+};
 
 // ================================================================================ schedule tables
 
@@ -139,96 +154,8 @@ __device__ inline Item decode(const Plan& p, const RankParams& R, int32_t t, uin
   return comm_item(kind, m, local, begin[lo + 1] - begin[lo]);
 }
 
-// ================================================================================ dependencies
-
 __device__ inline int32_t dn_tiles(const Plan& p, const int32_t* sync, int m) {
   return tables(p, sync, m).mblock[p.L] * p.nb_dn;
-}
-
-__device__ inline bool wait_deps(const Plan& p, const RankParams& R, const Item& it, int ctas, uint64_t epoch) {
-  const CommView& v = R.view;
-  const int32_t* sync = R.sync;
-  switch (it.kind) {
-    case kPost:
-      return wait_peers(v, comm::kMoeAckDisp, epoch - 1, comm::kErrTimeoutAck, epoch);
-    case kCount:
-      return wait_peers(v, comm::kMoeSigRoute, epoch, comm::kErrTimeoutRouting, epoch);
-    case kScan:
-      return wait_count(v, sync + kCtlCount, p.n_count, epoch);
-    case kPlace:
-      return wait_count(v, sync + kCtlScan, 1, epoch);
-    case kDispatch: {
-      if (!wait_count(v, sync + kCtlPlace, p.n_place, epoch)) return false;
-      if (!wait_peers(v, comm::kMoeSigX, epoch, comm::kErrTimeoutData, epoch)) return false;
-      const int m = it.mb - p.S;  // the microbatch that used this ring slot last
-      if (m < 0) return true;
-      return wait_count(v, sync + p.o_send + m, n_send(p, m, ctas), epoch) &&
-             wait_count(v, sync + p.o_reduce + m, n_reduce(p, m, ctas), epoch);
-    }
-    case kSharedGu:
-      return true;
-    case kSharedDn:
-      return wait_count(v, sync + p.o_sgu + it.mblock, p.nb_shared_gu, epoch);
-    case kGu:
-      return wait_count(v, sync + p.o_disp + it.mb, p.D, epoch);
-    case kDn:
-      return wait_count(v, sync + p.o_gu + int64_t(it.mb) * p.mb_cap + it.mblock, p.nb_gu, epoch);
-    case kSend:
-      return wait_count(v, sync + p.o_disp + it.mb, p.D, epoch) &&
-             wait_count(v, sync + p.o_dn + it.mb, dn_tiles(p, sync, it.mb), epoch) &&
-             wait_peers(v, comm::kMoeAckComb, epoch - 1, comm::kErrTimeoutAck, epoch);
-    case kReduce:
-      return wait_count(v, sync + p.o_disp + it.mb, p.D, epoch) &&
-             wait_count(v, sync + p.o_dn + it.mb, dn_tiles(p, sync, it.mb), epoch) &&
-             wait_count(v, sync + kCtlSharedDn, p.n_shared_dn, epoch) &&
-             wait_peers(v, comm::kMoeSigComb + it.mb, epoch, comm::kErrTimeoutData, epoch);
-    default:
-      return true;
-  }
-}
-
-// ================================================================================ completion
-
-__device__ inline int32_t bump(int32_t* ctr) {
-  __threadfence();
-  return atomicAdd(ctr, 1);
-}
-
-// One thread, after every consumer thread finished the item's stores.
-__device__ inline void complete(const Plan& p, const RankParams& R, const Item& it, int ctas, uint64_t epoch) {
-  int32_t* sync = R.sync;
-  const CommView& v = R.view;
-  switch (it.kind) {
-    case kPost:
-      if (bump(sync + kCtlPostRows) == p.n_post - 1) publish(v, comm::kMoeSigX, epoch);
-      break;
-    case kCount: bump(sync + kCtlCount); break;
-    case kScan:
-      __threadfence();
-      comm::st_release_gpu(sync + kCtlScan, 1);
-      break;
-    case kPlace: bump(sync + kCtlPlace); break;
-    case kDispatch:
-      bump(sync + p.o_disp + it.mb);
-      if (bump(sync + kCtlDispatchAll) == p.M * p.D - 1) publish(v, comm::kMoeAckDisp, epoch);
-      break;
-    case kSharedGu: bump(sync + p.o_sgu + it.mblock); break;
-    case kSharedDn: bump(sync + kCtlSharedDn); break;
-    case kGu: bump(sync + p.o_gu + int64_t(it.mb) * p.mb_cap + it.mblock); break;
-    case kDn: bump(sync + p.o_dn + it.mb); break;
-    case kSend:
-      comm::fence_sys();
-      if (bump(sync + p.o_send + it.mb) == it.count - 1) publish(v, comm::kMoeSigComb + it.mb, epoch);
-      break;
-    case kReduce: {
-      bump(sync + p.o_reduce + it.mb);
-      int32_t total = 0;
-      for (int m = 0; m < p.M; ++m) total += n_reduce(p, m, ctas);
-      if (bump(sync + kCtlReduceAll) == total - 1) publish(v, comm::kMoeAckComb, epoch);
-      break;
-    }
-    default: break;
-  }
 }
 
 }  // namespace mok::moe

@@ -64,8 +64,8 @@
 
 #include "mok/moe/forward_params.cuh"
 #include "mok/moe/forward_items.cuh"
-#include "mok/moe/forward_comm.cuh"
 #include "mok/moe/forward_tiles.cuh"
+#include "mok/moe/items.cuh"
 
 namespace mok::moe {
 
@@ -126,16 +126,16 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
       }
     } else if (!it.skip || it.kind == kReduce) {
       switch (it.kind) {
-        case kPost: run_post<kFp8>(P, R, it, ct, epoch); break;
-        case kCount: run_count(p, R, it, ct); break;
-        case kScan: run_scan(p, R, s, ct, ctas); break;
-        case kPlace: run_place(p, R, it, ct); break;
-        case kDispatch: run_dispatch<kFp8, kLab>(P, R, it, ct); break;
-        case kSend: run_send<kLab>(P, R, it, ct); break;
-        case kReduce: run_reduce<kLab>(P, R, it, ct); break;
+        case kPost: PostItem::run<kFp8>(P, R, it, ct, epoch); break;
+        case kCount: CountItem::run(p, R, it, ct); break;
+        case kScan: ScanItem::run(p, R, s, ct, ctas); break;
+        case kPlace: PlaceItem::run(p, R, it, ct); break;
+        case kDispatch: DispatchItem::run<kFp8, kLab>(P, R, it, ct); break;
+        case kSend: SendItem::run<kLab>(P, R, it, ct); break;
+        case kReduce: ReduceItem::run<kLab>(P, R, it, ct); break;
         default: break;
       }
-    } else if (it.kind == kPost) {  // skipped: still count the routing half, which run_post signals
+    } else if (it.kind == kPost) {  // skipped: still count the routing half, which PostItem::run signals
       gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
       if (ct == 0) bump(R.sync + kCtlPostRoute);
     }
