@@ -33,19 +33,15 @@ for part in "${parts[@]}"; do
   esac
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader > "$LOGS/gpu.txt" 2>&1
-start=$SECONDS; budget=${BUDGET:-560}; rows=(); rc_all=0
+source scripts/step.sh
+STEP_WIDTH=32 STEP_TAIL=${STEP_TAIL:-3}
+start=$SECONDS; budget=${BUDGET:-560}
 for f in "${files[@]}"; do
   left=$((budget - (SECONDS - start)))
-  if [ $left -lt 30 ]; then rows+=("$(printf '%-32s %-12s' "$f" "NOT RUN")"); rc_all=1; continue; fi
-  t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 $left python3 -m pytest -q -rA -p no:cacheprovider --durations=5 \
-    "tests/$f.py" "$@" > "$LOGS/$f.log" 2>&1
-  rc=$?; [ $rc -ne 0 ] && rc_all=1
-  verdict=ok; [ $rc -ne 0 ] && verdict="FAILED rc=$rc"; [ $rc -eq 124 ] && verdict="TIMED OUT"
-  rows+=("$(printf '%-32s %-12s %4ds  %s' "$f" "$verdict" $((SECONDS - t0)) \
-            "$(grep -E '(passed|failed|error)' "$LOGS/$f.log" | tail -n 1 | cut -c1-70)")")
+  if [ $left -lt 30 ]; then SUMMARY+=("$(printf '%-32s %-14s' "$f" "NOT RUN")"); continue; fi
+  step "$f" $left python3 -m pytest -q -rA -p no:cacheprovider --durations=5 "tests/$f.py" "$@"
 done
-echo "=== $(cat "$LOGS/gpu.txt"), parts ${parts[*]} (logs in $LOGS)"
+echo; echo "=== $(cat "$LOGS/gpu.txt"), parts ${parts[*]} (logs in $LOGS)"
 grep -hE '^(FAILED|ERROR) ' "$LOGS"/test_*.log | head -20
-printf '%s\n' "${rows[@]}"
-exit $rc_all
+printf '%s\n' "${SUMMARY[@]}"
+! printf '%s\n' "${SUMMARY[@]}" | grep -qE 'FAILED|TIMED OUT|NOT RUN'
