@@ -135,9 +135,8 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
         case kReduce: ReduceItem::run<kLab>(P, R, it, ct); break;
         default: break;
       }
-    } else if (it.kind == kPost) {  // skipped: still count the routing half, which PostItem::run signals
-      gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
-      if (ct == 0) bump(R.sync + kCtlPostRoute);
+    } else if (it.kind == kPost) {
+      PostItem::run_skipped(R, ct);
     }
     gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
     if (ct == 0) complete(p, R, it, ctas, epoch);

@@ -18,6 +18,9 @@ struct PostItem {
   __device__ static bool wait(const ItemContext& c, const Item& it);
   template <bool kFp8, class LaunchParams>
   __device__ static void run(const LaunchParams& P, const RankParams& R, const Item& it, int ct, uint64_t epoch);
+  // A skipped POST item (its wait failed) still bumps the count of routing halves (kCtlPostRoute) as run does, so
+  // that the count keeps its meaning for the rank's other POST items; it copies and publishes nothing.
+  __device__ static void run_skipped(const RankParams& R, int ct);
   __device__ static void complete(const ItemContext& c, const Item& it);
 };
 
@@ -70,6 +73,11 @@ __device__ inline void PostItem::run(const LaunchParams& P, const RankParams& R,
       comm::warp_copy_row<kCopyUnroll>(R.x + t * nvec, nvec, my_dst, lanes, lane);
     }
   }
+}
+
+__device__ __forceinline__ void PostItem::run_skipped(const RankParams& R, int ct) {
+  gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
+  if (ct == 0) bump(R.sync + kCtlPostRoute);
 }
 
 __device__ __forceinline__ void PostItem::complete(const ItemContext& c, const Item& it) {
