@@ -35,7 +35,6 @@ done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader > "$LOGS/gpu.txt" 2>&1
 source scripts/step.sh
 STEP_WIDTH=32 STEP_TAIL=${STEP_TAIL:-3}
-STEP_RESULT='(passed|failed|error|errors|skipped|no tests ran)( |,).*in [0-9.]+s'
 start=$SECONDS; budget=${BUDGET:-560}
 for f in "${files[@]}"; do
   left=$((budget - (SECONDS - start)))
@@ -44,6 +43,5 @@ for f in "${files[@]}"; do
 done
 echo; echo "=== $(cat "$LOGS/gpu.txt"), parts ${parts[*]} (logs in $LOGS)"
 grep -hE '^(FAILED|ERROR) ' "$LOGS"/test_*.log | head -20
-for f in $(grep -l '^Exception ignored' "$LOGS"/test_*.log); do echo "exit-time traceback (after the result line): $f"; done
 printf '%s\n' "${SUMMARY[@]}"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -qE 'FAILED|TIMED OUT|NOT RUN'
