@@ -20,9 +20,10 @@
 #include "mok/grouped_ffn.cuh"
 
 #include "mok/backward/params.cuh"
+#include "mok/backward/list.cuh"
+#include "mok/backward/waits.cuh"
 #include "mok/backward/items.cuh"
 #include "mok/backward/producer.cuh"
-#include "mok/backward/rows.cuh"
 #include "mok/backward/consumer.cuh"
 
 namespace mok {
