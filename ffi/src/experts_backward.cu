@@ -18,6 +18,7 @@
 #include "mok/gemm/sm90_weight_grad.cuh"
 #include "mok/gemm/swiglu_backward.cuh"
 #include "mok/grouped_ffn.cuh"
+#include "mok/megakernel.cuh"
 
 #include "mok/backward/params.cuh"
 #include "mok/backward/list.cuh"
@@ -77,64 +78,84 @@ __device__ void acquire_descriptors(const Operands& o) {
   acquire(o.dh_gu.get_tma_descriptor());
 }
 
-// CTA b serves EP rank b % num_ranks (one rank, or every rank of an emulated group). kLab: the lab form, the only
-// one with the code of skip_rank (a fault-injection test), launched only for a call that sets it. Launch:
-// LaunchParams (every rank's KernelParams in the parameter space) or ManyLaunchParams (in global memory).
-template <bool kLab, class Launch>
-__device__ void run(const Launch& P) {
-  extern __shared__ __align__(1024) char smem_raw[];
-  SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
-  const int vr = int(blockIdx.x) % P.num_ranks;
-  if constexpr (kLab) {
-    if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
-  }
-  const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks, cta = int(blockIdx.x) / P.num_ranks;
-  const KernelParams& p = rank_params(P, vr);
-  const uint64_t epoch = p.ep > 1 ? comm::ld_volatile(&p.view.state()->bwd_epoch) + 1 : 0;
-  const int warp = cutlass::canonical_warp_idx_sync();
-  const int lane = threadIdx.x % 32;
-  if constexpr (std::is_same_v<Launch, ManyLaunchParams>) {
-    if (warp == 0) acquire_descriptors(p.routed);  // no shared expert at EP > 1: P.shared is never read
-  }
-  if (warp == 0 && lane == 0) {
-    TileKK::init_stages(s.stages);
-    s.work.init(kConsumers / 32);
-    cutlass::arch::fence_barrier_init();
-    prefetch(p.routed);
-    if (p.Ts > 0) prefetch(P.shared);
-  }
-  if (warp == 1) {
-    gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
-    const bool unpadded = gemm::any_unpadded_group(p.group_sizes, p.E, lane);
-    if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
-  }
-  __syncthreads();
-  const int32_t bits = s.table.status | (s.unpadded ? gemm::kStatusUnpaddedGroup : 0);
-  if (cta == 0 && threadIdx.x == 0 && bits) atomicOr(p.status, bits);
-  if (threadIdx.x == 0) s.shape = make_shape(p, s);
-  __syncthreads();
-  const Shape& h = s.shape;
-  if (threadIdx.x < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (warp == 0) {
-      if (cute::elect_one_sync()) producer(p, P.shared, s, h);
-    } else {
-      zero_past_groups(p, s, threadIdx.x - 32, cta, ctas);
-    }
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consumer(p, s, h, threadIdx.x - 128, epoch);
-  }
-  if (p.ep > 1) {
-    __syncthreads();
-    finish_call(p, s, ctas, epoch);
-  }
-}
+// The backward on the megakernel shell (mok/megakernel.cuh). Launch: LaunchParams (every rank's KernelParams in the
+// parameter space) or ManyLaunchParams (in global memory).
+struct BackwardKernel {
+  using Shared = SharedStorage;
+  using Rank = KernelParams;
+  using Cta = megakernel::Cta;
+  static constexpr int kProducerRegs = mok::kProducerRegs;
+  static constexpr int kConsumerRegs = mok::kConsumerRegs;
+  template <class Launch>
+  static constexpr bool in_global = std::is_same_v<Launch, ManyLaunchParams>;
 
+  template <class Launch>
+  static __device__ const KernelParams& rank(const Launch& P, int r) {
+    return rank_params(P, r);
+  }
+  // Without expert parallelism there is no workspace, and no epoch.
+  static __device__ uint64_t epoch(const KernelParams& p) {
+    return p.ep > 1 ? comm::ld_volatile(&p.view.state()->bwd_epoch) + 1 : 0;
+  }
+  static __device__ void acquire_descriptors(const KernelParams& p) {
+    mok::acquire_descriptors(p.routed);  // no shared expert at EP > 1: P.shared is never read
+  }
+  // Lane 0 of warp 0: the stage ring, the work queue, the descriptors into the cache. Warp 1: the group table.
+  template <class Launch>
+  static __device__ void init(const Launch& P, const KernelParams& p, SharedStorage& s, int warp,
+                                              int lane) {
+    if (warp == 0 && lane == 0) {
+      TileKK::init_stages(s.stages);
+      s.work.init(kConsumers / 32);
+      cutlass::arch::fence_barrier_init();
+      prefetch(p.routed);
+      if (p.Ts > 0) prefetch(P.shared);
+    }
+    if (warp == 1) {
+      gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
+      const bool unpadded = gemm::any_unpadded_group(p.group_sizes, p.E, lane);
+      if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
+    }
+  }
+  // The table's status bits (CTA 0), and the list's shape for every role.
+  template <class Launch>
+  static __device__ void setup(const Launch&, const KernelParams& p, SharedStorage& s, Cta cta) {
+    const int32_t bits = s.table.status | (s.unpadded ? gemm::kStatusUnpaddedGroup : 0);
+    if (cta.index == 0 && threadIdx.x == 0 && bits) atomicOr(p.status, bits);
+    if (threadIdx.x == 0) s.shape = make_shape(p, s);
+    __syncthreads();
+  }
+  template <class Launch>
+  static __device__ void producer(const Launch& P, const KernelParams& p, SharedStorage& s, Cta,
+                                                  uint64_t) {
+    mok::producer(p, P.shared, s, s.shape);
+  }
+  template <class Launch>
+  static __device__ void helpers(const Launch&, const KernelParams& p, SharedStorage& s, int t,
+                                                 Cta cta) {
+    zero_past_groups(p, s, t, cta.index, cta.ctas);
+  }
+  template <class Launch>
+  static __device__ void consumer(const Launch&, const KernelParams& p, SharedStorage& s, int ct,
+                                                  Cta, uint64_t epoch) {
+    mok::consumer(p, s, s.shape, ct, epoch);
+  }
+  template <class Launch>
+  static __device__ void finish(const Launch&, const KernelParams& p, SharedStorage& s, Cta cta,
+                                                uint64_t epoch) {
+    if (p.ep > 1) {
+      __syncthreads();
+      finish_call(p, s, cta.ctas, epoch);
+    }
+  }
+};
+
+// kLab: the lab form, the only one with the code of skip_rank (a fault-injection test), launched only for a call
+// that sets it.
 template <bool kLab>
 __global__ void __launch_bounds__(kThreads, 1) experts_backward_kernel(const __grid_constant__ LaunchParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  run<kLab>(params);
+  megakernel::run<BackwardKernel, kLab>(params);
 #elif defined(__CUDA_ARCH__)
   if (threadIdx.x == 0 && blockIdx.x < params.num_ranks)
     atomicOr(params.ranks[blockIdx.x].status, gemm::kStatusNoSm90a);
@@ -148,7 +169,7 @@ template <bool kLab>
 __global__ void __launch_bounds__(kThreads, 1)
     experts_backward_kernel_many(const __grid_constant__ ManyLaunchParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  run<kLab>(params);
+  megakernel::run<BackwardKernel, kLab>(params);
 #elif defined(__CUDA_ARCH__)
   if (threadIdx.x == 0 && blockIdx.x < params.num_ranks)
     atomicOr(rank_params(params, blockIdx.x).status, gemm::kStatusNoSm90a);

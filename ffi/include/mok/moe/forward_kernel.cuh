@@ -59,6 +59,7 @@
 #include "mok/gemm/sm90_fp8_tile.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
+#include "mok/megakernel.cuh"
 #include "mok/moe/forward.cuh"
 #include "mok/moe/plan.cuh"
 
@@ -206,24 +207,32 @@ __device__ inline void acquire_descriptors(const RankParams& R) {
   acquire(R.b_sgu.get_tma_descriptor()), acquire(R.b_sdn.get_tma_descriptor());
 }
 
-// LaunchParams: Params (the RankParams in the parameter space) or ManyParams (in global memory), whose RankParams
-// rank_params reads.
-template <bool kFp8, bool kLab, class LaunchParams>
-__device__ inline void run(const LaunchParams& P) {
-  extern __shared__ __align__(1024) char smem_raw[];
-  SharedStorage& s = gemm::aligned_shared_storage<SharedStorage>(smem_raw);
-  const int vr = int(blockIdx.x) % P.num_ranks;
-  if constexpr (kLab) {
-    if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
+// The forward on the megakernel shell (mok/megakernel.cuh). LaunchParams: Params (the RankParams in the parameter
+// space) or ManyParams (in global memory), whose RankParams rank_params reads.
+template <bool kFp8, bool kLab>
+struct ForwardKernel {
+  using Shared = SharedStorage;
+  using Rank = RankParams;
+  using Cta = megakernel::Cta;
+  static constexpr int kProducerRegs = moe::kProducerRegs;
+  static constexpr int kConsumerRegs = moe::kConsumerRegs;
+  template <class LaunchParams>
+  static constexpr bool in_global = !std::is_same_v<LaunchParams, Params>;
+
+  template <class LaunchParams>
+  static __device__ const RankParams& rank(const LaunchParams& P, int r) {
+    return rank_params(P, r);
   }
-  const int ctas = (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks;
-  const RankParams& R = rank_params(P, vr);
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&R.view.state()->moe_epoch) + 1;
-  const int warp = cutlass::canonical_warp_idx_sync();
-  if constexpr (!std::is_same_v<LaunchParams, Params>) {
-    if (warp == 0) acquire_descriptors<kFp8>(R);  // thread 0 prefetches them, an elected lane of warp 0 loads tiles
+  static __device__ uint64_t epoch(const RankParams& R) {
+    return *reinterpret_cast<volatile uint64_t*>(&R.view.state()->moe_epoch) + 1;
   }
-  if (threadIdx.x == 0) {
+  static __device__ void acquire_descriptors(const RankParams& R) {
+    moe::acquire_descriptors<kFp8>(R);
+  }
+  // Thread 0: the stage ring, the work queue, and the routed GEMMs' descriptors into the cache.
+  template <class LaunchParams>
+  static __device__ void init(const LaunchParams&, const RankParams& R, SharedStorage& s, int, int) {
+    if (threadIdx.x != 0) return;
     Tile::init_stages(s.stages);
     s.work.init(kWorkerWarps);
     cutlass::arch::fence_barrier_init();
@@ -241,16 +250,31 @@ __device__ inline void run(const LaunchParams& P) {
       cute::prefetch_tma_descriptor(d.b_dn.get_tma_descriptor());
     }
   }
-  __syncthreads();
-  if (threadIdx.x < 128) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) producer<kFp8>(P, R, s, ctas, epoch);
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    consumer<kFp8, kLab>(P, R, s, threadIdx.x - 128, ctas, epoch);
+  template <class LaunchParams>
+  static __device__ void setup(const LaunchParams&, const RankParams&, SharedStorage&, Cta) {}
+  template <class LaunchParams>
+  static __device__ void producer(const LaunchParams& P, const RankParams& R, SharedStorage& s,
+                                                  Cta cta, uint64_t epoch) {
+    moe::producer<kFp8>(P, R, s, cta.ctas, epoch);
   }
-  __syncthreads();
-  finish_call(P.plan, R, s, ctas, epoch);
+  template <class LaunchParams>  // warps 1-3 are idle: their registers went to the consumers
+  static __device__ void helpers(const LaunchParams&, const RankParams&, SharedStorage&, int, Cta) {}
+  template <class LaunchParams>
+  static __device__ void consumer(const LaunchParams& P, const RankParams& R, SharedStorage& s,
+                                                  int ct, Cta cta, uint64_t epoch) {
+    moe::consumer<kFp8, kLab>(P, R, s, ct, cta.ctas, epoch);
+  }
+  template <class LaunchParams>
+  static __device__ void finish(const LaunchParams& P, const RankParams& R, SharedStorage& s,
+                                                Cta cta, uint64_t epoch) {
+    __syncthreads();
+    finish_call(P.plan, R, s, cta.ctas, epoch);
+  }
+};
+
+template <bool kFp8, bool kLab, class LaunchParams>
+__device__ inline void run(const LaunchParams& P) {
+  megakernel::run<ForwardKernel<kFp8, kLab>, kLab>(P);
 }
 
 }  // namespace mok::moe
