@@ -1,11 +1,9 @@
 // Host side and kernel of mok/experts_backward.cuh: the experts' backward as one persistent launch. The device
-// code's pieces are in mok/backward/ (included here only, in this order); here the CTA's run, the kernel's
-// entry, the checks and the launch.
+// code's pieces are in mok/backward/ (included here only, in this order); here BackwardKernel (the steps it gives
+// the megakernel shell, mok/megakernel.cuh), the kernel's entry, the checks and the launch.
 #include <algorithm>
 #include <climits>
 #include <type_traits>
-
-#include <cutlass/arch/reg_reconfig.h>
 
 #include "mok/comm/ptx.cuh"
 #include "mok/comm/rows.cuh"

@@ -20,17 +20,16 @@
 
 #include <cstdint>
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/detail/helper_macros.hpp>
-#include <cute/arch/util.hpp>
+#include <cutlass/cutlass.h>
 
 #include "mok/gemm/sm90_sync.cuh"
 
 namespace mok::megakernel {
 
-// Where a CTA stands: the EP rank it serves, how many CTAs serve that rank, and its index among them.
+// Where a CTA stands among those that serve its EP rank: how many they are, and its index.
 struct Cta {
-  int rank;
   int ctas;
   int index;
 };
@@ -47,7 +46,7 @@ __device__ inline void run(const Launch& P) {
   if constexpr (kLab) {
     if (vr == P.skip_rank) return;  // test mode: this emulated rank makes no call
   }
-  const Cta cta{vr, (int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks, int(blockIdx.x) / P.num_ranks};
+  const Cta cta{(int(gridDim.x) - vr + P.num_ranks - 1) / P.num_ranks, int(blockIdx.x) / P.num_ranks};
   const typename K::Rank& R = K::rank(P, vr);
   const uint64_t epoch = K::epoch(R);
   const int warp = cutlass::canonical_warp_idx_sync();

@@ -50,8 +50,6 @@
 
 #include <type_traits>
 
-#include <cutlass/arch/reg_reconfig.h>
-
 #include "mok/comm/ptx.cuh"
 #include "mok/comm/rows.cuh"
 #include "mok/comm/sync.cuh"
