@@ -28,6 +28,8 @@
 namespace mok {
 namespace {
 
+static_assert(comm::kLocalTimeoutFloorNs == gemm::kWaitTimeoutNs, "a local wait outlasts the ring's and queue's");
+
 // Warps 1..3 of the producer warpgroup: zeros in the rows past the groups of dx_e (the per-row dx the
 // expert-parallel backward reads) and dw_e. Nothing in the kernel reads those rows.
 __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, int t, int cta, int ctas) {
@@ -42,6 +44,8 @@ __device__ void zero_past_groups(const KernelParams& p, const SharedStorage& s, 
 
 // Expert parallel: the rank's last CTA to exit advances its epoch and stamps kBwdDone in every peer (it read
 // every peer's shared rows and its own bwd_dx, bwd_dw for the last time); a poisoned workspace sets the status.
+// A wait of this call that timed out (the status bit) and poisoned nothing yet poisons the workspace here with
+// kErrTimeoutLocal, as the forward's local timeouts do: the next call on the workspace names it.
 __device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, uint64_t epoch) {
   comm::LocalState* st = p.view.state();
   if (threadIdx.x == 0) {
@@ -51,6 +55,8 @@ __device__ void finish_call(const KernelParams& p, SharedStorage& s, int ctas, u
   __syncthreads();
   if (!s.last || threadIdx.x != 0) return;
   __threadfence();
+  if (comm::read_poison(p.view) == 0 && (*reinterpret_cast<volatile int32_t*>(p.status) & gemm::kStatusWaitTimeout))
+    comm::raise_error(p.view, comm::kErrTimeoutLocal, comm::kOpMoeBackward, -1, epoch);
   if (const uint64_t poison = comm::read_poison(p.view); poison != 0) {
     comm::publish_host_error(p.view, poison);
     atomicOr(p.status, kExpertsBackwardStatusComm);
@@ -302,8 +308,7 @@ cudaError_t fill_rank(const ExpertsBackwardParams& p, int grid_of_rank, KernelPa
     k.topk_idx = p.topk_idx;
     k.experts_all = int(p.num_experts) * p.view.shape.ep;
     k.share_items = std::max(1, std::min(p.comm_items, grid_of_rank));
-    // a wait for an item of the same rank outlasts the wait for a peer, which then names the peer
-    k.local_timeout_ns = std::max<uint64_t>(gemm::kWaitTimeoutNs, 4 * p.view.timeout_ns);
+    k.local_timeout_ns = comm::local_timeout_ns(p.view.timeout_ns);  // the forward's bound (comm/sync.cuh)
   }
   MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(int32_t), stream));
   return cudaMemsetAsync(p.counters, 0,

@@ -16,6 +16,12 @@
 //
 // Every spin is bounded by CommView::timeout_ns (%globaltimer) and also stops when the poison word is
 // set; a kernel that stops early skips its work and its signals, never its bounds checks.
+//
+// A wait for work of the same call (a counter of this rank's scratch, in either megakernel) is bounded by
+// local_timeout_ns instead: kLocalTimeoutFactor times the workspace's timeout, so that when a peer never comes
+// the wait for the peer times out first and names it, and never below kLocalTimeoutFloorNs, the bound of the
+// stage ring's and the work queue's waits (gemm::kWaitTimeoutNs). When one times out with a workspace, the
+// workspace is poisoned with kErrTimeoutLocal (docs/errors.md): one convention for both megakernels.
 #pragma once
 
 #include "mok/comm/ptx.cuh"
@@ -29,6 +35,14 @@ __device__ inline void publish_host_error(const CommView& v, uint64_t err) {
     *h = err;
     __threadfence_system();
   }
+}
+
+constexpr uint64_t kLocalTimeoutFactor = 4;
+constexpr uint64_t kLocalTimeoutFloorNs = 10ull * 1000 * 1000 * 1000;
+
+__host__ __device__ constexpr uint64_t local_timeout_ns(uint64_t timeout_ns) {
+  return kLocalTimeoutFactor * timeout_ns > kLocalTimeoutFloorNs ? kLocalTimeoutFactor * timeout_ns
+                                                                 : kLocalTimeoutFloorNs;
 }
 
 __device__ inline uint64_t read_poison(const CommView& v) { return ld_volatile(v.error_word()); }

@@ -29,11 +29,7 @@ __device__ inline bool wait_peers(const CommView& v, int row, uint64_t target, u
   return comm::wait_stamps(v, v.layout.moe_stamps, row, target, code, comm::kOpMoeForward, epoch);
 }
 
-// A wait for an item of the same rank outlasts the cross-rank bound: when a peer never comes, the wait for
-// the peer times out first and names it, and the local waits behind it then see the poison.
-constexpr uint64_t kLocalTimeoutFactor = 4;
-
-// Wait until a counter of this rank's scratch reaches target (bounded; stops on poison).
+// Wait until a counter of this rank's scratch reaches target (bounded by comm::local_timeout_ns; stops on poison).
 __device__ inline bool wait_count(const CommView& v, const int32_t* ctr, int32_t target, uint64_t epoch) {
   if (comm::ld_acquire_gpu(ctr) >= target) return true;
   const uint64_t start = comm::global_timer_ns();
@@ -45,7 +41,7 @@ __device__ inline bool wait_count(const CommView& v, const int32_t* ctr, int32_t
         comm::publish_host_error(v, err);
         return false;
       }
-      if (comm::global_timer_ns() - start > kLocalTimeoutFactor * v.timeout_ns) {
+      if (comm::global_timer_ns() - start > comm::local_timeout_ns(v.timeout_ns)) {
         comm::raise_error(v, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
         return false;
       }
