@@ -26,3 +26,7 @@ for tree in "$1" "$2" "$2" "$1"; do
   echo "run $n ($tree): exit $?"
 done
 python3 "$here" --summary "$LOGS" "$1" "$2"
+rc=$?
+source scripts/step.sh
+pack_logs "$LOGS" "ab_${WHICH:-bwd}"
+exit $rc

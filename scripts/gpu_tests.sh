@@ -44,4 +44,5 @@ done
 echo; echo "=== $(cat "$LOGS/gpu.txt"), parts ${parts[*]} (logs in $LOGS)"
 grep -hE '^(FAILED|ERROR) ' "$LOGS"/test_*.log | head -20
 printf '%s\n' "${SUMMARY[@]}"
+pack_logs "$LOGS" "tests_part_$(IFS=_; echo "${parts[*]}")"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -qE 'FAILED|TIMED OUT|NOT RUN'

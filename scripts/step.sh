@@ -20,3 +20,13 @@ step() {
               "${result:0:$((90 - ${#mark}))}$mark")")
   echo "== $name: $verdict"; tail -n "${STEP_TAIL:-15}" "$LOGS/$name.log"
 }
+
+# pack_logs DIR NAME: the device tool brings back at most 8 files from $OUT, so on the GPU machine (OUT set) DIR's
+# files go into one archive, DIR/NAME.tgz (the originals removed), once the script has read them; without OUT
+# they stay as they are. The summary the script printed is unchanged.
+pack_logs() {
+  local dir=$1 name=$2
+  [ -n "${OUT:-}" ] && [ -d "$dir" ] || return 0
+  (cd "$dir" && find . -maxdepth 1 -type f ! -name '*.tgz' -printf '%f\n' | sort |
+    tar czf "$name.tgz" --remove-files -T -) || echo "pack_logs: could not pack $dir" >&2
+}
