@@ -16,8 +16,11 @@
 //   0  one TMA box of 128 rows x 64 columns from the pre-gathered x_e (what the GEMM tiles do today)
 //   1  128 TMA boxes of 1 row x 64 columns from x at the rows' tokens, issued by the 32 lanes of one warp
 //   2  16-byte cp.async from x at the rows' tokens by 128 threads (8 copies each), swizzled by hand, each thread's
-//      completion counted on the stage's barrier by cp.async.mbarrier.arrive.noinc (in a GEMM its stages would
-//      also need a fence.proxy.async before the wgmma reads them: these are generic-proxy writes)
+//      completion counted on the stage's barrier by cp.async.mbarrier.arrive.noinc. This is how SonicMoE gathers on
+//      Hopper (sonicmoe/functional/grouped_gemm.py, load_A_gather: the 4 producer warps, 8 threads a 128-byte row,
+//      a full barrier of 1 + 128 arrivals, registers 56 / 224); a one-row TMA box should land right too (the
+//      128-byte swizzle follows the destination's address bits, (address / 128) % 8, CUDA Programming Guide
+//      13.1 10.29.3.2), at 128 TMA issues a stage
 // Build here or there, run on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o row_gather_loads scripts/lab/row_gather_loads.cu
 //   ./row_gather_loads [12] -> per mode: "same bytes as mode 0" or the first differing tile, then GB/s of stage fill
