@@ -105,3 +105,31 @@ def test_op_args_and_item_ms_as_the_bench_uses_them():
     assert list(ms) == list(ITEM_KINDS)
     assert ms[ITEM_KINDS[1]] == {"busy_ms": 1.0, "wait_ms": 0.0, "epilogue_ms": 0.0}
     assert ms[ITEM_KINDS[2]]["wait_ms"] == 2.0 and ms[ITEM_KINDS[3]]["epilogue_ms"] == 0.5
+
+
+def test_item_bytes_model():
+    """The bytes model against the numbers worked out by hand in training.md (qwen3-30b-a3b at 8192 tokens, 16
+    experts, kept g | u; kimi-k2's routed rows with its shared expert)."""
+    mb = lambda d: {k: round(v / 1e6) for k, v in d.items()}  # noqa: E731
+    q = backward.item_bytes(65536, 8192, 2048, 768, kept=True)
+    assert mb(q) == {"gather": 1074, "down dgrad + SwiGLU bwd": 772, "gate/up dgrad": 470, "d_down": 369,
+                     "d_gate_up": 470, "slot sum": 336}
+    # without kept g | u the recompute reads the x rows and writes g | u: M H 2 + M 2I 2 bytes
+    assert backward.item_bytes(65536, 8192, 2048, 768, kept=False)["gate/up recompute"] == 65536 * (2048 + 1536) * 2
+    k = backward.item_bytes(16384, 2048, 7168, 2048, kept=True, shared_inter=2048)
+    assert mb(k) == {"gather": 940, "gate/up recompute": 46, "down dgrad + SwiGLU bwd": 642, "gate/up dgrad": 445,
+                     "d_down": 340, "d_gate_up": 415, "slot sum": 352}
+
+
+def test_table_prints_each_items_rate_by_the_model():
+    ms = lambda v: {"ms": v}  # noqa: E731
+    items = {"gather": {"busy_ms": 0.5, "wait_ms": 0.0, "epilogue_ms": 0.0},
+             "d_down": {"busy_ms": 0.0, "wait_ms": 0.0, "epilogue_ms": 0.0}}
+    case = {"model": "m", "tokens": 8, "E": 2, "fwd_flops": 1e9, "dense fwd": ms(1.0), "fwd": ms(1.0),
+            "dense fwd+bwd": ms(2.0), "fwd+bwd": ms(2.0), "fwd+bwd recompute": ms(2.0), "fwd+bwd keep": ms(2.0),
+            "fwd+bwd ring": ms(2.0), "experts op": ms(1.0), "op_flops": 1e9, "kept_bytes": 0, "ring_kept_bytes": 0,
+            "items kept": items, "item_bytes": {"items kept": {"gather": 1_500_000_000, "d_down": 7}}}
+    lines = backward.table({"dense": {}, "cases": [case]}).splitlines()
+    rate = [ln for ln in lines if "bytes by the model" in ln]
+    # 1.5 GB in 0.5 ms: 3.00 TB/s; d_down has no ms in items, so no rate
+    assert len(rate) == 1 and rate[0].split(": ", 1)[1] == "gather 1500 MB 3.00 TB/s"

@@ -21,7 +21,8 @@ process, median ms of back-to-back calls (mok_jax.bench.timing):
   shared experts' gradients and sums each token's slot rows of dx; the layer's backward adds the layout);
 - ``items`` and ``items kept``: where the op's kernel time goes, recompute and kept g, u: per kind of work item,
   the ms per SM its consumers spent in such items and the ms spent waiting for their inputs (the kernel's own
-  counters, summed over the CTAs and divided by the SM count);
+  counters, summed over the CTAs and divided by the SM count), and beside each the bytes a model says it moves
+  (``item_bytes``) over its ms in items: the rate it moved them at, against the card's HBM rate;
 - with ``--trace DIR``: the device time of the op's kernel (one persistent launch: the row gather, gate/up
   recompute, down dgrad with the SwiGLU backward, gate/up dgrad, the two weight-gradient GEMMs, the router-weight
   and per-token sums) from a jax.profiler trace of a few calls, the kernels with the most device time in the op
@@ -38,7 +39,7 @@ import json
 import statistics
 import sys
 
-__all__ = ["grad_of", "item_ms", "layer_config", "main", "op_args", "run"]
+__all__ = ["grad_of", "item_bytes", "item_ms", "layer_config", "main", "op_args", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")  # at 2048 tokens, E/32 experts
 # (qwen3-30b-a3b's one-GPU problem, 8192 tokens and 16 of its 128 experts: --model qwen3-30b-a3b --tokens 8192
@@ -97,6 +98,33 @@ def item_ms(ns) -> dict[str, dict[str, float]]:
     ns = jax.device_get(ns)
     return {kind: {f"{what}_ms": float(ns[i, q]) / ctas / 1e6 for i, what in enumerate(ITEM_TIMES)}
             for q, kind in enumerate(ITEM_KINDS)}
+
+
+def item_bytes(rows: int, tokens: int, hidden: int, inter: int, *, kept: bool, shared_inter: int = 0) -> dict:
+    """A model of the HBM bytes each kind of the op's work items moves at EP 1 (benchmarks/results/training.md, "The
+    bytes the backward moves"): bf16 rows, every intermediate written once and read once by each item that uses it,
+    the gather's x and dy rows read once per slot (a rate above the HBM's then means L2 hits), the weights and their
+    gradients not counted. ``rows``: the routed slots' rows; ``kept``: the forward's g | u handed to the op (no
+    gate/up recompute of the routed rows); ``shared_inter``: the shared expert's I (0: none), whose tiles run in the
+    same kinds over the ``tokens`` rows, read in place, their g, u always recomputed and their dx written in f32."""
+    H, b = hidden, 2
+
+    def tiles(m: int, i: int, dx_bytes: int) -> dict:
+        return {"gate/up recompute": m * H * b + m * 2 * i * b,   # x rows; g | u written
+                "down dgrad + SwiGLU bwd": m * H * b + 2 * m * 2 * i * b + m * i * b,  # dy, g | u; dg | du, hw
+                "gate/up dgrad": m * 2 * i * b + m * H * dx_bytes,  # dg | du; the rows' dx
+                "d_down": m * i * b + m * H * b,                   # hw, dy
+                "d_gate_up": m * H * b + m * 2 * i * b}            # x, dg | du
+
+    out = {"gather": 4 * rows * H * b,  # x and dy rows read, x_e and dy_e written
+           "slot sum": rows * H * b + tokens * H * 4 + (tokens * H * 4 if shared_inter else 0)}
+    for kind, n in tiles(rows, inter, b).items():
+        if not (kind == "gate/up recompute" and kept):
+            out[kind] = n
+    if shared_inter:
+        for kind, n in tiles(tokens, shared_inter, 4).items():
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, experts: int | None = None) -> dict:
@@ -162,6 +190,8 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     # expert's over the tokens.
     Is = W.shared_down.shape[0] if W.has_shared else 0
     res["op_flops"] = 2 * (res["slots"] * I + tokens * Is) * H * (2 + 1 + 1 + 2 + 2)
+    res["item_bytes"] = {label: item_bytes(res["slots"], tokens, H, I, kept=label == "items kept", shared_inter=Is)
+                         for label in ("items", "items kept")}
     if trace:
         jax.block_until_ready(op(*args))
         with jax.profiler.trace(trace):
@@ -258,6 +288,11 @@ def table(res: dict) -> str:
                 parts = ", ".join(f"{n} {v['busy_ms']:.3f}/{v['wait_ms']:.3f}/{v['epilogue_ms']:.3f}"
                                   for n, v in c[label].items() if v["busy_ms"] or v["wait_ms"])
                 lines.append(f"{'':<18} {label} (ms per SM, in/waiting/of which epilogue): {parts}")
+                moved = c.get("item_bytes", {}).get(label, {})
+                rates = ", ".join(f"{n} {moved[n] / 1e6:.0f} MB {moved[n] / (v['busy_ms'] * 1e-3) / 1e12:.2f} TB/s"
+                                  for n, v in c[label].items() if moved.get(n) and v["busy_ms"])
+                if rates:
+                    lines.append(f"{'':<18} {label}, bytes by the model (item_bytes) over ms in items: {rates}")
         if c.get("launch_ms"):
             parts = ", ".join(f"{n} {v:.3f}" for n, v in c["launch_ms"].items() if v is not None)
             lines.append(f"{'':<18} launches (ms): {parts}")
