@@ -55,7 +55,7 @@ def case(spec: str) -> dict:
     _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*args)
     counted = jax.jit(lambda a, s, gu: ops.experts_backward(*a, **s, gu=gu, return_item_ns=True))
     calls = [item_ms(counted(*args, gu)[1]) for _ in range(3)]  # the median of three calls' counters
-    for what in ("busy", "epilogue"):  # a tree from before the epilogue counters has none (.get)
+    for what in ("busy", "wait", "epilogue"):  # a tree from before the epilogue counters has none (.get)
         res[f"items kept {what} ms per SM"] = {kind: sorted(c[kind].get(f"{what}_ms", 0.0) for c in calls)[1]
                                                for kind in calls[0] if any(c[kind]["busy_ms"] > 0 for c in calls)}
     return res
@@ -89,7 +89,10 @@ def summary(logs: str, a: str, b: str) -> None:
         for t, r in zip(trees, rows):
             if r:
                 epi = r.get("items kept epilogue ms per SM", {})
-                items = ", ".join(f"{k} {v:.3f}" + (f" (epi {epi[k]:.3f})" if epi.get(k) else "")
+                wait = r.get("items kept wait ms per SM", {})  # waiting for inputs (a tile: its producer)
+                items = ", ".join(f"{k} {v:.3f}" + "".join(f" ({n} {d[k]:.3f})" for n, d in (("epi", epi),
+                                                                                            ("wait", wait))
+                                                           if d.get(k, 0.0) >= 0.0005)
                                   for k, v in r["items kept busy ms per SM"].items())
                 print(f"   {t:>10}: dense {r['dense fwd+bwd']:.3f}/{r['dense fwd+bwd after']:.3f} fwd+bwd "
                       f"{r['fwd+bwd']:.3f} ({r['fwd+bwd'] / r['dense fwd+bwd']:.3f}x dense)  items: {items}")
