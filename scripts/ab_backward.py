@@ -61,25 +61,28 @@ def case(spec: str) -> dict:
     return res
 
 
-def ab_rows(logs: str, a: str, b: str):
-    """Per problem, in order: the trees of the four runs (A B B A) and each run's JSON line (None: missing)."""
-    runs = [[json.loads(line) for line in open(f"{logs}/ab_{i}.jsonl") if line.startswith("{")] for i in range(1, 5)]
+def ab_rows(logs: str, *trees: str):
+    """Per problem, in order: the trees of the runs (A B .. B A: each tree, then each again in reverse order) and
+    each run's JSON line (None: missing)."""
+    order = [*trees, *reversed(trees)]
+    runs = [[json.loads(line) for line in open(f"{logs}/ab_{i}.jsonl") if line.startswith("{")]
+            for i in range(1, len(order) + 1)]
     for p in range(max(len(r) for r in runs)):
-        yield p, [a, b, b, a], [r[p] if p < len(r) else None for r in runs]
+        yield p, order, [r[p] if p < len(r) else None for r in runs]
 
 
 def ab_main(argv, case, summary) -> int:
-    """``--summary LOGS A B``: the side-by-side print; else one JSON line of ``case(spec)`` per problem."""
+    """``--summary LOGS A B [C ...]``: the side-by-side print; else one JSON line of ``case(spec)`` per problem."""
     if argv[:1] == ["--summary"]:
-        summary(*argv[1:4])
+        summary(argv[1], *argv[2:])
         return 0
     for spec in argv:
         print(json.dumps(case(spec)), flush=True)
     return 0
 
 
-def summary(logs: str, a: str, b: str) -> None:
-    for p, trees, rows in ab_rows(logs, a, b):
+def summary(logs: str, *trees: str) -> None:
+    for p, trees, rows in ab_rows(logs, *trees):
         ok = [r for r in rows if r]
         same = all(r["bits"] == ok[0]["bits"] for r in ok) if ok else False
         print(f"== {ok[0]['problem'] if ok else p}: bits {'identical in all runs' if same else 'DIFFER'}")

@@ -53,8 +53,8 @@ def case(spec: str) -> dict:
     return res
 
 
-def summary(logs: str, a: str, b: str) -> None:
-    for p, trees, rows in ab_rows(logs, a, b):
+def summary(logs: str, *trees: str) -> None:
+    for p, trees, rows in ab_rows(logs, *trees):
         ok = [r for r in rows if r]
         print(f"== {ok[0]['problem'] if ok else p}")
         for t, r in zip(trees, rows):
