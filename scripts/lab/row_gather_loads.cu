@@ -65,9 +65,13 @@ __device__ __forceinline__ void bar_arrive(uint64_t* b) {
 __device__ __forceinline__ void bar_expect(uint64_t* b, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(b)), "r"(bytes) : "memory");
 }
-// Waits for the barrier's phase; traps after about 2 s, so that a copy that never lands (a wrong box, a byte count
-// the barrier never reaches) ends the program with an error instead of hanging the machine.
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
+// Set by a wait that gave up; the host reads it after each run.
+__device__ int g_timed_out;
+
+// Waits for the barrier's phase; false after about 2 s, or once another wait gave up (checked every 1024 spins), so
+// that a copy that never lands (a wrong box, a byte count the barrier never reaches) ends the run, which the host
+// then reports, instead of hanging the machine.
+__device__ __forceinline__ bool bar_wait(uint64_t* b, uint32_t parity) {
   uint64_t start = 0;
   for (uint32_t n = 0;; ++n) {
     uint32_t done;
@@ -76,12 +80,17 @@ __device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
         : "=r"(done)
         : "r"(sa(b)), "r"(parity)
         : "memory");
-    if (done) return;
+    if (done) return true;
     if ((n & 1023u) == 0) {
+      if (*reinterpret_cast<volatile int*>(&g_timed_out)) return false;
       uint64_t now;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (n == 0) start = now;
-      else if (now - start > 2000000000ull) __trap();
+      if (n == 0) {
+        start = now;
+      } else if (now - start > 2000000000ull) {
+        atomicExch(&g_timed_out, 1);
+        return false;
+      }
     }
   }
 }
@@ -117,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t phase = (i / kStages) & 1;
       const int mb = int(blockIdx.x) + (i / kKBlocks) * int(gridDim.x), kb = i % kKBlocks;
       uint8_t* stage = sm + s * kStageBytes;
-      if (i >= kStages) bar_wait(empty + s, phase ^ 1);
+      if (i >= kStages && !bar_wait(empty + s, phase ^ 1)) return;
       if (mode == 0) {
         if (lane == 0) bar_expect(full + s, kStageBytes), tma_2d(stage, &map_xe, kb * kCols, mb * kRows, full + s);
       } else if (mode == 1) {
@@ -144,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned long long acc = 0;
   for (int i = 0; i < tiles; ++i) {
     const int s = i % kStages;
-    bar_wait(full + s, (i / kStages) & 1);
+    if (!bar_wait(full + s, (i / kStages) & 1)) return;
     const uint8_t* stage = sm + s * kStageBytes;
     if (out != nullptr) {
       const int mb = int(blockIdx.x) + (i / kKBlocks) * int(gridDim.x), kb = i % kKBlocks;
@@ -188,9 +197,10 @@ static CUtensorMap make_map(const void* base, int rows, int box_rows) {
 
 int main(int argc, char** argv) {
   // argv[1]: the modes to try besides mode 0 (default "12"), so that one that faults can be left out: a fault
-  // ends the process (a trapped kernel leaves the context unusable).
+  // (an illegal box, say) ends the process. A mode whose stages never complete is reported and not timed.
   const char* modes = argc > 1 ? argv[1] : "12";
-  auto wanted = [&](int mode) { return mode == 0 || strchr(modes, '0' + mode) != nullptr; };
+  bool timed_out[3] = {false, false, false};
+  auto wanted = [&](int mode) { return !timed_out[mode] && (mode == 0 || strchr(modes, '0' + mode) != nullptr); };
   // x: every element's bits name its (row, column), so a misplaced 16 bytes shows; the rows' tokens in expert-major
   // order, uniform routing (k distinct experts per token, seeded).
   std::vector<uint16_t> hx(size_t(kT) * kH);
@@ -241,6 +251,16 @@ int main(int argc, char** argv) {
     fill_kernel<<<sms, kThreads, kSmem>>>(map_xe, map_row, x, tok, mode, out, sink);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
+    int gave_up = 0;
+    CK(cudaMemcpyFromSymbol(&gave_up, g_timed_out, sizeof(int)));
+    if (gave_up) {
+      timed_out[mode] = true;
+      const int zero = 0;
+      CK(cudaMemcpyToSymbol(g_timed_out, &zero, sizeof(int)));
+      printf("mode %d %-26s TIMED OUT: a stage did not complete within 2 s\n", mode, names[mode]);
+      if (mode == 0) return 1;  // nothing to compare the others with
+      continue;
+    }
     CK(cudaMemcpy(mode == 0 ? want.data() : got.data(), out, out_bytes, cudaMemcpyDeviceToHost));
     if (mode == 0) {  // mode 0 against the host's own swizzle of x_e: (r, unit u) at r * 128 + (u ^ r % 8) * 16
       size_t bad = 0;
@@ -282,6 +302,15 @@ int main(int argc, char** argv) {
       float ms = 0;
       CK(cudaEventElapsedTime(&ms, a, b));
       ms /= reps;
+      int gave_up = 0;
+      CK(cudaMemcpyFromSymbol(&gave_up, g_timed_out, sizeof(int)));
+      if (gave_up) {  // the times would be of runs that stopped early
+        timed_out[mode] = true;
+        const int zero = 0;
+        CK(cudaMemcpyToSymbol(g_timed_out, &zero, sizeof(int)));
+        printf("mode %d %-27s TIMED OUT while timed\n", mode, names[mode]);
+        continue;
+      }
       if (round == 1)
         printf("mode %d %-27s %10.4f %10.0f\n", mode, names[mode], ms, double(kM) * kH * 2 / (ms * 1e-3) / 1e9);
     }
