@@ -15,6 +15,9 @@
 // Modes:
 //   0  one TMA box of 128 rows x 64 columns from the pre-gathered x_e (what the GEMM tiles do today)
 //   1  128 TMA boxes of 1 row x 64 columns from x at the rows' tokens, issued by the 32 lanes of one warp
+//   3  as 2 by the 32 lanes of one warp (32 copies each, 8 lanes a row), each lane's completion tracked by
+//      cp.async.mbarrier.arrive without .noinc (it raises the pending count, so the barrier keeps its count of 1),
+//      then lane 0's own arrive: the backward megakernel's one producer warp, with the ring's barriers unchanged
 //   2  16-byte cp.async from x at the rows' tokens by 128 threads (8 copies each), swizzled by hand, each thread's
 //      completion counted on the stage's barrier by cp.async.mbarrier.arrive.noinc. This is how SonicMoE gathers on
 //      Hopper (sonicmoe/functional/grouped_gemm.py, load_A_gather: the 4 producer warps, 8 threads a 128-byte row,
@@ -23,7 +26,7 @@
 //      13.1 10.29.3.2), at 128 TMA issues a stage
 // Build here or there, run on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o row_gather_loads scripts/lab/row_gather_loads.cu
-//   ./row_gather_loads [12] -> per mode: "same bytes as mode 0" or the first differing tile, then GB/s of stage fill
+//   ./row_gather_loads [123] -> per mode: "same bytes as mode 0" or the first differing tile, then GB/s of stage fill
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
@@ -121,6 +124,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles = ((kMBlocks - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x)) * kKBlocks;
   if (warp < 4) {  // producers
     if (mode != 2 && warp != 0) return;
+    if (mode == 3) {  // warp 0: row 4 i + lane / 8, 16-byte unit lane % 8
+      for (int i = 0; i < tiles; ++i) {
+        const int s = i % kStages;
+        const uint32_t phase = (i / kStages) & 1;
+        const int mb = int(blockIdx.x) + (i / kKBlocks) * int(gridDim.x), kb = i % kKBlocks;
+        uint8_t* stage = sm + s * kStageBytes;
+        if (i >= kStages && !bar_wait(empty + s, phase ^ 1)) return;
+        const int u = lane % 8;
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {
+          const int r = 4 * j + lane / 8;
+          const uint16_t* src = x + size_t(token[mb * kRows + r]) * kH + kb * kCols + u * 8;
+          const uint32_t dst = sa(stage + r * 128 + ((u ^ (r & 7)) << 4));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(sa(full + s)) : "memory");
+        __syncwarp();
+        if (lane == 0) bar_arrive(full + s);
+      }
+      return;
+    }
     for (int i = 0; i < tiles; ++i) {
       const int s = i % kStages;
       const uint32_t phase = (i / kStages) & 1;
@@ -196,10 +220,10 @@ static CUtensorMap make_map(const void* base, int rows, int box_rows) {
 }
 
 int main(int argc, char** argv) {
-  // argv[1]: the modes to try besides mode 0 (default "12"), so that one that faults can be left out: a fault
+  // argv[1]: the modes to try besides mode 0 (default "123"), so that one that faults can be left out: a fault
   // (an illegal box, say) ends the process. A mode whose stages never complete is reported and not timed.
-  const char* modes = argc > 1 ? argv[1] : "12";
-  bool timed_out[3] = {false, false, false};
+  const char* modes = argc > 1 ? argv[1] : "123";
+  bool timed_out[4] = {false, false, false, false};
   auto wanted = [&](int mode) { return !timed_out[mode] && (mode == 0 || strchr(modes, '0' + mode) != nullptr); };
   // x: every element's bits name its (row, column), so a misplaced 16 bytes shows; the rows' tokens in expert-major
   // order, uniform routing (k distinct experts per token, seeded).
@@ -244,8 +268,9 @@ int main(int argc, char** argv) {
   printf("%s, %d SMs; M %d rows x H %d, stages of %d x %d bf16\n", prop.name, sms, kM, kH, kRows, kCols);
 
   std::vector<uint8_t> want(out_bytes), got(out_bytes);
-  const char* names[3] = {"TMA box from x_e (today)", "TMA per row from x", "cp.async per 16 B from x"};
-  for (int mode = 0; mode < 3; ++mode) {
+  const char* names[4] = {"TMA box from x_e (today)", "TMA per row from x", "cp.async per 16 B from x",
+                          "cp.async, one warp"};
+  for (int mode = 0; mode < 4; ++mode) {
     if (!wanted(mode)) continue;
     CK(cudaMemset(out, 0xff, out_bytes));
     fill_kernel<<<sms, kThreads, kSmem>>>(map_xe, map_row, x, tok, mode, out, sink);
@@ -292,7 +317,7 @@ int main(int argc, char** argv) {
   const int reps = 20;
   printf("%-34s %10s %10s\n", "mode (stages awaited and freed, no MMA)", "ms/pass", "GB/s");
   for (int round = 0; round < 2; ++round)  // the second round is the one to read (the first warms clocks and L2)
-    for (int mode = 0; mode < 3; ++mode) {
+    for (int mode = 0; mode < 4; ++mode) {
       if (!wanted(mode)) continue;
       for (int w = 0; w < 3; ++w) fill_kernel<<<sms, kThreads, kSmem>>>(map_xe, map_row, x, tok, mode, nullptr, sink);
       CK(cudaEventRecord(a));
