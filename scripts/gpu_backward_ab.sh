@@ -5,11 +5,20 @@
 # A B C C B A, cheaper than two A/Bs), each tree in its own process, then the script's --summary: for the
 # backward the bits (CRC32 of every gradient) must agree and the times are printed side by side; for the forward,
 # y's CRC at emulated EP 1, 2, 4, 8 and the times of each. A tree is a directory with mok_jax/ and
-# build/native/libmok_ffi.so ("." is this checkout).
+# build/native/libmok_ffi.so ("." is this checkout); a tree's ab.env (KEY=VALUE lines) is exported for its runs only,
+# so that one library under two settings (say MOK_BACKWARD_DIRECT_ROWS) makes two trees.
 # Usage there: NCCL_NVLS_ENABLE=0 [WHICH=fwd] [PROBLEMS='kimi-k2 ...'] bash scripts/gpu_backward_ab.sh A B [C ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The dense baseline is XLA's GEMM as a user gets it: with autotuning (gpu_tests.sh turns it off for the tests; a
+# shell that exported that flag made the dense FFN 50x slower here once).
+case " ${XLA_FLAGS:-} " in
+  *" --xla_gpu_autotune_level=0 "*)
+    XLA_FLAGS=$(echo " $XLA_FLAGS " | sed 's/ --xla_gpu_autotune_level=0 / /; s/^ *//; s/ *$//')
+    echo "gpu_backward_ab.sh: dropped --xla_gpu_autotune_level=0 from XLA_FLAGS (the dense baseline needs autotuning)" >&2
+    export XLA_FLAGS ;;
+esac
 LOGS=${OUT:-$PWD/out}; mkdir -p "$LOGS"
 [ $# -ge 2 ] || { echo "usage: bash scripts/gpu_backward_ab.sh TREE_A TREE_B [TREE_C ...]" >&2; exit 2; }
 order=("$@"); for ((i = $# - 1; i >= 0; i--)); do order+=("${order[$i]}"); done
@@ -23,7 +32,8 @@ for tree in "${order[@]}"; do
   n=$((n + 1))
   dir=$(realpath "$tree")
   [ -f "$dir/build/native/libmok_ffi.so" ] && [ -d "$dir/mok_jax" ] || { echo "not a tree: $tree" >&2; exit 2; }
-  (cd "$dir" && PYTHONPATH="$dir" MOK_JAX_LIB="$dir/build/native/libmok_ffi.so" timeout ${AB_LIMIT:-200} \
+  (cd "$dir" && { [ ! -f ab.env ] || { set -a; source ab.env; set +a; }; } &&
+    PYTHONPATH="$dir" MOK_JAX_LIB="$dir/build/native/libmok_ffi.so" timeout ${AB_LIMIT:-200} \
     python3 "$here" ${PROBLEMS:-$default}) > "$LOGS/ab_$n.jsonl" 2> "$LOGS/ab_$n.log"
   echo "run $n ($tree): exit $?"
 done
