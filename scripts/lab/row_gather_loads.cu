@@ -15,15 +15,18 @@
 // Modes:
 //   0  one TMA box of 128 rows x 64 columns from the pre-gathered x_e (what the GEMM tiles do today)
 //   1  128 TMA boxes of 1 row x 64 columns from x at the rows' tokens, issued by the 32 lanes of one warp
-//   3  as 2 by the 32 lanes of one warp (32 copies each, 8 lanes a row), each lane's completion tracked by
-//      cp.async.mbarrier.arrive without .noinc (it raises the pending count, so the barrier keeps its count of 1),
-//      then lane 0's own arrive: the backward megakernel's one producer warp, with the ring's barriers unchanged
 //   2  16-byte cp.async from x at the rows' tokens by 128 threads (8 copies each), swizzled by hand, each thread's
 //      completion counted on the stage's barrier by cp.async.mbarrier.arrive.noinc. This is how SonicMoE gathers on
 //      Hopper (sonicmoe/functional/grouped_gemm.py, load_A_gather: the 4 producer warps, 8 threads a 128-byte row,
 //      a full barrier of 1 + 128 arrivals, registers 56 / 224); a one-row TMA box should land right too (the
 //      128-byte swizzle follows the destination's address bits, (address / 128) % 8, CUDA Programming Guide
 //      13.1 10.29.3.2), at 128 TMA issues a stage
+//   3  as 2 by the 32 lanes of one warp (32 copies each, 8 lanes a row), each lane's completion tracked by
+//      cp.async.mbarrier.arrive without .noinc (it raises the pending count, so the barrier keeps its count of 1),
+//      then lane 0's own arrive: the backward megakernel's one producer warp, with the ring's barriers unchanged
+// Measured (H100, twenty-ninth session; every mode the same bytes as mode 0), ms per pass of stage fills: mode 0
+// 0.0877 (3.06 TB/s, the HBM), 1 0.453, 2 0.0414 (6.48 TB/s: x sits in the L2), 3 0.0655 (4.10 TB/s). Mode 3 in the
+// backward's GEMM tiles (branch next/direct-rows) could not keep their MMAs fed: docs/performance_history.md.
 // Build here or there, run on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o row_gather_loads scripts/lab/row_gather_loads.cu
 //   ./row_gather_loads [123] -> per mode: "same bytes as mode 0" or the first differing tile, then GB/s of stage fill
