@@ -127,27 +127,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles = ((kMBlocks - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x)) * kKBlocks;
   if (warp < 4) {  // producers
     if (mode != 2 && warp != 0) return;
-    if (mode == 3) {  // warp 0: row 4 i + lane / 8, 16-byte unit lane % 8
-      for (int i = 0; i < tiles; ++i) {
-        const int s = i % kStages;
-        const uint32_t phase = (i / kStages) & 1;
-        const int mb = int(blockIdx.x) + (i / kKBlocks) * int(gridDim.x), kb = i % kKBlocks;
-        uint8_t* stage = sm + s * kStageBytes;
-        if (i >= kStages && !bar_wait(empty + s, phase ^ 1)) return;
-        const int u = lane % 8;
-#pragma unroll 8
-        for (int j = 0; j < 32; ++j) {
-          const int r = 4 * j + lane / 8;
-          const uint16_t* src = x + size_t(token[mb * kRows + r]) * kH + kb * kCols + u * 8;
-          const uint32_t dst = sa(stage + r * 128 + ((u ^ (r & 7)) << 4));
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-        }
-        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(sa(full + s)) : "memory");
-        __syncwarp();
-        if (lane == 0) bar_arrive(full + s);
-      }
-      return;
-    }
     for (int i = 0; i < tiles; ++i) {
       const int s = i % kStages;
       const uint32_t phase = (i / kStages) & 1;
@@ -161,6 +140,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         for (int r = lane; r < kRows; r += 32)
           tma_2d(stage + r * 128, &map_row, kb * kCols, token[mb * kRows + r], full + s);
+      } else if (mode == 3) {  // warp 0: rows 4 j + lane / 8, 16-byte unit lane % 8
+        const int u = lane % 8;
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {
+          const int r = 4 * j + lane / 8;
+          const uint16_t* src = x + size_t(token[mb * kRows + r]) * kH + kb * kCols + u * 8;
+          const uint32_t dst = sa(stage + r * 128 + ((u ^ (r & 7)) << 4));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(sa(full + s)) : "memory");
+        __syncwarp();
+        if (lane == 0) bar_arrive(full + s);
       } else {
         const int t = threadIdx.x;  // 0..127: rows t / 8 + 16 j, 16-byte unit t % 8
 #pragma unroll
