@@ -790,3 +790,17 @@ def test_fill_fp8_ratios_pairs_the_same_kernel_and_the_tables_show_them():
     assert "vs bf16" not in report.format_table(bf16_only) and "vs bf16" not in report.format_markdown(bf16_only)
     old = {k: v for k, v in bf16_only[0].items() if k not in ("bf16_median_ms", "speedup_vs_bf16")}
     assert "mok" in report.format_table([old])  # a report written before these keys still prints
+
+
+def test_untuned_xla_is_warned_about(monkeypatch, capsys):
+    """XLA_FLAGS that turn off XLA's GEMM autotuning (as gpu_tests.sh does) make the dense row and the XLA baselines
+    untuned: mok-bench says so before it runs, and says nothing for other flags."""
+    assert cli.untuned_xla_warning(None) is None
+    assert cli.untuned_xla_warning("--xla_force_host_platform_device_count=8") is None
+    assert cli.untuned_xla_warning("--xla_gpu_autotune_level=4") is None
+    warning = cli.untuned_xla_warning("--xla_force_host_platform_device_count=8 --xla_gpu_autotune_level=0")
+    assert warning is not None and "--xla_gpu_autotune_level=0" in warning and "dense" in warning
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    monkeypatch.setattr(cli, "run", lambda opts, argv: {"results": [{"status": "ok"}]})
+    assert cli.main(["ci"]) == 0
+    assert warning in capsys.readouterr().err

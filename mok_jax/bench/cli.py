@@ -74,6 +74,16 @@ def _ask_for_cpu_devices() -> None:
         pass
 
 
+def untuned_xla_warning(xla_flags: str | None) -> str | None:
+    """The warning for XLA_FLAGS that turn XLA's GPU GEMM autotuning off (gpu_tests.sh does, for the tests): the
+    `dense` row and the XLA baselines would then run untuned GEMMs (kimi-k2's dense FFN once took 314 ms instead of
+    6.4 on an H100), so every "x dense" and speed-up would stand against a handicapped baseline. None otherwise."""
+    if "--xla_gpu_autotune_level=0" not in (xla_flags or "").split():
+        return None
+    return ("mok-bench: warning: XLA_FLAGS has --xla_gpu_autotune_level=0, so the dense row and the XLA baselines "
+            "run untuned GEMMs and the ratios against them overstate mok; unset it for numbers to report")
+
+
 def _from_json(opts: BenchOptions) -> int:
     """Print (and plot) saved reports without running anything."""
     from mok_jax.bench import report as rep
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return project_report.main(opts)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent GPU machines
+        if warning := untuned_xla_warning(os.environ.get("XLA_FLAGS")):
+            eprint(warning)
         _ask_for_cpu_devices()
         report = run(opts, argv=["mok-bench", *(sys.argv[1:] if argv is None else argv)])
     except (ValueError, NotImplementedError, Unavailable) as e:
