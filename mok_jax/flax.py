@@ -137,10 +137,13 @@ class MoELayer(nnx.Module):
         if max_tokens is not None:
             self.setup_workspace(max_tokens)
 
+    def _token_shards(self) -> int:
+        """The shards a call's tokens split into: the product of the token axes' sizes (1 without a mesh)."""
+        return 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.token_axes)
+
     def _per_rank(self, num_tokens: int) -> int:
         """Tokens per rank of a call of ``num_tokens`` tokens (what a workspace is sized by)."""
-        shards = 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.token_axes)
-        return -(-num_tokens // shards)
+        return -(-num_tokens // self._token_shards())
 
     def _workspace_holds(self, num_tokens: int) -> bool:
         ws = self.workspace
@@ -224,6 +227,9 @@ class MoELayer(nnx.Module):
         if x.shape[-1] != self.shape.hidden_size:
             raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
         lead = x.shape[:-1]
+        if math.prod(lead) % (shards := self._token_shards()):
+            raise ValueError(f"x: its {math.prod(lead)} tokens (x.shape {x.shape}, the leading dimensions flattened) "
+                             f"must be divisible by the {shards} token shards (mesh axes {self.token_axes})")
         self._require_workspace(x, math.prod(lead))
         tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         idx, w, probs = self.route(tokens)

@@ -1,5 +1,7 @@
 """The Flax modules: parameter partitioning, a jitted optax training step on 8 CPU devices, Linen."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,13 @@ def test_module_argument_errors(cpu_devices):
     model = MoELayer(shape, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="hidden_size=64"):
         model(jnp.ones((4, 32)))
+    # the tokens check names x's shape as given, not the [tokens, hidden] it is flattened to
+    on_mesh = MoELayer(shape, mesh=jax.make_mesh((2, 4), ("dp", "ep")), rngs=nnx.Rngs(0))
+    for bad in [(shape.hidden_size,), (3, 5, shape.hidden_size)]:
+        with pytest.raises(ValueError, match=re.escape(f"tokens (x.shape {bad}, the leading dimensions flattened) "
+                                                       "must be divisible by the 8 token shards")):
+            on_mesh(jnp.ones(bad))
+    assert on_mesh(jnp.ones((2, 4, shape.hidden_size))).shape == (2, 4, shape.hidden_size)
 
 
 def test_linen_wrapper():
