@@ -6,7 +6,7 @@
 # backward the bits (CRC32 of every gradient) must agree and the times are printed side by side; for the forward,
 # y's CRC at emulated EP 1, 2, 4, 8 and the times of each. A tree is a directory with mok_jax/ and
 # build/native/libmok_ffi.so ("." is this checkout); a tree's ab.env (KEY=VALUE lines) is exported for its runs only,
-# so that one library under two settings (say MOK_BACKWARD_DIRECT_ROWS) makes two trees.
+# so that one library under two settings of an environment knob makes two trees.
 # Usage there: NCCL_NVLS_ENABLE=0 [WHICH=fwd] [PROBLEMS='kimi-k2 ...'] bash scripts/gpu_backward_ab.sh A B [C ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
