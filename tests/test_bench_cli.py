@@ -794,13 +794,26 @@ def test_fill_fp8_ratios_pairs_the_same_kernel_and_the_tables_show_them():
 
 def test_untuned_xla_is_warned_about(monkeypatch, capsys):
     """XLA_FLAGS that turn off XLA's GEMM autotuning (as gpu_tests.sh does) make the dense row and the XLA baselines
-    untuned: mok-bench says so before it runs, and says nothing for other flags."""
-    assert cli.untuned_xla_warning(None) is None
-    assert cli.untuned_xla_warning("--xla_force_host_platform_device_count=8") is None
-    assert cli.untuned_xla_warning("--xla_gpu_autotune_level=4") is None
-    warning = cli.untuned_xla_warning("--xla_force_host_platform_device_count=8 --xla_gpu_autotune_level=0")
+    untuned: mok-bench and the backward and training-step benches say so before they time, and say nothing for other
+    flags."""
+    from mok_jax.bench import backward, timing, train_step
+
+    assert timing.untuned_xla_warning(None) is None
+    assert timing.untuned_xla_warning("--xla_force_host_platform_device_count=8") is None
+    assert timing.untuned_xla_warning("--xla_gpu_autotune_level=4") is None
+    warning = timing.untuned_xla_warning("--xla_force_host_platform_device_count=8 --xla_gpu_autotune_level=0")
     assert warning is not None and "--xla_gpu_autotune_level=0" in warning and "dense" in warning
+    assert warning.startswith("mok-bench: warning:")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
     monkeypatch.setattr(cli, "run", lambda opts, argv: {"results": [{"status": "ok"}]})
     assert cli.main(["ci"]) == 0
     assert warning in capsys.readouterr().err
+    # stopped at their "no kernels" exit (2), which comes after the warning, on any machine
+    monkeypatch.setattr(timing, "kernels_unavailable", lambda: "stopped by the test")
+    assert backward.main(["--model", "ci"]) == 2
+    assert "mok_jax.bench.backward: warning: XLA_FLAGS" in capsys.readouterr().err
+    assert train_step.main(["--model", "ci"]) == 2
+    assert f"{train_step.PROG}: warning: XLA_FLAGS" in capsys.readouterr().err
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert backward.main(["--model", "ci"]) == 2
+    assert "warning" not in capsys.readouterr().err

@@ -329,8 +329,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", help="record a jax.profiler trace of the op here and print its launches' times")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from mok_jax.bench.timing import kernels_unavailable
+    from mok_jax.bench.timing import kernels_unavailable, warn_if_untuned_xla
 
+    warn_if_untuned_xla("mok_jax.bench.backward")
     why = kernels_unavailable()
     if why:
         print(f"mok_jax.bench.backward: {why}")

@@ -52,6 +52,7 @@ from mok_jax.bench.options import (CPU_DEFAULTS, CPU_NOTICE, GPU_DEFAULTS, IMPLE
                                    PEAK_TFLOPS, BenchOptions, UsageError, build_parser, implementations,
                                    kernel_settings, parse_args, parse_experts_per_gpu, parse_tokens)
 from mok_jax.bench.report import eprint
+from mok_jax.bench.timing import warn_if_untuned_xla
 from mok_jax.bench.runner import Unavailable, run
 
 # the public names of options and runner, importable from here as before the split
@@ -72,16 +73,6 @@ def _ask_for_cpu_devices() -> None:
         jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
     except RuntimeError:  # backends already initialised (mok-bench called in-process): keep what exists
         pass
-
-
-def untuned_xla_warning(xla_flags: str | None) -> str | None:
-    """The warning for XLA_FLAGS that turn XLA's GPU GEMM autotuning off (gpu_tests.sh does, for the tests): the
-    `dense` row and the XLA baselines would then run untuned GEMMs (kimi-k2's dense FFN once took 314 ms instead of
-    6.4 on an H100), so every "x dense" and speed-up would stand against a handicapped baseline. None otherwise."""
-    if "--xla_gpu_autotune_level=0" not in (xla_flags or "").split():
-        return None
-    return ("mok-bench: warning: XLA_FLAGS has --xla_gpu_autotune_level=0, so the dense row and the XLA baselines "
-            "run untuned GEMMs and the ratios against them overstate mok; unset it for numbers to report")
 
 
 def _from_json(opts: BenchOptions) -> int:
@@ -126,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return project_report.main(opts)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent GPU machines
-        if warning := untuned_xla_warning(os.environ.get("XLA_FLAGS")):
-            eprint(warning)
+        warn_if_untuned_xla("mok-bench")
         _ask_for_cpu_devices()
         report = run(opts, argv=["mok-bench", *(sys.argv[1:] if argv is None else argv)])
     except (ValueError, NotImplementedError, Unavailable) as e:

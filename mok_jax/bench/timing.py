@@ -14,7 +14,9 @@ autotuning, allocation) are excluded. Reported: median, min, max.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -33,6 +35,22 @@ class Timing:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+def untuned_xla_warning(xla_flags: str | None, prog: str = "mok-bench") -> str | None:
+    """The warning for XLA_FLAGS that turn XLA's GPU GEMM autotuning off (gpu_tests.sh does, for the tests): the
+    `dense` row and the XLA baselines would then run untuned GEMMs (kimi-k2's dense FFN once took 314 ms instead of
+    6.4 on an H100), so every "x dense" and speed-up would stand against a handicapped baseline. None otherwise."""
+    if "--xla_gpu_autotune_level=0" not in (xla_flags or "").split():
+        return None
+    return (f"{prog}: warning: XLA_FLAGS has --xla_gpu_autotune_level=0, so the dense row and the XLA baselines "
+            "run untuned GEMMs and the ratios against them overstate mok; unset it for numbers to report")
+
+
+def warn_if_untuned_xla(prog: str) -> None:
+    """Print untuned_xla_warning for this process's XLA_FLAGS on stderr, if there is one (before any timing)."""
+    if warning := untuned_xla_warning(os.environ.get("XLA_FLAGS"), prog):
+        print(warning, file=sys.stderr, flush=True)
 
 
 def time_fn(

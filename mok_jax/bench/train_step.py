@@ -156,8 +156,9 @@ def main(argv=None) -> int:
     for name, v in (("--layers", a.layers), ("--tokens", a.tokens), ("--steps", a.steps), ("--samples", a.samples)):
         if v < 1:
             ap.error(f"{name} must be >= 1, got {v}")
-    from mok_jax.bench.timing import kernels_unavailable
+    from mok_jax.bench.timing import kernels_unavailable, warn_if_untuned_xla
 
+    warn_if_untuned_xla(PROG)
     why = kernels_unavailable()
     if why:
         print(f"{PROG}: {why}")
