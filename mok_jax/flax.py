@@ -227,10 +227,11 @@ class MoELayer(nnx.Module):
         if x.shape[-1] != self.shape.hidden_size:
             raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
         lead = x.shape[:-1]
-        if math.prod(lead) % (shards := self._token_shards()):
-            raise ValueError(f"x: its {math.prod(lead)} tokens (x.shape {x.shape}, the leading dimensions flattened) "
+        num_tokens = math.prod(lead)
+        if num_tokens % (shards := self._token_shards()):
+            raise ValueError(f"x: its {num_tokens} tokens (x.shape {x.shape}, the leading dimensions flattened) "
                              f"must be divisible by the {shards} token shards (mesh axes {self.token_axes})")
-        self._require_workspace(x, math.prod(lead))
+        self._require_workspace(x, num_tokens)
         tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         idx, w, probs = self.route(tokens)
         if self.mesh is None:
