@@ -82,14 +82,14 @@ def ab_main(argv, case, summary) -> int:
 
 
 def summary(logs: str, *trees: str) -> None:
-    for p, trees, rows in ab_rows(logs, *trees):
+    for p, order, rows in ab_rows(logs, *trees):
         ok = [r for r in rows if r]
         same = all(r["bits"] == ok[0]["bits"] for r in ok) if ok else False
         print(f"== {ok[0]['problem'] if ok else p}: bits {'identical in all runs' if same else 'DIFFER'}")
         if not same:
-            for t, r in zip(trees, rows):
+            for t, r in zip(order, rows):
                 print(f"   {t}: {r and r['bits']}")
-        for t, r in zip(trees, rows):
+        for t, r in zip(order, rows):
             if r:
                 epi = r.get("items kept epilogue ms per SM", {})
                 wait = r.get("items kept wait ms per SM", {})  # waiting for inputs (a tile: its producer)

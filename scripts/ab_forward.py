@@ -54,10 +54,10 @@ def case(spec: str) -> dict:
 
 
 def summary(logs: str, *trees: str) -> None:
-    for p, trees, rows in ab_rows(logs, *trees):
+    for p, order, rows in ab_rows(logs, *trees):
         ok = [r for r in rows if r]
         print(f"== {ok[0]['problem'] if ok else p}")
-        for t, r in zip(trees, rows):
+        for t, r in zip(order, rows):
             if not r:
                 continue
             clock = r["layer fwd"].get("sm_mhz")
