@@ -64,6 +64,8 @@ static_assert(kGuChunkElems * sizeof(GuElement) <= sizeof(StageRing::a) / StageR
                   kGuChunkElems * sizeof(GuElement) <= sizeof(StageRing::b) / StageRing::kStages,
               "a chunk's g fits a stage's A bytes and its u a stage's B bytes");
 static_assert(sizeof(GuElement) == sizeof(__nv_bfloat16), "one bf16 element type in memory");
+static_assert(2 * kGuChunkElems * sizeof(GuElement) <= sizeof(StageRing::b) / StageRing::kStages,
+              "a chunk's hw fits the stage's B bytes past its u (swiglu_backward_store writes it there)");
 
 // gu as TMA sees it: [rows, 2 inter] bf16, row-major, in boxes of 128 rows x 64 columns.
 inline auto make_tma_gu(const __nv_bfloat16* gu, int rows, int inter) {
@@ -153,6 +155,32 @@ __device__ __forceinline__ RowWeights swiglu_row_weights(const SwigluBackwardOut
   return w;
 }
 
+// One chunk's dg, du and hw of warpgroup wg's 64 rows, from the stage (where the epilogue wrote them, in the chunk's
+// swizzled layout) to dgu and hw, 16 bytes a store, 8 threads a row's 128 bytes: whole 128-byte lines where the
+// epilogue's own stores wrote 4 bytes each. Rows past row_end and columns past I are not stored (I is a multiple
+// of 8, so a 16-byte unit is wholly in or out).
+__device__ __forceinline__ void store_chunk(const SwigluBackwardOut& o, const __nv_bfloat16* sg,
+                                            const __nv_bfloat16* su, const __nv_bfloat16* sh, int tile_row0,
+                                            int row_end, int chunk_col0, int wg, int t) {
+  constexpr int kUnits = kGuChunkCols / 8;  // 16-byte units of a row's chunk
+#pragma unroll
+  for (int which = 0; which < 3; ++which) {  // dg, du, hw
+    const __nv_bfloat16* src = which == 0 ? sg : which == 1 ? su : sh;
+#pragma unroll
+    for (int j = 0; j < 64 * kUnits / 128; ++j) {
+      const int idx = t + 128 * j;
+      const int r = 64 * wg + idx / kUnits, unit = idx % kUnits;
+      const int row = tile_row0 + r, col = chunk_col0 + 8 * unit;
+      const uint4 v = *reinterpret_cast<const uint4*>(src + gu_chunk_at(r, 8 * unit));
+      if (row < row_end && col < o.inter) {
+        __nv_bfloat16* dst = which == 2 ? o.hw + int64_t(row) * o.inter + col
+                                        : o.dgu + int64_t(row) * (2 * int64_t(o.inter)) + col + which * o.inter;
+        *reinterpret_cast<uint4*>(dst) = v;
+      }
+    }
+  }
+}
+
 // acc: one consumer warpgroup's 64 x 256 wgmma fragment (value i of thread t sits at row
 // 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2). tile_row0: the tile's first row; wg: the
 // warpgroup (rows 64 wg..). Consumes the tile's gu_chunks(inter, col0) chunk stages at pos, each freed by every
@@ -168,6 +196,11 @@ __device__ __forceinline__ RowWeights swiglu_row_weights(const SwigluBackwardOut
 // instruction fetch for half their cycles. The values, the order of every sum and so every output bit are those of
 // the unrolled form: the loops visit (chunk, column pair) in the same ascending order for each of the thread's two
 // rows.
+//
+// The outputs leave through the chunk's stage: each value's dg over its g, du over its u, hw in the stage's B bytes
+// past u at the same place, then, once the warpgroup's 64 rows are there (named barrier 1 + wg), store_chunk copies
+// them out in 16-byte units, 8 threads to a row's 128 bytes. Stored from the registers, each of the 192 stores a
+// thread made per tile wrote 4 bytes, 16 bytes of a row per warp store.
 template <class Accumulator, bool kWeighted = true>
 __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, const SwigluBackwardOut& o,
                                                       const RowWeights& w, StageRing& s, RingPos& pos,
@@ -181,18 +214,7 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
   float4 dh[256 / 8];  // dh'[q]: the thread's column pair q of its rows r_local (x, y) and r_local + 8 (z, w)
 #pragma unroll
   for (int q = 0; q < 256 / 8; ++q) dh[q] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
-  bool in[2];
   float sum[2] = {0.0f, 0.0f};
-  __nv_bfloat16* g_out[2];  // the thread's first column pair of each row: in dgu (its g half; u is I further)
-  __nv_bfloat16* h_out[2];  // ... and in hw
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int row = tile_row0 + r_local + 8 * hh;
-    in[hh] = row < row_end;
-    const int64_t r = in[hh] ? row : tile_row0;  // a row of the matrix either way (unwritten when not in)
-    g_out[hh] = o.dgu + r * (2 * int64_t(o.inter)) + col0 + c_lane;
-    h_out[hh] = o.hw + r * o.inter + col0 + c_lane;
-  }
   const int steps = kSteps * gu_chunks(o.inter, col0);
   float4 cur[kPairs], next[kPairs];
 #pragma unroll
@@ -205,8 +227,9 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
 #pragma unroll
       for (int v = 0; v < kPairs; ++v) next[v] = dh[kPairs * (st + 1) + v];  // in flight while this step is computed
     }
-    const auto* sg = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_g(s, pos.stage));
-    const auto* su = reinterpret_cast<const __nv_bfloat16*>(gu_chunk_u(s, pos.stage));
+    auto* sg = reinterpret_cast<__nv_bfloat16*>(gu_chunk_g(s, pos.stage));
+    auto* su = reinterpret_cast<__nv_bfloat16*>(gu_chunk_u(s, pos.stage));
+    __nv_bfloat16* sh = su + kGuChunkElems;  // hw's place: the stage's B bytes past u
     float2 g2[kPairs][2], u2[kPairs][2], s2[kPairs][2];  // s2: the denominators x, then their reciprocals
     bool exact = false;
 #pragma unroll
@@ -238,7 +261,7 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
     for (int v = 0; v < kPairs; ++v) {
       const int q = kPairs * st + v;  // the thread's column pair 8 q + c_lane of the tile
       // Past I the tile's second B half may not be loaded (sm90_tile.cuh skips a half that lies wholly past
-      // n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing.
+      // n_b), so dh' there is stale shared memory, possibly NaN: those columns add nothing (and are not stored).
       const bool col_in = col0 + 8 * q + c_lane < o.inter;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -246,14 +269,19 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
         const SwigluGrad a = swiglu_grad(d0, g2[v][hh].x, u2[v][hh].x, w.w[hh], s2[v][hh].x);
         const SwigluGrad b = swiglu_grad(d1, g2[v][hh].y, u2[v][hh].y, w.w[hh], s2[v][hh].y);
         if (kWeighted && col_in) sum[hh] += d0 * a.h, sum[hh] += d1 * b.h;
-        if (in[hh] && col_in) {
-          *reinterpret_cast<__nv_bfloat162*>(g_out[hh] + 8 * q) = __floats2bfloat162_rn(a.dg, b.dg);
-          *reinterpret_cast<__nv_bfloat162*>(g_out[hh] + 8 * q + o.inter) = __floats2bfloat162_rn(a.du, b.du);
-          *reinterpret_cast<__nv_bfloat162*>(h_out[hh] + 8 * q) = __floats2bfloat162_rn(a.hw, b.hw);
-        }
+        // dg over the g it came from, du over its u, hw in the same place of hw's: only this thread reads or
+        // writes these 4 bytes of each, so no barrier stands between its reads and its writes
+        const int at = gu_chunk_at(r_local, 8 * (kPairs * step + v) + c_lane) + 8 * kGuChunkCols * hh;
+        *reinterpret_cast<__nv_bfloat162*>(sg + at) = __floats2bfloat162_rn(a.dg, b.dg);
+        *reinterpret_cast<__nv_bfloat162*>(su + at) = __floats2bfloat162_rn(a.du, b.du);
+        *reinterpret_cast<__nv_bfloat162*>(sh + at) = __floats2bfloat162_rn(a.hw, b.hw);
       }
     }
-    if (step == kSteps - 1) {  // the chunk is done
+    if (step == kSteps - 1) {  // the chunk is done: its rows out in 16-byte units, then the stage freed
+      // The stage is next written by TMA (the async proxy) over these generic writes.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      named_barrier_sync(1 + wg, 128);  // the warpgroup's 64 rows are in the stage
+      store_chunk(o, sg, su, sh, tile_row0, row_end, col0 + kGuChunkCols * (st / kSteps), wg, t);
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[pos.stage]);
       pos.advance();
@@ -268,7 +296,7 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
       const int row = tile_row0 + r_local + 8 * hh;
-      if (in[hh] && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = v;
+      if (row < row_end && lane % 4 == 0) o.dw_part[int64_t(row) * o.n_blocks + n_block] = v;
     }
   }
   return true;
