@@ -76,6 +76,9 @@ def ab_main(argv, case, summary) -> int:
     if argv[:1] == ["--summary"]:
         summary(argv[1], *argv[2:])
         return 0
+    from mok_jax.bench.timing import warn_if_untuned_xla  # here, as case's imports: --summary needs no package
+
+    warn_if_untuned_xla(sys.argv[0].rsplit("/", 1)[-1])  # the dense times beside the trees' need XLA's autotuning
     for spec in argv:
         print(json.dumps(case(spec)), flush=True)
     return 0
