@@ -1,7 +1,10 @@
-"""The GPU scripts' lists against the tests they name (no GPU needed)."""
+"""The GPU scripts, checked without a GPU: their lists against the tests they name, and their warnings."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -18,10 +21,6 @@ def test_gpu_tests_parts_hold_every_one_gpu_test_file_once():
 def test_ab_scripts_warn_when_xla_autotuning_is_off():
     """ab_backward.py and ab_forward.py time the dense FFN beside each tree: run on their own (not through
     gpu_backward_ab.sh, which drops the flag) under gpu_tests.sh's XLA_FLAGS, they say so before timing."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "PYTHONPATH": str(REPO),
            "JAX_PLATFORMS": "cpu"}
     for script in ("ab_backward.py", "ab_forward.py"):
