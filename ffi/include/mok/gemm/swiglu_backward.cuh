@@ -231,6 +231,7 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
     auto* su = reinterpret_cast<__nv_bfloat16*>(gu_chunk_u(s, pos.stage));
     __nv_bfloat16* sh = su + kGuChunkElems;  // hw's place: the stage's B bytes past u
     float2 g2[kPairs][2], u2[kPairs][2], s2[kPairs][2];  // s2: the denominators x, then their reciprocals
+    int at[kPairs][2];  // where each value pair's g, u are read and its dg, du, hw written back
     bool exact = false;
 #pragma unroll
     for (int v = 0; v < kPairs; ++v) {
@@ -238,9 +239,9 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
       for (int hh = 0; hh < 2; ++hh) {
         // two adjacent columns share a 16-byte swizzle unit, so they are adjacent in the chunk too; the swizzle
         // sees a row's r % 8 only, so row r_local + 8 sits 8 whole rows further
-        const int at = gu_chunk_at(r_local, 8 * (kPairs * step + v) + c_lane) + 8 * kGuChunkCols * hh;
-        g2[v][hh] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at));
-        u2[v][hh] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at));
+        at[v][hh] = gu_chunk_at(r_local, 8 * (kPairs * step + v) + c_lane) + 8 * kGuChunkCols * hh;
+        g2[v][hh] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sg + at[v][hh]));
+        u2[v][hh] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(su + at[v][hh]));
         s2[v][hh] = make_float2(sigmoid_denominator(g2[v][hh].x), sigmoid_denominator(g2[v][hh].y));
         exact |= !(s2[v][hh].x < kRcpInRangeEnd) || !(s2[v][hh].y < kRcpInRangeEnd);
       }
@@ -271,10 +272,9 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
         if (kWeighted && col_in) sum[hh] += d0 * a.h, sum[hh] += d1 * b.h;
         // dg over the g it came from, du over its u, hw in the same place of hw's: only this thread reads or
         // writes these 4 bytes of each, so no barrier stands between its reads and its writes
-        const int at = gu_chunk_at(r_local, 8 * (kPairs * step + v) + c_lane) + 8 * kGuChunkCols * hh;
-        *reinterpret_cast<__nv_bfloat162*>(sg + at) = __floats2bfloat162_rn(a.dg, b.dg);
-        *reinterpret_cast<__nv_bfloat162*>(su + at) = __floats2bfloat162_rn(a.du, b.du);
-        *reinterpret_cast<__nv_bfloat162*>(sh + at) = __floats2bfloat162_rn(a.hw, b.hw);
+        *reinterpret_cast<__nv_bfloat162*>(sg + at[v][hh]) = __floats2bfloat162_rn(a.dg, b.dg);
+        *reinterpret_cast<__nv_bfloat162*>(su + at[v][hh]) = __floats2bfloat162_rn(a.du, b.du);
+        *reinterpret_cast<__nv_bfloat162*>(sh + at[v][hh]) = __floats2bfloat162_rn(a.hw, b.hw);
       }
     }
     if (step == kSteps - 1) {  // the chunk is done: its rows out in 16-byte units, then the stage freed
