@@ -213,6 +213,15 @@ static CUtensorMap make_map(const void* base, int rows, int box_rows) {
   return m;
 }
 
+// Whether a wait of the runs since the last call gave up (g_timed_out), clearing the flag for the next runs.
+static bool gave_up() {
+  int flag = 0;
+  const int zero = 0;
+  CK(cudaMemcpyFromSymbol(&flag, g_timed_out, sizeof(int)));
+  CK(cudaMemcpyToSymbol(g_timed_out, &zero, sizeof(int)));
+  return flag != 0;
+}
+
 int main(int argc, char** argv) {
   // argv[1]: the modes to try besides mode 0 (default "123"), so that one that faults can be left out: a fault
   // (an illegal box, say) ends the process. A mode whose stages never complete is reported and not timed.
@@ -270,12 +279,8 @@ int main(int argc, char** argv) {
     fill_kernel<<<sms, kThreads, kSmem>>>(map_xe, map_row, x, tok, mode, out, sink);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
-    int gave_up = 0;
-    CK(cudaMemcpyFromSymbol(&gave_up, g_timed_out, sizeof(int)));
-    if (gave_up) {
+    if (gave_up()) {
       timed_out[mode] = true;
-      const int zero = 0;
-      CK(cudaMemcpyToSymbol(g_timed_out, &zero, sizeof(int)));
       printf("mode %d %-26s TIMED OUT: a stage did not complete within 2 s\n", mode, names[mode]);
       if (mode == 0) return 1;  // nothing to compare the others with
       continue;
@@ -321,12 +326,8 @@ int main(int argc, char** argv) {
       float ms = 0;
       CK(cudaEventElapsedTime(&ms, a, b));
       ms /= reps;
-      int gave_up = 0;
-      CK(cudaMemcpyFromSymbol(&gave_up, g_timed_out, sizeof(int)));
-      if (gave_up) {  // the times would be of runs that stopped early
+      if (gave_up()) {  // the times would be of runs that stopped early
         timed_out[mode] = true;
-        const int zero = 0;
-        CK(cudaMemcpyToSymbol(g_timed_out, &zero, sizeof(int)));
         printf("mode %d %-27s TIMED OUT while timed\n", mode, names[mode]);
         continue;
       }
