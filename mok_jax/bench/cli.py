@@ -52,8 +52,8 @@ from mok_jax.bench.options import (CPU_DEFAULTS, CPU_NOTICE, GPU_DEFAULTS, IMPLE
                                    PEAK_TFLOPS, BenchOptions, UsageError, build_parser, implementations,
                                    kernel_settings, parse_args, parse_experts_per_gpu, parse_tokens)
 from mok_jax.bench.report import eprint
-from mok_jax.bench.timing import warn_if_untuned_xla
 from mok_jax.bench.runner import Unavailable, run
+from mok_jax.bench.timing import warn_if_untuned_xla
 
 # the public names of options and runner, importable from here as before the split
 __all__ = ["CPU_DEFAULTS", "CPU_NOTICE", "GPU_DEFAULTS", "IMPLEMENTATIONS", "MOK_IMPLS", "PEAK_TFLOPS", "BenchOptions",
