@@ -208,24 +208,33 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
                                                       int t, int32_t* status) {
   constexpr int kSteps = 4;                          // per chunk
   constexpr int kPairs = kGuChunkCols / 8 / kSteps;  // the thread's column pairs per step (8 columns apart)
+  constexpr int kAhead = 2;  // steps between a dh' read and its use (3 spilled 32 / 64 bytes in the production form)
   const int lane = t % 32, warp = t / 32;
   const int r_local = 64 * wg + 16 * warp + lane / 4;  // and r_local + 8
   const int c_lane = 2 * (lane % 4);
   float4 dh[256 / 8];  // dh'[q]: the thread's column pair q of its rows r_local (x, y) and r_local + 8 (z, w)
 #pragma unroll
-  for (int q = 0; q < 256 / 8; ++q) dh[q] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
+  for (int q = 256 / 8 - 1; q >= 0; --q)  // last pair first: the pairs read first are the last written (in L1)
+    dh[q] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
   float sum[2] = {0.0f, 0.0f};
   const int steps = kSteps * gu_chunks(o.inter, col0);
-  float4 cur[kPairs], next[kPairs];
+  // ahead[a]: the dh' of step st + 1 + a, read kAhead steps before it is computed (each read is an L2 round trip:
+  // the 128 KB a CTA keeps there do not fit its L1 beside the shared memory)
+  float4 cur[kPairs], ahead[kAhead][kPairs];
 #pragma unroll
   for (int v = 0; v < kPairs; ++v) cur[v] = dh[v];
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a)
+#pragma unroll
+    for (int v = 0; v < kPairs; ++v) ahead[a][v] = 1 + a < steps ? dh[kPairs * (1 + a) + v] : make_float4(0, 0, 0, 0);
 #pragma unroll 1
   for (int st = 0; st < steps; ++st) {
     const int step = st % kSteps;  // of chunk st / kSteps
     if (step == 0 && !mbarrier_wait(&s.full[pos.stage], pos.phase, status)) return false;
-    if (st + 1 < steps) {
+    float4 next[kPairs];  // step st + 1 + kAhead's, in flight while this step and the kAhead - 1 after it run
+    if (st + 1 + kAhead < steps) {
 #pragma unroll
-      for (int v = 0; v < kPairs; ++v) next[v] = dh[kPairs * (st + 1) + v];  // in flight while this step is computed
+      for (int v = 0; v < kPairs; ++v) next[v] = dh[kPairs * (st + 1 + kAhead) + v];
     }
     auto* sg = reinterpret_cast<__nv_bfloat16*>(gu_chunk_g(s, pos.stage));
     auto* su = reinterpret_cast<__nv_bfloat16*>(gu_chunk_u(s, pos.stage));
@@ -287,7 +296,12 @@ __device__ __forceinline__ bool swiglu_backward_store(const Accumulator& acc, co
       pos.advance();
     }
 #pragma unroll
-    for (int v = 0; v < kPairs; ++v) cur[v] = next[v];
+    for (int v = 0; v < kPairs; ++v) {
+      cur[v] = ahead[0][v];
+#pragma unroll
+      for (int a = 0; a + 1 < kAhead; ++a) ahead[a][v] = ahead[a + 1][v];
+      ahead[kAhead - 1][v] = next[v];
+    }
   }
   if constexpr (kWeighted) {
 #pragma unroll
