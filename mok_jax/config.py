@@ -232,9 +232,13 @@ class MoEConfig:
             ``ring_slots`` microbatches of ``granularity`` tokens, as the call's KernelConfig resolves them):
             ep T' k rows with T' <= ring_slots * granularity the ring's tokens per rank, bounded by the ring, not
             by T (when every token fits in the ring it keeps what "everything" keeps).
-        The gradients are the same bits for each. The default (None) is "balanced" with precision "bf16" and
-        "nothing" with "fp8". Measured on one H200 (benchmarks/results/training.md), keeping g | u takes
-        11.7-13.8% off the fwd+bwd of the five benchmark problems. Ignored by ``implementation="xla"``.
+        With any of them but "nothing" the forward also keeps the shared expert's g | u of the rank's tokens, bf16
+        [T, 2Is], so that its backward (in XLA) recomputes none of it.
+        The routed experts' gradients are the same bits for each; with a shared expert, dx and its gradients may
+        differ from "nothing"'s by a rounding of its g, u (XLA's recompute accumulates in another order). The
+        default (None) is "balanced" with precision "bf16" and "nothing" with "fp8". Measured on one H200
+        (benchmarks/results/training.md), keeping g | u takes 11.7-13.8% off the fwd+bwd of the five benchmark
+        problems. Ignored by ``implementation="xla"``.
     precision: the routed experts' forward on ``implementation="mok"``: "bf16", or "fp8": E4M3 with DeepSeek-V3
         block scales (mok_jax.fp8): each token row is quantised in 1 x 128 tiles once, as its source posts it
         (so FP8 rows and their scales cross NVLink: about half the bytes), the gate/up and down GEMMs run in FP8

@@ -141,7 +141,8 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         from mok_jax.layer import rank_layout
 
         layouts = [rank_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
-        kept = dict(keep_pos=jnp.stack([lay.pos.reshape(-1) for lay in layouts]), keep_rows=layouts[0].num_rows)
+        kept = dict(keep_pos=jnp.stack([lay.pos.reshape(-1) for lay in layouts]), keep_rows=layouts[0].num_rows,
+                    keep_shared=weights.has_shared)
     y, status, *gu = ops.moe_forward(
         ws, per_rank(x).astype(jnp.bfloat16), per_rank(topk_idx), per_rank(topk_weight.astype(jnp.float32)),
         per_rank(weights.gate_up.astype(jnp.bfloat16)), per_rank(weights.down.astype(jnp.bfloat16)),
@@ -153,7 +154,8 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         return y.reshape(ep * tokens, H), status
     from mok_jax.layer import KeptGateUp
 
-    return y.reshape(ep * tokens, H), status, [KeptGateUp(gu[0][r], layouts[r]) for r in range(ep)]
+    return y.reshape(ep * tokens, H), status, [
+        KeptGateUp(gu[0][r], layouts[r], shared_gu=gu[1][r] if weights.has_shared else None) for r in range(ep)]
 
 
 def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weights: MoEWeights,
@@ -236,7 +238,8 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         dx_routed = slot_sum(dx_slots)
     rows = lambda a, r: a[r * tokens:(r + 1) * tokens]  # noqa: E731
     per_rank = [finish_backward(rows(x, r), rows(dy, r), rows(topk_weight, r), weights, rows(dx_routed, r),
-                                         rows(dw, r), failed, parts[r].d_gate_up, parts[r].d_down)
+                                         rows(dw, r), failed, parts[r].d_gate_up, parts[r].d_down,
+                                         shared_gu=None if kept is None else kept[r].shared_gu)
                 for r in range(ep)]
     dx = jnp.concatenate([g[0] for g in per_rank])
     d_topk_weight = jnp.concatenate([g[1] for g in per_rank])

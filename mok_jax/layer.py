@@ -69,11 +69,13 @@ class KeptGateUp(NamedTuple):
     backward op zeroes the padding rows it reads). With keep="ring" and tokens past the ring, gu is bf16[ep T' k,
     2I], those of the slots of the ring's T' tokens per rank; with "balanced" at EP > 1, bf16[T k + 128 L, 2I], the
     layout's first rows; then ``row`` int32[M] gives each layout row's row of gu (-1: none, the backward recomputes
-    it); else row is None."""
+    it); else row is None. ``shared_gu``: with a shared expert, its g | u of the rank's tokens, bf16[T, 2Is], rounded
+    as gu (the shared expert's backward then recomputes none), else None."""
 
     gu: jax.Array
     layout: PaddedLayout
     row: jax.Array | None = None
+    shared_gu: jax.Array | None = None
 
     def op_args(self) -> dict:
         """The experts' backward op's keywords for these kept rows."""
@@ -194,20 +196,24 @@ def _forward_mok(x, topk_idx, topk_weight, weights: MoEWeights, config: MoEConfi
                  keep: tuple[jax.Array, int] | None = None, fp8_weights: Fp8ExpertWeights | None = None,
                  workspace=None):
     """moe() checked the arguments (bf16 x; every weight in x's dtype) and that the kernels are here. With
-    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: bf16[rows, 2I]). With
+    ``keep`` = (keep_pos int32[ep T k], rows) (``_keep_plan``) it returns (y, the kept g | u: bf16[rows, 2I], the
+    shared expert's: bf16[T, 2Is], or None without one). With
     config.precision "fp8" the routed experts run in E4M3: ``fp8_weights``, else the weights quantised here.
     ``workspace``: moe's (``_workspace``)."""
     from mok_jax import ops
 
     ws = _workspace(config, workspace, x, topk_idx, weights)
-    kept = {} if keep is None else dict(keep_pos=keep[0].reshape(1, -1), keep_rows=keep[1])
+    kept = {} if keep is None else dict(keep_pos=keep[0].reshape(1, -1), keep_rows=keep[1],
+                                        keep_shared=weights.has_shared)
     if config.precision == "fp8":
         w8 = fp8_weights if fp8_weights is not None else quantize_expert_weights(weights.gate_up, weights.down)
         kept["fp8_weights"] = jax.tree.map(lambda a: a[None], w8)
     y, _, *gu = ops.moe_forward(ws, x[None], topk_idx[None], topk_weight[None], weights.gate_up[None],
                                 weights.down[None], weights.shared_gate_up, weights.shared_down, kernel=config.kernel,
                                 **kept)
-    return y[0] if keep is None else (y[0], gu[0][0])
+    if keep is None:
+        return y[0]
+    return y[0], gu[0][0], gu[1][0] if weights.has_shared else None
 
 
 def _forward(x, topk_idx, topk_weight, weights, fp8_weights, config: MoEConfig, workspace):
@@ -286,21 +292,31 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
             layout = rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
                                   jax.lax.axis_index(config.ep_axis))
         keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout, workspace)
-        y, gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows), workspace=workspace)
-        return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout, row))
+        y, gu, shared_gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows),
+                                        workspace=workspace)
+        return y, MoEResiduals(x, topk_idx, topk_weight, weights, KeptGateUp(gu, layout, row, shared_gu))
     y = _forward(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace)
     return y, MoEResiduals(x, topk_idx, topk_weight, weights, fp8_weights=fp8_weights)
 
 
-def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array):
+def shared_gate_up_product(x: jax.Array, shared_gate_up: jax.Array) -> jax.Array:
+    """The shared expert's g | u of tokens x, [T, 2Is] in x's dtype: x Wsgu accumulated in f32, rounded once, as the
+    megakernel's forward keeps them (KeptGateUp.shared_gu) and as the routed experts' g, u are rounded."""
+    return jnp.einsum("th,hn->tn", x, shared_gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array, gu: jax.Array | None = None):
     """The shared SwiGLU expert's backward in XLA: (dx f32[T, H], d shared_gate_up, d shared_down), or (None,
     None, None) without a shared expert. x, dy: [T, H] and the shared weights in one dtype (bf16 on the layer's
-    mok path; f32 only from the tests' reference runs, where the same code runs in f32).
+    mok path; f32 only from the tests' reference runs, where the same code runs in f32). ``gu``: the forward's kept
+    g | u of these tokens, bf16[T, 2Is] (KeptGateUp.shared_gu), used in place of the recompute x Wsgu (then four
+    matmuls, not five), or None.
 
     Every matmul takes two operands of x's dtype and accumulates in f32 (in bf16: no f32 matmuls); the roundings
-    are the routed kernel's (dgu and h rounded to x's dtype before their matmuls; g and u kept in f32 here):
+    are the routed kernel's (g, u rounded to x's dtype once, kept or recomputed, as ``shared_gate_up_product`` does;
+    dgu and h rounded to x's dtype before their matmuls):
 
-        g, u = split(x Wsgu);  h = silu(g) u;  dh = dy Wsd^T
+        g, u = split(round(x Wsgu));  h = silu(g) u;  dh = dy Wsd^T
         dgu = round([dh u silu'(g), dh silu(g)]);  dx = dgu Wsgu^T (kept f32, added to the routed experts' dx)
         d Wsd = round(h)^T dy;  d Wsgu = x^T dgu
     """
@@ -309,7 +325,7 @@ def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array):
     wsgu, wsd = weights.shared_gate_up, weights.shared_down
     f32 = jnp.float32
     mm = functools.partial(jnp.einsum, preferred_element_type=f32)
-    g, u = jnp.split(mm("th,hn->tn", x, wsgu), 2, axis=-1)
+    g, u = jnp.split((shared_gate_up_product(x, wsgu) if gu is None else gu).astype(f32), 2, axis=-1)
     h, dg, du = reference.swiglu_backward(g, u, mm("th,ih->ti", dy, wsd))
     dgu = jnp.concatenate([dg, du], axis=-1).astype(x.dtype)
     dx = mm("tn,hn->th", dgu, wsgu)
@@ -405,13 +421,13 @@ def drop_invalid_tokens(dy, topk_idx, num_experts, dtype):
 
 
 def finish_backward(x, dy, topk_weight, weights: MoEWeights, dx_routed, dw, failed, d_gate_up, d_down,
-                     shared=None):
+                     shared=None, shared_gu=None):
     """The gradients from the routed experts' parts: the shared expert's backward added (its dx in f32 before
     the one rounding), NaN where the op failed, every gradient in its primal's dtype. ``shared``: the shared
     expert's weight gradients when the op ran its backward (its dx is then in dx_routed already), else None
-    (it runs here, in XLA)."""
+    (it runs here, in XLA, from ``shared_gu``, KeptGateUp.shared_gu, when the forward kept it)."""
     if shared is None:
-        dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy)
+        dx_shared, d_sgu, d_sdn = _shared_backward(x, weights, dy, shared_gu)
     else:
         dx_shared = None
         d_sgu, d_sdn = (g.astype(w.dtype) for g, w in zip(shared, (weights.shared_gate_up, weights.shared_down)))
@@ -507,7 +523,7 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
         d_gate_up, d_down = part.d_gate_up, part.d_down
         shared = None
     dx, d_topk_weight, d_weights = finish_backward(x, dy, topk_weight, weights, dx_routed, dw, failed, d_gate_up,
-                                                    d_down, shared)
+                                                    d_down, shared, None if kept is None else kept.shared_gu)
     d_weights = jax.tree.map(_vary_like, d_weights, weights)
     d_idx = np.zeros(topk_idx.shape, jax.dtypes.float0)
     return _vary_like(dx, x), d_idx, _vary_like(d_topk_weight, topk_weight), d_weights

@@ -162,7 +162,7 @@ def layer_memory_per_rank(*, ep: int, tokens: int, hidden: int, inter: int, shar
         "forward": _forward(ep, T, H, I, Is, k, L, kernel),
         "backward": backward,
         "layout": layout,
-        "kept": {"gu": kept_rows * 2 * I * 2},
+        "kept": {"gu": kept_rows * 2 * I * 2, "shared_gu": T * 2 * Is * 2 if keep != "nothing" else 0},
         "gradients": gradients,
     }
     return {f"{group}.{name}": n for group in GROUPS for name, n in groups[group].items()}

@@ -66,7 +66,8 @@ def _recomputed_gu(x, gate_up, layout, k):
 def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_weights=None, workspace=None):
     """The megakernel's outputs on CPU: the xla forward, and with ``keep`` = (keep_pos, rows) the kept g, u: each
     slot's row of the rank's layout (at EP > 1 over every rank's tokens, as the kernel sees them) written to its
-    keep_pos row of bf16[rows, 2I] (slots outside it are not kept)."""
+    keep_pos row of bf16[rows, 2I] (slots outside it are not kept), and the shared expert's g | u of the rank's
+    tokens (None without one)."""
     y = moe_mod._forward_xla(x, topk_idx, topk_weight, weights, config)
     if keep is None:
         return y
@@ -83,7 +84,8 @@ def _fake_forward_mok(x, topk_idx, topk_weight, weights, config, keep=None, fp8_
     mine = (pos < layout.num_rows) & (keep_pos >= 0) & (keep_pos < rows)
     picked = jnp.concatenate([gu, jnp.zeros((1, gu.shape[1]), gu.dtype)])[pos]
     kept = jnp.zeros((rows + 1, gu.shape[1]), gu.dtype).at[jnp.where(mine, keep_pos, rows)].set(picked)
-    return y, kept[:rows]
+    shared_gu = moe_mod.shared_gate_up_product(x, weights.shared_gate_up) if weights.has_shared else None
+    return y, kept[:rows], shared_gu
 
 
 @pytest.fixture
@@ -215,9 +217,10 @@ def test_keep_balanced_gives_the_gradients_of_recompute_under_skew(fake_kernels,
     _assert_same(_grads("balanced", x, idx, w, W, dy, mesh), _grads("nothing", x, idx, w, W, dy, mesh), f"EP {ep}")
 
 
-def _lowered_calls(monkeypatch, keep, T, kernel, H=64, I=32, E=4, k=2):
+def _lowered_calls(monkeypatch, keep, T, kernel, H=64, I=32, E=4, k=2, Is=0, text=False):
     """The forward and backward custom-call lines of jax.grad of the real ops with ``keep`` (no GPU: the native
-    library's checks are switched off and the workspace is a stand-in)."""
+    library's checks are switched off and the workspace is a stand-in), and with ``text`` the whole lowering too;
+    Is > 0: with a shared expert of that size."""
     from mok_jax.workspace import CommConfig, Workspace
 
     mf = importlib.import_module("mok_jax.ops.moe_forward")
@@ -231,24 +234,40 @@ def _lowered_calls(monkeypatch, keep, T, kernel, H=64, I=32, E=4, k=2):
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     idx = jnp.zeros((T, k), jnp.int32).at[:, 1].set(1)
     w = jnp.ones((T, k), jnp.float32)
-    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), None, None)
+    shared = (jnp.ones((H, 2 * Is), jnp.bfloat16), jnp.ones((Is, H), jnp.bfloat16)) if Is else (None, None)
+    W = MoEWeights(jnp.ones((E, H, 2 * I), jnp.bfloat16), jnp.ones((E, I, H), jnp.bfloat16), *shared)
     f = jax.jit(jax.grad(lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=cfg, workspace=ws).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
-    lines = f.lower(x, w, W).as_text().splitlines()
+    whole = f.lower(x, w, W).as_text()
+    lines = whole.splitlines()
     [fwd] = [line for line in lines if "custom_call @mok_moe_forward(" in line]
     [bwd] = [line for line in lines if "custom_call @mok_experts_backward(" in line]
-    return fwd, bwd
+    return (fwd, bwd, whole) if text else (fwd, bwd)
+
+
+@pytest.mark.parametrize("keep", ["nothing", "balanced", "ring"])
+def test_the_shared_experts_g_u_are_kept_with_the_routed_ones(monkeypatch, keep):
+    """With a shared expert and any keep but "nothing", the forward call also returns the shared expert's g | u,
+    bf16[1, T, 2Is] (its last result), and the backward (the shared expert's in XLA) has no matmul that makes them
+    (f32[T, 2Is]); with "nothing" the result is bf16[1, 0, 2Is] and the backward recomputes them, once."""
+    T, H, I, Is = 40, 64, 32, 48
+    fwd, _, text = _lowered_calls(monkeypatch, keep, T, _RING, H=H, I=I, Is=Is, text=True)
+    kept = keep != "nothing"
+    assert f"tensor<1x{T if kept else 0}x{2 * Is}xbf16>)" in fwd.split("->")[1], fwd
+    recompute = [line for line in text.splitlines()
+                 if "stablehlo.dot_general" in line and line.rstrip().endswith(f"-> tensor<{T}x{2 * Is}xf32>")]
+    assert len(recompute) == (0 if kept else 1), recompute
 
 
 @pytest.mark.parametrize("keep", ["everything", "balanced"])
 def test_keep_lowers_to_a_kept_forward_and_a_backward_without_the_recompute(monkeypatch, keep):
     """jax.grad of the real ops with keep="everything" (and the default, "balanced", the same at EP 1): the forward
-    call takes keep_pos [1, T k] and returns keep_gu bf16[1, M, 2I]; the backward call takes that [M, 2I] buffer,
-    aliased to its gu scratch."""
+    call takes keep_pos [1, T k] and returns keep_gu bf16[1, M, 2I] (and, last, the shared expert's, here none:
+    bf16[1, 0, 0]); the backward call takes that [M, 2I] buffer, aliased to its gu scratch."""
     T, H, I, E, k = 40, 64, 32, 4, 2
     M = T * k + 128 * E
     fwd, bwd = _lowered_calls(monkeypatch, keep, T, mj.KernelConfig(granularity=512, comm_items_fwd=8))
-    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xbf16>)" in fwd, fwd
+    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{M}x{2 * I}xbf16>, tensor<1x0x0xbf16>)" in fwd, fwd
     # the kept buffer: the ninth operand (then the shared expert's weights, here none: [H, 0] and [0, H])
     assert (f"tensor<{M}x{2 * I}xbf16>, tensor<0x{2 * I}xbf16>, tensor<0xi32>, tensor<0xi32>, tensor<{H}x0xbf16>, "
             f"tensor<0x{H}xbf16>)") in bwd.split("->")[0], bwd
@@ -353,7 +372,7 @@ def test_keep_ring_lowers_to_a_part_kept_forward_and_backward(monkeypatch):
     T, H, I, E, k = 1200, 64, 32, 4, 2
     M, rows = T * k + 128 * E, (T - 512) * k
     fwd, bwd = _lowered_calls(monkeypatch, "ring", T, _RING)
-    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{rows}x{2 * I}xbf16>)" in fwd, fwd
+    assert f"tensor<1x{T * k}xi32>) -> (" in fwd and f"tensor<1x{rows}x{2 * I}xbf16>, tensor<1x0x0xbf16>)" in fwd, fwd
     assert (f"tensor<0x{2 * I}xbf16>, tensor<{rows}x{2 * I}xbf16>, tensor<{M}xi32>, tensor<{-(-M // 128)}xi32>, "
             f"tensor<{H}x0xbf16>") in bwd.split("->")[0], bwd
     assert "output_operand_alias" not in bwd, bwd

@@ -106,8 +106,9 @@ def test_forward_terms_sum_to_the_native_scratch(name, kernel):
 @needs_native
 @pytest.mark.parametrize("name", SHAPES)
 def test_forward_op_allocates_that_scratch_and_the_kept_rows(monkeypatch, name):
-    """ops.moe_forward's declared results at every EP size: y, status, u8[1, scratch] (the forward terms) and the
-    kept bf16 [1, rows, 2I] (the kept term), for the default keep at the rows the layer asks for (kept_rows)."""
+    """ops.moe_forward's declared results at every EP size: y, status, u8[1, scratch] (the forward terms), the
+    kept bf16 [1, rows, 2I] (the kept term), for the default keep at the rows the layer asks for (kept_rows), and the
+    shared expert's kept bf16 [1, T, 2Is] (kept.shared_gu; [1, 0, 0] without one)."""
     monkeypatch.setattr(mf, "require_native", lambda what: None)
     s = SHAPES[name]
     T, H, I, Is, k, L = (s[f] for f in ("tokens", "hidden", "inter", "shared_inter", "top_k", "local_experts"))
@@ -116,13 +117,16 @@ def test_forward_op_allocates_that_scratch_and_the_kept_rows(monkeypatch, name):
         terms = _terms(s, ep, kernel)
         rows = layer.kept_rows("balanced", kernel, tokens=T, top_k=k, local_experts=L, ep=ep)
         shared = (sds((H, 2 * Is), bf16), sds((Is, H), bf16)) if Is else ()
-        call = functools.partial(mf.moe_forward, _fake_workspace(s, ep), kernel=kernel, keep_rows=rows)
+        call = functools.partial(mf.moe_forward, _fake_workspace(s, ep), kernel=kernel, keep_rows=rows,
+                                 keep_shared=bool(Is))
         eqn = _ffi_call(lambda *a: call(*a[:5], *(a[6:] or (None, None)), keep_pos=a[5]), sds((1, T, H), bf16),
                         sds((1, T, k), i32), sds((1, T, k), f32), sds((1, L, H, 2 * I), bf16),
                         sds((1, L, I, H), bf16), sds((1, ep * T * k), i32), *shared)
-        y, status, scratch, kept = (v.aval for v in eqn.outvars)
+        y, status, scratch, kept, kept_shared = (v.aval for v in eqn.outvars)
         assert scratch.shape == (1, sum(_group(terms, "forward").values())) and scratch.dtype == jnp.uint8, ep
         assert kept.shape == (1, rows, 2 * I) and _nbytes(kept) == terms["kept.gu"], ep
+        assert kept_shared.shape == (1, T if Is else 0, 2 * Is) and kept_shared.dtype == bf16, ep
+        assert _nbytes(kept_shared) == terms["kept.shared_gu"], ep
 
 
 # ----------------------------------------------------------------------------- (d) what the forward keeps

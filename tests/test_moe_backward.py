@@ -583,17 +583,23 @@ def test_through_custom_vjp_bf16(monkeypatch):
         _assert_rows_close(f"bf16 {name}", a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), TOL_BF16_ROW)
 
 
-def test_shared_backward_bf16_matches_f32_autodiff():
-    """The shared expert's bf16 backward (bf16 x bf16 matmuls, f32 accumulation) against jax.vjp of
-    reference.swiglu_ffn in f32 on the same (bf16-valued) inputs, row by row."""
-    T, H, Is = 200, 128, 96
-    ks = jax.random.split(jax.random.key(21), 4)
+def _shared_problem(T, H, Is, seed):
+    """bf16 x, dy [T, H] and MoEWeights with a shared expert of Is (its routed weights unused)."""
+    ks = jax.random.split(jax.random.key(seed), 4)
     bf = jnp.bfloat16
     x = jax.random.normal(ks[0], (T, H)).astype(bf)
     sgu = (jax.random.normal(ks[1], (H, 2 * Is)) * H**-0.5).astype(bf)
     sdn = (jax.random.normal(ks[2], (Is, H)) * Is**-0.5).astype(bf)
     dy = jax.random.normal(ks[3], (T, H)).astype(bf)
-    W = MoEWeights(jnp.zeros((1, H, 16), bf), jnp.zeros((1, 8, H), bf), sgu, sdn)  # routed weights unused
+    return x, dy, MoEWeights(jnp.zeros((1, H, 16), bf), jnp.zeros((1, 8, H), bf), sgu, sdn)
+
+
+def test_shared_backward_bf16_matches_f32_autodiff():
+    """The shared expert's bf16 backward (bf16 x bf16 matmuls, f32 accumulation) against jax.vjp of
+    reference.swiglu_ffn in f32 on the same (bf16-valued) inputs, row by row."""
+    bf = jnp.bfloat16
+    x, dy, W = _shared_problem(200, 128, 96, seed=21)
+    sgu, sdn = W.shared_gate_up, W.shared_down
     dx, d_sgu, d_sdn = jax.jit(moe_mod._shared_backward)(x, W, dy)
     assert (dx.dtype, d_sgu.dtype, d_sdn.dtype) == (jnp.float32, bf, bf)
     f32 = [a.astype(jnp.float32) for a in (x, sgu, sdn, dy)]
@@ -608,6 +614,26 @@ def test_shared_backward_bf16_matches_f32_autodiff():
     assert len(dots) == 5 and all(v.aval.dtype == bf for e in dots for v in e.invars), dots
     assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
     assert moe_mod._shared_backward(x, W._replace(shared_gate_up=None, shared_down=None), dy) == (None, None, None)
+
+
+def test_shared_backward_from_kept_gu_gives_the_bits_of_recompute():
+    """Given the forward's kept g | u (KeptGateUp.shared_gu, as shared_gate_up_product rounds them), the shared
+    expert's backward runs four matmuls instead of five and gives the bits of its recompute; a wrong kept g | u
+    changes them (the kept buffer is read, not ignored)."""
+    T, Is = 70, 48
+    bf = jnp.bfloat16
+    x, dy, W = _shared_problem(T, 64, Is, seed=22)
+    gu = moe_mod.shared_gate_up_product(x, W.shared_gate_up)
+    assert gu.shape == (T, 2 * Is) and gu.dtype == bf
+    want = jax.jit(moe_mod._shared_backward)(x, W, dy)
+    got = jax.jit(moe_mod._shared_backward)(x, W, dy, gu)
+    for name, a, b in zip(("dx", "d shared_gate_up", "d shared_down"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    other = jax.jit(moe_mod._shared_backward)(x, W, dy, gu.at[3].multiply(2))
+    assert not np.array_equal(np.asarray(other[0][3]), np.asarray(want[0][3])), "the kept g, u were not read"
+    dots = [e for e in jax.make_jaxpr(moe_mod._shared_backward)(x, W, dy, gu).jaxpr.eqns
+            if e.primitive.name == "dot_general"]
+    assert len(dots) == 4 and all(v.aval.dtype == bf for e in dots for v in e.invars), dots
 
 
 # ----------------------------------------------------------------------------- EP sizes

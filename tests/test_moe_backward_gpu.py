@@ -594,6 +594,37 @@ def test_emulated_ep_keep_everything_gives_the_bits_of_ep_one(ep, fused):
         np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep} with keep: {name}")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_emulated_ep_keeps_the_shared_experts_g_u(fused):
+    """The shared expert's kept g | u (emulated EP 2, keep=True): each rank's bf16[T, 2Is] is its tokens' x Wsgu as
+    XLA computes it rounded to bf16, to within one bf16 rounding per element (the megakernel's fp32 accumulators and
+    XLA's GEMM sum in other orders) and the same bits for almost every element, so a row or column stored in the
+    wrong place shows; the backward from them: the routed gradients the bits of EP 1, dx and the shared
+    gradients within the layer's bounds (_check_layer)."""
+    from mok_jax.emulation import emulated_moe, emulated_moe_backward
+
+    moe_mod = importlib.import_module("mok_jax.layer")
+    ep, E, H, I, k, Is, T = 2, 16, 256, 384, 4, 192, 192
+    x, idx, w, W, dy = _problem("keep_shared", _shape(E, H, I, k, Is), T, "masked")
+    _, status, kept = jax.jit(functools.partial(emulated_moe, ep=ep, keep=True))(x, idx, w, W)
+    assert not np.asarray(status).any(), status
+    per = T // ep
+    for r, c in enumerate(kept):
+        assert c.shared_gu is not None and c.shared_gu.shape == (per, 2 * Is) and c.shared_gu.dtype == _BF16
+        want = jax.jit(moe_mod.shared_gate_up_product)(x[r * per:(r + 1) * per], W.shared_gate_up)
+        got_b, want_b = np.asarray(c.shared_gu, _F32), np.asarray(want, _F32)
+        ulp = np.maximum(np.abs(want_b), np.finfo(np.float32).tiny) * 2.0**-7  # one bf16 step at most
+        off = np.abs(got_b - want_b) > ulp
+        assert not off.any(), f"rank {r}: {off.sum()} elements more than one bf16 step off, rows {np.where(off)[0][:8]}"
+        assert np.mean(got_b != want_b) < 0.02, f"rank {r}: {np.mean(got_b != want_b):.3f} of the elements differ"
+    got = jax.jit(functools.partial(emulated_moe_backward, ep=ep, fused=fused))(x, idx, w, W, dy, kept=kept)
+    one = _mok_grads(x, w, W, idx, dy)
+    for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got), jax.tree.leaves(one)):
+        if name in ("d topk_weight", "d gate_up", "d down"):
+            np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP {ep} with keep: {name}")
+    _check_layer("grad:keep_shared", x, idx, w, W, dy, got=got)
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 def test_fused_ep_backward_with_part_kept_gu_gives_the_bits_of_ep_one(ep):
     """The fused expert-parallel backward fed, per rank, only the g, u of the slots of each rank's second half of

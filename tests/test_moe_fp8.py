@@ -97,10 +97,17 @@ def test_ops_fp8_argument_errors(monkeypatch):
     monkeypatch.setattr(mf, "scratch_bytes", lambda **kw: 4096)
     args, w8 = _op_args()
     ws = _fake_workspace()
-    with pytest.raises(ValueError, match="cannot be combined with keep_pos or identity_experts"):
+    with pytest.raises(ValueError, match="cannot be combined with keep_pos, keep_shared or identity_experts"):
         mf.moe_forward(ws, *args, None, None, fp8_weights=w8, identity_experts=True)
     with pytest.raises(ValueError, match="cannot be combined with keep_pos"):
         mf.moe_forward(ws, *args, None, None, fp8_weights=w8, keep_pos=jnp.zeros((1, T * K), jnp.int32), keep_rows=8)
+    shared = (jnp.zeros((H, 256), jnp.bfloat16), jnp.zeros((128, H), jnp.bfloat16))
+    with pytest.raises(ValueError, match="cannot be combined with keep_pos, keep_shared"):
+        mf.moe_forward(ws, *args, *shared, fp8_weights=w8, keep_shared=True)
+    with pytest.raises(ValueError, match="keep_shared needs a shared expert"):
+        mf.moe_forward(ws, *args, None, None, keep_shared=True)
+    with pytest.raises(TypeError, match="keep_shared must be a bool, got int"):
+        mf.moe_forward(ws, *args, *shared, keep_shared=1)
     for lab in (dict(timing_mode=8), dict(skip_rank=0)):  # compiled into the bf16 lab form of the kernel only
         with pytest.raises(ValueError, match=f"{next(iter(lab))} with fp8_weights: .* bf16 lab form only"):
             mf.moe_forward(ws, *args, None, None, fp8_weights=w8, **lab)

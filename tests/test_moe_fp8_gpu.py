@@ -212,7 +212,9 @@ def test_gradients_are_the_bf16_layers():
         loss = lambda x, w, W: jnp.sum(mj.moe(x, idx, w, W, config=config).astype(jnp.float32) * c)  # noqa: E731
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, W)
 
-    got, want = grads(_fp8()), grads(mj.MoEConfig(implementation="mok"))
+    # FP8 keeps no g | u (its forward's are E4M3 products): the bf16 layer that recomputes them, as FP8's backward
+    # does, gives the same bits (keeping the shared expert's g | u rounds them in the kernel's order, not XLA's).
+    got, want = grads(_fp8()), grads(mj.MoEConfig(implementation="mok", keep="nothing"))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 

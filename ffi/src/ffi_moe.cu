@@ -7,7 +7,9 @@
 //                   shared_gate_up: bf16[H, 2Is], shared_down: bf16[Is, H],       (Is = 0: no shared expert)
 //                   keep_pos: s32[R, ep T k] or s32[R, 0])
 //     -> y: bf16[R, T, H], status: s32[R, 4], scratch: u8[R, bytes], keep_gu: bf16[R, rows, 2I] (rows = 0 with
-//        keep_pos [R, 0]: nothing kept; else the kept g, u of mok/moe/forward.cuh's ForwardRank::keep_gu)
+//        keep_pos [R, 0]: nothing kept; else the kept g, u of mok/moe/forward.cuh's ForwardRank::keep_gu),
+//        keep_shared_gu: bf16[R, T, 2Is] (the shared expert's kept g, u: ForwardRank::keep_shared_gu) or
+//        bf16[R, 0, 2Is] (not kept)
 //   R = 1 (the calling rank) or R = ep (every rank of an emulated workspace on this device, at most
 //   kMaxEmulatedRanks; above kMaxVirtualRanks each rank's kernel parameters travel in its row of scratch).
 //   mok_moe_forward_fp8(x, topk_idx, topk_weight, gate_up: f8e4m3fn[R, L, 2I, H], gate_up_scale: f32[R, L, 2I/128,
@@ -134,7 +136,7 @@ ffi::Error decode_fp8_routed(const char* op, int64_t R, int64_t H, int64_t num_l
 
 // Both handlers: look the rank(s) up, check every shape against the workspace, fill the launch arguments, launch.
 // decode_routed(R, H, experts per rank, &rw) decodes the routed weights of the handler's precision. keep_pos and
-// keep_gu are null for the FP8 handler (it keeps nothing).
+// keep_gu and keep_shared_gu are null for the FP8 handler (it keeps nothing).
 template <class DecodeRouted>
 ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t device_ordinal,
                                const MoeForwardAttrs& attrs, ffi::Buffer<ffi::BF16>& x,
@@ -142,7 +144,8 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
                                DecodeRouted decode_routed, ffi::Buffer<ffi::BF16>& shared_gate_up,
                                ffi::Buffer<ffi::BF16>& shared_down, ffi::Buffer<ffi::S32>* keep_pos,
                                ffi::ResultBuffer<ffi::BF16>& y, ffi::ResultBuffer<ffi::S32>& status,
-                               ffi::ResultBuffer<ffi::U8>& scratch, ffi::ResultBuffer<ffi::BF16>* keep_gu) {
+                               ffi::ResultBuffer<ffi::U8>& scratch, ffi::ResultBuffer<ffi::BF16>* keep_gu,
+                               ffi::ResultBuffer<ffi::BF16>* keep_shared_gu) {
   mok::ffi_util::count_handler_run();
   std::vector<mok::comm::CommView> views;
   uint64_t poison = 0, call_error = 0;
@@ -221,6 +224,14 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
     keep = kp[1] != 0;
     keep_rows = kg[1];
   }
+  // The shared expert's kept g, u: keep_shared_gu [R, T, 2Is], or [R, 0, 2Is] (none).
+  bool keep_shared = false;
+  if (keep_shared_gu != nullptr) {
+    const auto ks = (*keep_shared_gu)->dimensions();
+    if (ks.size() != 3 || ks[0] != R || ks[2] != 2 * Is || (ks[1] != 0 && ks[1] != T))
+      return invalid(kOp, "keep_shared_gu must be [ranks, tokens or 0, 2Is], got " + dims_str(ks));
+    keep_shared = ks[1] != 0 && Is > 0;
+  }
   std::vector<mok::moe::ForwardRank> ranks(R);
   const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
   const auto* ip = topk_idx.typed_data();
@@ -245,6 +256,7 @@ ffi::Error forward_impl_common(const char* kOp, cudaStream_t stream, int32_t dev
     fr.keep_pos = keep ? keep_pos->typed_data() + r * slots_all : nullptr;
     fr.keep_gu = keep ? (*keep_gu)->typed_data() + r * keep_rows * 2 * I : nullptr;
     fr.keep_rows = keep ? int32_t(keep_rows) : 0;
+    fr.keep_shared_gu = keep_shared ? (*keep_shared_gu)->typed_data() + r * T * 2 * Is : nullptr;
     if (views[r].rank != (R == 1 ? views[r].rank : r)) return invalid(kOp, "emulated ranks out of order");
   }
   return cuda_error(kOp, mok::moe::launch_forward(shape, knobs, ranks.data(), int(R), stream));
@@ -256,13 +268,13 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardA
                         ffi::Buffer<ffi::BF16> shared_gate_up, ffi::Buffer<ffi::BF16> shared_down,
                         ffi::Buffer<ffi::S32> keep_pos, ffi::ResultBuffer<ffi::BF16> y,
                         ffi::ResultBuffer<ffi::S32> status, ffi::ResultBuffer<ffi::U8> scratch,
-                        ffi::ResultBuffer<ffi::BF16> keep_gu) {
+                        ffi::ResultBuffer<ffi::BF16> keep_gu, ffi::ResultBuffer<ffi::BF16> keep_shared_gu) {
   constexpr const char* kOp = "mok_moe_forward";
   auto decode = [&](int64_t R, int64_t H, int64_t num_local, RoutedWeights* rw) {
     return decode_bf16_routed(kOp, R, H, num_local, gate_up, down, rw);
   };
   return forward_impl_common(kOp, stream, device_ordinal, attrs, x, topk_idx, topk_weight, decode, shared_gate_up,
-                             shared_down, &keep_pos, y, status, scratch, &keep_gu);
+                             shared_down, &keep_pos, y, status, scratch, &keep_gu, &keep_shared_gu);
 }
 
 ffi::Error forward_fp8_impl(cudaStream_t stream, int32_t device_ordinal, MoeForwardAttrs attrs,
@@ -277,7 +289,7 @@ ffi::Error forward_fp8_impl(cudaStream_t stream, int32_t device_ordinal, MoeForw
     return decode_fp8_routed(kOp, R, H, num_local, gate_up, gate_up_scale, down, down_scale, rw);
   };
   return forward_impl_common(kOp, stream, device_ordinal, attrs, x, topk_idx, topk_weight, decode, shared_gate_up,
-                             shared_down, nullptr, y, status, scratch, nullptr);
+                             shared_down, nullptr, y, status, scratch, nullptr, nullptr);
 }
 
 }  // namespace
@@ -298,7 +310,8 @@ MOK_FFI_HANDLER(MokMoeForward, forward_impl,
                     .Ret<ffi::Buffer<ffi::BF16>>()   // y
                     .Ret<ffi::Buffer<ffi::S32>>()    // status
                     .Ret<ffi::Buffer<ffi::U8>>()     // scratch
-                    .Ret<ffi::Buffer<ffi::BF16>>());  // keep_gu
+                    .Ret<ffi::Buffer<ffi::BF16>>()   // keep_gu
+                    .Ret<ffi::Buffer<ffi::BF16>>());  // keep_shared_gu
 
 // The same call with the routed experts in FP8 (ForwardShape::routed_fp8); it keeps nothing for the backward.
 MOK_FFI_HANDLER(MokMoeForwardFp8, forward_fp8_impl,

@@ -145,6 +145,7 @@ void fill_rank(const ForwardShape& shape, const Plan& p, const ScratchLayout& sl
   rp.keep_pos = in.keep_pos;
   rp.keep_gu = in.keep_pos != nullptr ? static_cast<__nv_bfloat16*>(in.keep_gu) : nullptr;
   rp.keep_rows = in.keep_rows;
+  rp.keep_shared_gu = p.Is > 0 ? static_cast<__nv_bfloat16*>(in.keep_shared_gu) : nullptr;
   const auto* x = static_cast<const Bf16*>(in.x);
   rp.a_sgu = Tile::make_tma_a(x, T, H);
   if (shape.routed_fp8) {

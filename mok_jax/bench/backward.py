@@ -10,12 +10,14 @@ process, median ms of back-to-back calls (mok_jax.bench.timing):
 - ``fwd``: the layer forward with ``implementation="mok"`` (the megakernel);
 - ``fwd+bwd``: jax.grad of sum(y * dy) with respect to x, topk_weight and every weight, as mok-bench times it,
   with the default MoEConfig (keep="balanced": at EP 1 the forward keeps every slot's g, u (bf16) and the backward
-  skips the gate/up recompute), and its kept bytes (``kept_bytes``, bf16 [T k + 128 E, 2I]);
+  skips the gate/up recompute), and its kept bytes (``kept_bytes``, bf16 [T k + 128 E, 2I], and the shared expert's
+  bf16 [T, 2Is]);
 - ``fwd+bwd recompute``: the same with MoEConfig(keep="nothing") (the backward recomputes g, u);
 - ``fwd+bwd keep``: with MoEConfig(keep="everything") (at EP 1 the default's rows, the same program);
 - ``fwd+bwd ring``: with MoEConfig(keep="ring") (only the g, u of the slots of the tokens still in the forward's
   ring: the last ring_slots microbatches; the backward recomputes the others), and its kept bytes
-  (``ring_kept_bytes``: bf16 [T' k, 2I] for the ring's T' tokens; "everything"'s when every token fits);
+  (``ring_kept_bytes``: bf16 [T' k, 2I] for the ring's T' tokens, and the shared expert's; "everything"'s when every
+  token fits);
 - ``experts op``: ``ops.experts_backward`` alone on the tokens, dy, the padded expert-major layout of the same
   routing and the shared expert's weights, as the layer calls it (it gathers the rows, gives the routed and the
   shared experts' gradients and sums each token's slot rows of dx; the layer's backward adds the layout);
@@ -162,6 +164,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     status = int(op(*args).status)
     t0 = first_ring_token(cfg.kernel, tokens)  # keep="ring" keeps the slots of tokens t0..: all when 0
     rows_of = dict(tokens=tokens, top_k=k, local_experts=E)
+    shared_kept = tokens * 2 * m.shared_size * KEPT_GU_BYTES  # with any keep but "nothing"
     dense = dense_problem(dense_groups(tokens, k, I, m.shared_size), H, seed=seed)
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "keep": cfg.keep, "E": E, "H": H,
            "I": I, "k": k, "fwd_flops": flops,
@@ -175,9 +178,10 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
            "fwd+bwd ring": _timed(grad_ring, (x, idx, w, W, dy), timing_kw),
            "shared_in_op": bool(default),
            "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
-           "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES,
+           "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES
+                         + (shared_kept if cfg.keep != "nothing" else 0),
            "ring_tokens": tokens - t0,
-           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES,
+           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES + shared_kept,
            "experts op": _timed(op, args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
     _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*args)

@@ -91,7 +91,8 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                 down: jax.Array, shared_gate_up: jax.Array | None, shared_down: jax.Array | None, *,
                 kernel: KernelConfig | None = None, identity_experts: bool = False, skip_rank: int = -1,
                 num_sms: int = 0, timing_mode: int = 0, keep_pos: jax.Array | None = None,
-                keep_rows: int = 0, fp8_weights: Fp8ExpertWeights | None = None) -> tuple[jax.Array, ...]:
+                keep_rows: int = 0, keep_shared: bool = False,
+                fp8_weights: Fp8ExpertWeights | None = None) -> tuple[jax.Array, ...]:
     """The MoE forward of R ranks: x: bf16[R, T, H]; topk_idx: int32[R, T, k] (global expert ids, -1 =
     masked slot); topk_weight: f32[R, T, k]; gate_up: bf16[R, L, H, 2I]; down: bf16[R, L, I, H] (rank r's
     experts); shared_gate_up: bf16[H, 2Is] and shared_down: bf16[Is, H], or None.
@@ -111,6 +112,8 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     buffer of rank r's experts' g | u (its fp32 gate/up accumulators rounded to bf16, as the backward rounds its
     recompute), or any value outside [0, keep_rows) for none. Then the call also returns keep_gu: bf16[R,
     keep_rows, 2I] (rows no slot names are not written): (y, status, keep_gu). The other outputs do not change.
+    keep_shared (with a shared expert): the call also returns, last, the shared expert's g | u of each rank's tokens,
+    bf16[R, T, 2Is], its fp32 gate/up accumulators rounded to bf16 as keep_gu's: (y, status[, keep_gu], shared_gu).
 
     fp8_weights (MoEConfig(precision="fp8")): rank r's routed experts in E4M3 (mok_jax.fp8.Fp8ExpertWeights with a
     leading rank axis: gate_up f8[R, L, 2I, H], gate_up_scale f32[R, L, 2I/128, H/128], down f8[R, L, H, I],
@@ -166,10 +169,16 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         if isinstance(keep_rows, bool) or not isinstance(keep_rows, (int, np.integer)) or not 0 < keep_rows < 2**31:
             raise ValueError(f"mok_jax.ops.moe_forward: keep_rows must be an int in [1, 2^31) with keep_pos, got "
                              f"{keep_rows!r}")
+    if not isinstance(keep_shared, (bool, np.bool_)):
+        raise TypeError(f"mok_jax.ops.moe_forward: keep_shared must be a bool, got {type(keep_shared).__name__}")
+    if keep_shared and Is == 0:
+        raise ValueError("mok_jax.ops.moe_forward: keep_shared needs a shared expert (shared_gate_up and shared_down; "
+                         "identity_experts drops it)")
     fp8 = fp8_weights is not None
     if fp8:
-        if keep_rows or identity_experts:
-            raise ValueError("mok_jax.ops.moe_forward: fp8_weights cannot be combined with keep_pos or identity_experts "
+        if keep_rows or keep_shared or identity_experts:
+            raise ValueError("mok_jax.ops.moe_forward: fp8_weights cannot be combined with keep_pos, keep_shared or "
+                             "identity_experts "
                              "(the FP8 forward keeps nothing, and its test of the data path is the bitwise match with "
                              "the standalone FP8 FFN)")
         for name, lab in (("timing_mode", timing_mode != 0), ("skip_rank", skip_rank >= 0)):
@@ -198,6 +207,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         jax.ShapeDtypeStruct((R, 4), jnp.int32),
         jax.ShapeDtypeStruct((R, nbytes), jnp.uint8),
         jax.ShapeDtypeStruct((R, int(keep_rows), 2 * inter), KEPT_GU_DTYPE),  # kept g | u ([R, 0, 2I]: none)
+        jax.ShapeDtypeStruct((R, T if keep_shared else 0, 2 * Is), KEPT_GU_DTYPE),  # the shared expert's
     )
     attrs = dict(ws_id=np.int64(ws.id), granularity=np.int32(kernel.granularity),
                  comm_items=np.int32(kernel.comm_items_fwd), ring_slots=np.int32(kernel.ring_slots),
@@ -209,7 +219,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                                         vmap_method="sequential")(
             x, topk_idx, topk_weight, *fp8_weights, shared_gate_up, shared_down, **attrs)
         return y, status
-    y, status, _, keep_gu = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: ops/comm.py
-                                             vmap_method="sequential")(
+    y, status, _, keep_gu, shared_gu = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: comm.py
+                                                        vmap_method="sequential")(
         x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, keep_pos, **attrs)
-    return (y, status) if keep_rows == 0 else (y, status, keep_gu)
+    return (y, status) + ((keep_gu,) if keep_rows else ()) + ((shared_gu,) if keep_shared else ())

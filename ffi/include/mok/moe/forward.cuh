@@ -102,6 +102,9 @@ struct ForwardRank {
   const int32_t* keep_pos;       // [ep T k]
   void* keep_gu;
   int32_t keep_rows;
+  // The shared expert's g, u for the backward (nullptr: none kept): bf16 [T][2Is], each token's fp32 gate/up
+  // accumulators rounded to bf16 (g in columns [0, Is), u in [Is, 2Is)), as the routed experts' keep_gu.
+  void* keep_shared_gu;
 };
 
 // Byte offsets inside one rank's scratch buffer, and the counts behind them.

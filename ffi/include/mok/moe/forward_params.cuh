@@ -88,6 +88,7 @@ struct RankParams {
   const int32_t* keep_pos;  // ForwardRank::keep_pos (nullptr: nothing kept)
   __nv_bfloat16* keep_gu;   // [keep_rows][2I]
   int32_t keep_rows;
+  __nv_bfloat16* keep_shared_gu;  // ForwardRank::keep_shared_gu: [T][2Is] (nullptr: not kept)
   // FP8 routed experts (Plan::fp8; then h holds E4M3 values)
   const float* b_gu_scale;  // [L][2I/128][H/128]
   const float* b_dn_scale;  // [L][H/128][I/128]

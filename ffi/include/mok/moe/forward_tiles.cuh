@@ -73,39 +73,45 @@ __device__ inline int tile_k(const Plan& p, int kind) {
   return kind == kGu || kind == kSharedGu ? p.H : kind == kDn ? p.I : p.Is;
 }
 
-// Kept g, u (ForwardRank::keep_gu): the gate/up tile's fp32 accumulators of its rows rounded to bf16 (round to
-// nearest even, as the backward's recompute stores them), each to its slot's row of keep_gu (g in columns [0, I),
-// u in [I, 2I)), straight from registers (4-byte stores; a row's 4 lanes write 16 contiguous bytes). Value i of
-// thread t: row 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) + i%2 of the 256 MMA columns, whose
-// first 128 are gate columns and last 128 the matching up columns.
-__device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const Tile::Accumulator& acc, const Item& it,
-                                     int wg, int t) {
+// Kept g, u: the gate/up tile's fp32 accumulators of its rows rounded to bf16 (round to nearest even, as the
+// backward's recompute stores them), row by row to the row dst_of(row) of the [rows][2 inter] buffer gu (g in columns
+// [0, inter), u in [inter, 2 inter); a negative dst: not kept), straight from registers (4-byte stores; a row's 4 lanes
+// write 16 contiguous bytes). Value i of thread t: row 16 (t/32) + (t%32)/4 + 8 ((i/2)%2), column 8 (i/4) + 2 (t%4) +
+// i%2 of the 256 MMA columns, whose first 128 are gate columns and last 128 the matching up columns.
+template <class DstOf>
+__device__ __forceinline__ void store_gu_rows(const Tile::Accumulator& acc, const Item& it, int inter,
+                                              __nv_bfloat16* gu, DstOf dst_of, int wg, int t) {
   const int lane = t % 32, warp = t / 32;
   const int r_base = it.row0 + Tile::kRowsPerConsumer * wg + 16 * warp + lane / 4;
   const int c_base = it.n_block * kGuCols + 2 * (lane % 4);
-  const int ring_row0 = (it.mb % p.S) * p.slot_rows;
-  const int32_t* row_slot = R.row_slot + int64_t(it.mb) * p.slot_rows;
   CUTE_UNROLL
   for (int hh = 0; hh < 2; ++hh) {
     const int row = r_base + 8 * hh;
-    int32_t dst = -1;
-    if (row < it.row_end) {
-      const int32_t d = R.keep_pos[__ldcg(row_slot + (row - ring_row0))];  // written by PLACE items (L2)
-      if (d >= 0 && d < R.keep_rows) dst = d;
-    }
+    const int32_t dst = row < it.row_end ? dst_of(row) : -1;
     if (dst < 0) continue;
-    __nv_bfloat16* g = R.keep_gu + int64_t(dst) * 2 * p.I;
+    __nv_bfloat16* g = gu + int64_t(dst) * 2 * inter;
     CUTE_UNROLL
     for (int q = 0; q < kGuCols / 8; ++q) {
       const int i = 4 * q + 2 * hh;
       const int col = c_base + 8 * q;
-      if (col < p.I) {  // volatile: issued in order, so the compiler does not hold 64 addresses at once
+      if (col < inter) {  // volatile: issued in order, so the compiler does not hold 64 addresses at once
         asm volatile("st.global.b32 [%0], %1;" ::"l"(g + col), "r"(Tile::pack_bf16x2(acc(i), acc(i + 1))));
-        asm volatile("st.global.b32 [%0], %1;" ::"l"(g + p.I + col),
+        asm volatile("st.global.b32 [%0], %1;" ::"l"(g + inter + col),
                      "r"(Tile::pack_bf16x2(acc(i + 64), acc(i + 65))));
       }
     }
   }
+}
+
+// The routed experts' kept g, u (ForwardRank::keep_gu): each ring row to its slot's row of keep_gu.
+__device__ inline void store_kept_gu(const Plan& p, const RankParams& R, const Tile::Accumulator& acc, const Item& it,
+                                     int wg, int t) {
+  const int ring_row0 = (it.mb % p.S) * p.slot_rows;
+  const int32_t* row_slot = R.row_slot + int64_t(it.mb) * p.slot_rows;
+  store_gu_rows(acc, it, p.I, R.keep_gu, [&](int row) -> int32_t {
+    const int32_t d = R.keep_pos[__ldcg(row_slot + (row - ring_row0))];  // written by PLACE items (L2)
+    return d >= 0 && d < R.keep_rows ? d : -1;
+  }, wg, t);
 }
 
 // The FP8 form's bf16 tiles are the shared expert's only (its routed tiles are fp8_tile_item's), so the routed
@@ -129,6 +135,10 @@ __device__ inline void store_item(const Plan& p, const RankParams& R, SharedStor
       }
       break;
     case kSharedGu:
+      if constexpr (!kFp8) {  // the shared expert's kept g, u: a token's row is its own (the FP8 form keeps none)
+        if (R.keep_shared_gu != nullptr)
+          store_gu_rows(acc, it, p.Is, R.keep_shared_gu, [](int row) { return row; }, wg, t);
+      }
       Tile::store_bf16<true>(acc, s.epi[wg],
                              Tile::TileStore{R.shared_h, p.Is, it.row0, it.row_end, it.n_block * kGuCols, p.Is}, wg, t);
       gemm::fence_proxy_async_global();
