@@ -503,14 +503,16 @@ def test_fused_ep_backward_routing_knobs_and_calls(ep, case, per_rank):
 def test_fused_ep_backward_rank_that_skips_a_call_times_out():
     """One emulated rank makes no call: the other's waits for its shared rows time out (bounded; nothing hangs), its
     status says so (EXPERTS_BACKWARD_STATUS_COMM), its gradients are NaN, the workspace is poisoned (check() names
-    the rank) and the next call on it refuses to run."""
+    the rank) and the next call on it refuses to run; on a new workspace, as the error says, it runs again and gives
+    EP 1's bits."""
     from mok_jax.emulation import emulated_moe_backward
     from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_STATUS_COMM
 
     E, H, I, k, T = 8, 256, 128, 2, 128
     x, idx, w, W, dy = _problem("fused_skip", _shape(E, H, I, k, 0), T, "uniform")
-    ws = Workspace.create_emulated(jax.devices("gpu")[0], 2, max_tokens=T // 2, hidden_size=H, top_k=k,
-                                   num_experts=E, timeout_s=0.5)
+    new_ws = functools.partial(Workspace.create_emulated, jax.devices("gpu")[0], 2, max_tokens=T // 2, hidden_size=H,
+                               top_k=k, num_experts=E, timeout_s=0.5)
+    ws = new_ws()
     try:
         dx, _, _, status = emulated_moe_backward(x, idx, w, W, dy, ep=2, workspace=ws, skip_rank=1,
                                                  return_status=True, fused=True)
@@ -521,6 +523,14 @@ def test_fused_ep_backward_rank_that_skips_a_call_times_out():
             ws.check()
         with pytest.raises(Exception, match="poisoned"):
             jax.block_until_ready(emulated_moe_backward(x, idx, w, W, dy, ep=2, workspace=ws, fused=True)[0])
+        ws.close()
+        # The recovery the error prescribes; it also leaves JAX's runtime token of the device on a call that
+        # succeeded (the refused call's error is printed again at the process's exit otherwise).
+        ws = new_ws()
+        got = emulated_moe_backward(x, idx, w, W, dy, ep=2, workspace=ws, return_status=True, fused=True)
+        assert not np.asarray(got[-1]).any(), f"status {np.asarray(got[-1])} on a new workspace"
+        for name, a, b in zip(GRAD_NAMES, jax.tree.leaves(got[:3]), jax.tree.leaves(_mok_grads(x, w, W, idx, dy))):
+            np.testing.assert_array_equal(np.asarray(a, _F32), np.asarray(b, _F32), f"EP 2, new workspace: {name}")
     finally:
         ws.close()
 
