@@ -1,0 +1,437 @@
+// A lab program (issue 33; docs/design.md, "Planned: the backward's epilogues under the MMAs", step 1), not part of
+// the package. The backward's weight-gradient tiles (WGATEUP, WDOWN) run as one 128 x 256 output of both consumer
+// warpgroups together: both finish the MMAs, then both store the tile, with the tensor cores idle. On one H100 that
+// store took 0.239 ms per SM of kimi-k2's d_gate_up (704 MB of bf16 gradient, at about the HBM's write rate). This
+// program asks, before any kernel changes, whether ping-pong consumers hide it:
+//   mode 0  the library's grouped weight-gradient kernel as it is (gemm::Sm90WeightGrad: cooperative 128 x 256
+//           tiles over a 4-stage ring of 48 KB, the bf16 epilogue through a 64 x 64 buffer per warpgroup)
+//   mode 1  ping-pong: each consumer warpgroup owns every other tile of its CTA, 128 x 128 outputs (two m64n128k16
+//           wgmmas per k-step, the same 128 accumulator registers a thread), over a 6-stage ring of 32 KB; a pair
+//           of mbarriers hands the tensor cores from one warpgroup's mainloop to the other's, so one stores its tile
+//           while the other computes
+// Both reduce each output over its group's rows in ascending 64-row k-tiles with fp32 accumulation, so the outputs
+// are expected to be the same bits; the program compares them all (each output poisoned with 0xff first) and checks
+// sampled outputs of mode 0 against an fp32 dot product on the GPU (bound: one bf16 rounding plus the fp32 sum's
+// error). Then the median ms of each mode over sustained launches, in the order 0 1 1 0.
+// The problem (default: kimi-k2's d_gate_up at T = 2048 on one GPU): 12 groups (experts) of 1408 rows (multiples
+// of 128, as the backward pads them), A = x_e [rows, H = 7168], B = dgu [rows, 2I = 4096], out[g] = A_g^T B_g.
+// NOT YET RUN ON A GPU (written in the thirty-second session, which had no device time left).
+// Build (from the repository root; CUTLASS from the nvidia-cutlass wheel, as CMake finds it):
+//   CUTLASS=$(python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I ffi/include \
+//     -isystem $CUTLASS -o wgrad_pingpong scripts/lab/wgrad_pingpong.cu
+//   ./wgrad_pingpong [groups rows_per_group m_dim n_dim]
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "mok/gemm/sm90_weight_grad.cuh"
+
+#define CHECK(x)                                                                            \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+namespace lab {
+using namespace mok::gemm;
+using Element = cutlass::bfloat16_t;
+using Coop = Sm90WeightGrad;
+
+__global__ void __launch_bounds__(Coop::kThreads, 1) coop_kernel(const __grid_constant__ Coop::Params p) {
+  Coop::run(p);
+}
+
+// ---- mode 1: ping-pong ------------------------------------------------------------------------------------------
+struct PingPong {
+  static constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64, kStages = 6;
+  static constexpr int kGroupM = 16;
+  static constexpr int kThreads = 384;
+  static constexpr int kEpiCols = 64, kEpiPitch = kEpiCols + 8;  // as Sm90TileT's buffer: conflict-free bf16x2 writes
+  static constexpr int kEpiWords = 64 * kEpiPitch / 2;
+  // The operands' stage layouts are Sm90WeightGrad's (MN-major A 128 x 64, one MN-major B half 128 x 64), so its
+  // TMA descriptors load them unchanged; only the ring is longer and has no second B half.
+  using SmemLayoutA = detail::StageRing<Element, false, kBlockM, kBlockK, kStages>;
+  using SmemLayoutB = detail::StageRing<Element, false, kBlockN, kBlockK, kStages>;
+  using SmemLayoutBStage = detail::StageTile<Element, false, kBlockN, kBlockK>;
+  static constexpr int kStageElems = kBlockM * kBlockK;  // A's and B's
+  static constexpr uint32_t kStageBytes = 2 * kStageElems * sizeof(Element);
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>{},
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using Accumulator = decltype(cute::partition_fragment_C(
+      std::declval<TiledMma>(), cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+
+  using Params = Coop::Params;  // the same descriptors, sizes and output
+
+  struct SharedStorage {
+    alignas(1024) Element a[kStages * kStageElems];
+    alignas(1024) Element b[kStages * kStageElems];
+    alignas(8) uint64_t full[kStages];
+    alignas(8) uint64_t empty[kStages];
+    alignas(8) uint64_t order[2];  // order[w]: warpgroup w may run its next mainloop
+    alignas(16) uint32_t epi[2][kEpiWords];
+    GroupTable<Coop::kMaxGroups> table;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+
+  struct Pos {
+    int stage = 0;
+    uint32_t phase = 0;
+    __device__ void advance(int n = 1) {
+      for (int i = 0; i < n; ++i)
+        if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  };
+
+  struct TileRef {
+    int group, m_block, n_block, k0, n_k;
+  };
+  __device__ static int num_tiles(const Params& p) {
+    return (p.m_dim + kBlockM - 1) / kBlockM * ((p.n_dim + kBlockN - 1) / kBlockN) * p.num_groups;
+  }
+  __device__ static TileRef decode(const Params& p, const SharedStorage& s, int tile) {
+    const int nb = (p.n_dim + kBlockN - 1) / kBlockN, per_group = (p.m_dim + kBlockM - 1) / kBlockM * nb;
+    TileRef r;
+    r.group = tile / per_group;
+    band_tile<kBlockM, kGroupM>(tile - r.group * per_group, p.m_dim, nb, &r.m_block, &r.n_block);
+    r.k0 = s.table.row_start[r.group];
+    r.n_k = (s.table.row_start[r.group + 1] - r.k0) / kBlockK;
+    return r;
+  }
+
+  __device__ static void producer(const Params& p, SharedStorage& s) {
+    using namespace cute;
+    Pos pos;
+    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m_dim, p.num_rows));
+    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n_dim, p.num_rows, 1));
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+      const TileRef r = decode(p, s, tile);
+      Tensor gA = local_tile(domain_offset(make_coord(r.m_block * kBlockM, r.k0), mA),
+                             Shape<Int<kBlockM>, Int<kBlockK>>{}, make_coord(0, _));
+      auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+      Tensor gB = local_tile(domain_offset(make_coord(r.n_block * kBlockN, r.k0), mB(_, _, 0)),
+                             Shape<Int<kBlockN>, Int<kBlockK>>{}, make_coord(0, _));
+      for (int k = 0; k < r.n_k; ++k) {
+        if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, p.status)) return;
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], kStageBytes);
+        copy(p.tma_a.with(s.full[pos.stage]), tAgA(_, k), tAsA(_, pos.stage));
+        Tensor sB = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElems), SmemLayoutBStage{});
+        auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                        group_modes<0, 2>(gB(_, _, k)));
+        copy(p.tma_b.with(s.full[pos.stage]), tBg, tBs);
+        pos.advance();
+      }
+    }
+  }
+
+  // One warpgroup's mainloop over n_k stages from pos; arrives on the other warpgroup's order barrier once its
+  // last wgmmas are issued (thread 0 of the warpgroup, after the warpgroup's named barrier).
+  __device__ static bool mainloop(SharedStorage& s, Pos& pos, Accumulator& acc, int n_k, int wg, int t,
+                                  int32_t* status) {
+    using namespace cute;
+    TiledMma mma;
+    auto thr = mma.get_thread_slice(t);
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M = 2, MMA_K, stages)
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N = 1, MMA_K, stages)
+    const int lane = t % 32;
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int prev_stage = -1;
+    bool ok = true;
+    for (int kt = 0; kt < n_k; ++kt) {
+      if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) {
+        ok = false;
+        break;
+      }
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // the previous k-tile's wgmmas are done: free its stage
+      warpgroup_fence_operand(acc);
+      if (prev_stage >= 0) release(s, prev_stage, lane);
+      prev_stage = pos.stage;
+      pos.advance();
+    }
+    named_barrier_sync(1 + wg, 128);  // every warp of this warpgroup has issued its last wgmmas
+    if (t == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[1 - wg]);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev_stage >= 0) release(s, prev_stage, lane);
+    return ok;
+  }
+
+  __device__ static void release(SharedStorage& s, int stage, int lane) {
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[stage]);
+  }
+
+  // bf16 out of one warpgroup's 128 x 128 accumulator: 4 passes of 64 rows x 64 columns through its buffer, then
+  // 16-byte row stores (as Sm90TileT::store_bf16). Value v of MMA_M block m of thread (warp w, lane l): row
+  // 64 m + 16 w + l/4 + 8 ((v/2)%2), column 8 (v/4) + 2 (l%4) + v%2 (PTX m64nNk16 f32 D).
+  __device__ static void store(const Accumulator& acc, uint32_t* buf, const Params& p, Element* out, int row0,
+                               int col0, int wg, int t) {
+    constexpr int kPitchWords = kEpiPitch / 2;
+    const int lane = t % 32, warp = t / 32;
+    CUTE_UNROLL
+    for (int m = 0; m < 2; ++m) {
+      CUTE_UNROLL
+      for (int pass = 0; pass < kBlockN / kEpiCols; ++pass) {
+        CUTE_UNROLL
+        for (int j = 0; j < 32; j += 2) {
+          const int v = 32 * pass + j;
+          const int r = 16 * warp + lane / 4 + 8 * ((v >> 1) & 1);
+          const int c = 8 * ((v >> 2) - 8 * pass) + 2 * (lane % 4);
+          buf[r * kPitchWords + c / 2] = Coop::Tile::pack_bf16x2(acc(v, m, 0), acc(v + 1, m, 0));
+        }
+        named_barrier_sync(1 + wg, 128);
+        CUTE_UNROLL
+        for (int j = 0; j < 64 * kEpiCols / 8 / 128; ++j) {
+          const int idx = t + 128 * j;
+          const int r = idx / (kEpiCols / 8), chunk = idx % (kEpiCols / 8);
+          const int row = row0 + 64 * m + r;
+          const int col = col0 + pass * kEpiCols + chunk * 8;
+          if (row < p.m_dim && col < p.n_dim) {
+            const uint4 v = *reinterpret_cast<const uint4*>(buf + r * kPitchWords + chunk * 4);
+            *reinterpret_cast<uint4*>(out + int64_t(row) * p.n_dim + col) = v;
+          }
+        }
+        named_barrier_sync(1 + wg, 128);
+      }
+    }
+  }
+
+  // Warpgroup wg runs tiles j = wg, wg + 2, ... of its CTA's sequence and steps its ring position over the other
+  // warpgroup's tiles; order[wg] is armed once for warpgroup 0's first tile, then each mainloop arms the other's.
+  __device__ static void consumer(const Params& p, SharedStorage& s, int wg, int t) {
+    Accumulator acc;
+    Pos pos;
+    uint32_t turn = 0;
+    int j = 0;
+    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x, ++j) {
+      const TileRef r = decode(p, s, tile);
+      if (j % 2 != wg) {
+        pos.advance(r.n_k);
+        continue;
+      }
+      if (!mbarrier_wait(&s.order[wg], turn, p.status)) return;
+      turn ^= 1;
+      if (!mainloop(s, pos, acc, r.n_k, wg, t, p.status)) return;
+      Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
+      store(acc, s.epi[wg], p, out, r.m_block * kBlockM, r.n_block * kBlockN, wg, t);
+    }
+  }
+
+  __device__ static void run(const Params& p) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    SharedStorage& s = aligned_shared_storage<SharedStorage>(smem_raw);
+    const int warp = cutlass::canonical_warp_idx_sync();
+    const int lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      for (int i = 0; i < kStages; ++i) {
+        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+        cutlass::arch::ClusterBarrier::init(&s.empty[i], 4);  // the 4 warps of the one warpgroup that reads it
+      }
+      cutlass::arch::ClusterBarrier::init(&s.order[0], 1);
+      cutlass::arch::ClusterBarrier::init(&s.order[1], 1);
+      cutlass::arch::fence_barrier_init();
+      cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+    }
+    if (warp == 1) build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
+    __syncthreads();
+    if (threadIdx.x == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[0]);  // warpgroup 0 goes first
+    if (threadIdx.x < 128) {
+      cutlass::arch::warpgroup_reg_dealloc<40>();
+      if (warp == 0 && cute::elect_one_sync()) producer(p, s);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<232>();
+      consumer(p, s, (threadIdx.x - 128) / 128, threadIdx.x % 128);
+    }
+  }
+};
+
+__global__ void __launch_bounds__(PingPong::kThreads, 1) pingpong_kernel(const __grid_constant__ PingPong::Params p) {
+  PingPong::run(p);
+}
+
+// ---- inputs, reference, comparison ----------------------------------------------------------------------------
+__global__ void fill(Element* x, int64_t n, uint32_t seed) {  // values in [-1, 1), none zero by construction
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+    x[i] = Element(((h >> 8) + 0.5f) / float(1u << 23) - 1.0f);
+  }
+}
+
+// out[g][m, n] in fp32 and the sum of |terms| (for the bound), for sampled (g, m, n).
+__global__ void reference(const Element* a, const Element* b, const int* starts, int m_dim, int n_dim,
+                          const int3* samples, int num, float* ref, float* mag) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= num) return;
+  const int3 s = samples[i];
+  float acc = 0.0f, abs_acc = 0.0f;
+  for (int r = starts[s.x]; r < starts[s.x + 1]; ++r) {
+    const float v = float(a[int64_t(r) * m_dim + s.y]) * float(b[int64_t(r) * n_dim + s.z]);
+    acc += v, abs_acc += fabsf(v);
+  }
+  ref[i] = acc, mag[i] = abs_acc;
+}
+
+}  // namespace lab
+
+using namespace lab;
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  const int groups = argc > 1 ? std::atoi(argv[1]) : 12;
+  const int rows_per_group = argc > 2 ? std::atoi(argv[2]) : 1408;
+  const int m_dim = argc > 3 ? std::atoi(argv[3]) : 7168;
+  const int n_dim = argc > 4 ? std::atoi(argv[4]) : 4096;
+  if (groups < 1 || rows_per_group < 128 || rows_per_group % 128 || m_dim % 128 || n_dim % 128) {
+    std::fprintf(stderr, "groups >= 1; rows_per_group, m_dim, n_dim positive multiples of 128\n");
+    return 2;
+  }
+  const int rows = groups * rows_per_group;
+  const int64_t out_elems = int64_t(groups) * m_dim * n_dim;
+  std::printf("problem: %d groups x %d rows, out[g] = A_g^T B_g of %d x %d (%.1f GFLOP)\n", groups, rows_per_group,
+              m_dim, n_dim, 2.0 * rows * double(m_dim) * n_dim / 1e9);
+
+  Element *a, *b, *out0, *out1;
+  int *sizes, *starts, *status;
+  CHECK(cudaMalloc(&a, int64_t(rows) * m_dim * sizeof(Element)));
+  CHECK(cudaMalloc(&b, int64_t(rows) * n_dim * sizeof(Element)));
+  CHECK(cudaMalloc(&out0, out_elems * sizeof(Element)));
+  CHECK(cudaMalloc(&out1, out_elems * sizeof(Element)));
+  CHECK(cudaMalloc(&sizes, groups * sizeof(int)));
+  CHECK(cudaMalloc(&starts, (groups + 1) * sizeof(int)));
+  CHECK(cudaMalloc(&status, 2 * sizeof(int)));
+  fill<<<1024, 256>>>(a, int64_t(rows) * m_dim, 0x1234u);
+  fill<<<1024, 256>>>(b, int64_t(rows) * n_dim, 0x9876u);
+  std::vector<int> h_sizes(groups, rows_per_group), h_starts(groups + 1);
+  for (int g = 0; g <= groups; ++g) h_starts[g] = g * rows_per_group;
+  CHECK(cudaMemcpy(sizes, h_sizes.data(), groups * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(starts, h_starts.data(), (groups + 1) * sizeof(int), cudaMemcpyHostToDevice));
+
+  Coop::Params p{};
+  p.tma_a = Coop::make_tma_a(a, rows, m_dim);
+  p.tma_b = Coop::make_tma_b(b, rows, n_dim);
+  p.group_sizes = sizes, p.num_groups = groups, p.num_rows = rows, p.m_dim = m_dim, p.n_dim = n_dim;
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaFuncSetAttribute(coop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Coop::kSmemBytes));
+  CHECK(cudaFuncSetAttribute(pingpong_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PingPong::kSmemBytes));
+  auto launch = [&](int mode) {
+    Coop::Params q = p;
+    q.out = mode == 0 ? out0 : out1;
+    q.status = status + mode;
+    if (mode == 0) coop_kernel<<<sms, Coop::kThreads, Coop::kSmemBytes>>>(q);
+    else pingpong_kernel<<<sms, PingPong::kThreads, PingPong::kSmemBytes>>>(q);
+  };
+
+  // Correctness: both outputs poisoned, one launch each, every element compared; mode 0 against fp32 samples.
+  CHECK(cudaMemset(out0, 0xff, out_elems * sizeof(Element)));
+  CHECK(cudaMemset(out1, 0xff, out_elems * sizeof(Element)));
+  CHECK(cudaMemset(status, 0, 2 * sizeof(int)));
+  launch(0);
+  launch(1);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  int h_status[2];
+  CHECK(cudaMemcpy(h_status, status, sizeof(h_status), cudaMemcpyDeviceToHost));
+  std::vector<uint16_t> h0(out_elems), h1(out_elems);
+  CHECK(cudaMemcpy(h0.data(), out0, out_elems * 2, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(h1.data(), out1, out_elems * 2, cudaMemcpyDeviceToHost));
+  int64_t differ = 0, unwritten0 = 0, unwritten1 = 0, first = -1;
+  for (int64_t i = 0; i < out_elems; ++i) {
+    unwritten0 += h0[i] == 0xffff, unwritten1 += h1[i] == 0xffff;
+    if (h0[i] != h1[i] && differ++ == 0) first = i;
+  }
+  std::printf("status: mode 0 %d, mode 1 %d; unwritten (0xffff): mode 0 %lld, mode 1 %lld\n", h_status[0],
+              h_status[1], (long long)unwritten0, (long long)unwritten1);
+  if (differ)
+    std::printf("mode 1 differs from mode 0 in %lld of %lld outputs, first at group %lld row %lld col %lld\n",
+                (long long)differ, (long long)out_elems, (long long)(first / (int64_t(m_dim) * n_dim)),
+                (long long)(first / n_dim % m_dim), (long long)(first % n_dim));
+  else
+    std::printf("mode 1: the bits of mode 0 in all %lld outputs\n", (long long)out_elems);
+
+  const int num = 4096;
+  std::vector<int3> h_samples(num);
+  uint32_t lcg = 12345u;
+  auto next = [&](int n) { lcg = lcg * 1664525u + 1013904223u; return int((lcg >> 8) % uint32_t(n)); };
+  for (auto& s : h_samples) s = make_int3(next(groups), next(m_dim), next(n_dim));
+  int3* samples;
+  float *ref, *mag;
+  CHECK(cudaMalloc(&samples, num * sizeof(int3)));
+  CHECK(cudaMalloc(&ref, num * sizeof(float)));
+  CHECK(cudaMalloc(&mag, num * sizeof(float)));
+  CHECK(cudaMemcpy(samples, h_samples.data(), num * sizeof(int3), cudaMemcpyHostToDevice));
+  reference<<<(num + 127) / 128, 128>>>(a, b, starts, m_dim, n_dim, samples, num, ref, mag);
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> h_ref(num), h_mag(num);
+  CHECK(cudaMemcpy(h_ref.data(), ref, num * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(h_mag.data(), mag, num * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int i = 0; i < num; ++i) {
+    const int3 s = h_samples[i];
+    const uint32_t bits = uint32_t(h0[(int64_t(s.x) * m_dim + s.y) * n_dim + s.z]) << 16;
+    float got;
+    std::memcpy(&got, &bits, 4);
+    // bf16's rounding of the result plus two fp32 sums' errors (rows * 2^-24 of the sum of |terms| each)
+    const float bound = std::ldexp(std::fabs(h_ref[i]), -8) + 2.0f * rows_per_group * std::ldexp(h_mag[i], -24);
+    if (!(std::fabs(got - h_ref[i]) <= bound) && bad++ < 5)
+      std::printf("  sample (%d, %d, %d): mode 0 %g, fp32 %g, bound %g\n", s.x, s.y, s.z, got, h_ref[i], bound);
+  }
+  std::printf("mode 0 against fp32: %d of %d samples outside the bound\n", bad, num);
+
+  // Speed: 3 warm-up launches each, then 5 samples of 10 launches per mode, in the order 0 1 1 0.
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms[2];
+  for (int mode : {0, 1})
+    for (int i = 0; i < 3; ++i) launch(mode);
+  for (int mode : {0, 1, 1, 0}) {
+    for (int sample = 0; sample < 5; ++sample) {
+      CHECK(cudaEventRecord(e0));
+      for (int i = 0; i < 10; ++i) launch(mode);
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      ms[mode].push_back(t / 10);
+    }
+  }
+  CHECK(cudaMemcpy(h_status, status, sizeof(h_status), cudaMemcpyDeviceToHost));
+  const double flop = 2.0 * rows * double(m_dim) * n_dim;
+  for (int mode : {0, 1}) {
+    const float m = median(ms[mode]);
+    std::printf("mode %d (%s): median %.3f ms of %zu samples, %.0f TFLOP/s\n", mode,
+                mode == 0 ? "cooperative 128 x 256" : "ping-pong 128 x 128", m, ms[mode].size(), flop / m / 1e9);
+  }
+  std::printf("status after the timed launches: mode 0 %d, mode 1 %d\n", h_status[0], h_status[1]);
+  return (differ || bad || h_status[0] || h_status[1] || unwritten0 || unwritten1) ? 1 : 0;
+}
