@@ -2,17 +2,20 @@
 // the package. The backward's weight-gradient tiles (WGATEUP, WDOWN) run as one 128 x 256 output of both consumer
 // warpgroups together: both finish the MMAs, then both store the tile, with the tensor cores idle. On one H100 that
 // store took 0.239 ms per SM of kimi-k2's d_gate_up (704 MB of bf16 gradient, at about the HBM's write rate). This
-// program asks, before any kernel changes, whether ping-pong consumers hide it:
+// program asks, before any kernel changes, whether ping-pong consumers or epilogue warps hide it:
 //   mode 0  the library's grouped weight-gradient kernel as it is (gemm::Sm90WeightGrad: cooperative 128 x 256
 //           tiles over a 4-stage ring of 48 KB, the bf16 epilogue through a 64 x 64 buffer per warpgroup)
 //   mode 1  ping-pong: each consumer warpgroup owns every other tile of its CTA, 128 x 128 outputs (two m64n128k16
 //           wgmmas per k-step, the same 128 accumulator registers a thread), over a 6-stage ring of 32 KB; a pair
 //           of mbarriers hands the tensor cores from one warpgroup's mainloop to the other's, so one stores its tile
 //           while the other computes
-// Both reduce each output over its group's rows in ascending 64-row k-tiles with fp32 accumulation, so the outputs
-// are expected to be the same bits; the program compares them all (each output poisoned with 0xff first) and checks
-// sampled outputs of mode 0 against an fp32 dot product on the GPU (bound: one bf16 rounding plus the fp32 sum's
-// error). Then the median ms of each mode over sustained launches, in the order 0 1 1 0.
+//   mode 2  epilogue warps: mode 0's tile over a 3-stage ring; its consumers write the bf16 tile into a 66 KB
+//           staging buffer and go on to the next tile's MMAs while warps 1-3 of the producer warpgroup (idle in
+//           mode 0) copy it out
+// All three reduce each output over its group's rows in ascending 64-row k-tiles with fp32 accumulation, so the
+// outputs are expected to be the same bits; the program compares them all (each output poisoned with 0xff first)
+// and checks sampled outputs of mode 0 against an fp32 dot product on the GPU (bound: one bf16 rounding plus the
+// fp32 sums' error). Then the median ms of each mode over sustained launches, in the order 0 1 2 2 1 0.
 // The problem (default: kimi-k2's d_gate_up at T = 2048 on one GPU): 12 groups (experts) of 1408 rows (multiples
 // of 128, as the backward pads them), A = x_e [rows, H = 7168], B = dgu [rows, 2I = 4096], out[g] = A_g^T B_g.
 // NOT YET RUN ON A GPU (written in the thirty-second session, which had no device time left).
@@ -273,6 +276,216 @@ __global__ void __launch_bounds__(PingPong::kThreads, 1) pingpong_kernel(const _
   PingPong::run(p);
 }
 
+// ---- mode 2: epilogue warps -------------------------------------------------------------------------------------
+// The cooperative 128 x 256 tile of mode 0 over a 3-stage ring of 48 KB, whose consumers write the tile's bf16
+// outputs into a staging buffer in shared memory (128 rows x 256 columns, padded) and go on to the next tile's MMAs;
+// warps 1-3 of the producer warpgroup (idle in mode 0) copy it out in 16-byte row stores meanwhile. staged_full:
+// the consumers' 8 warps have written a tile; staged_empty: the 3 copy warps have read it all.
+struct EpilogueWarps {
+  static constexpr int kBlockM = 128, kBlockN = 256, kHalfN = 128, kBlockK = 64, kStages = 3;
+  static constexpr int kGroupM = 16;
+  static constexpr int kThreads = 384;
+  static constexpr int kCopyWarps = 3;
+  static constexpr int kPitch = kBlockN + 8;  // bf16: 528-byte rows, so the consumers' 4-byte writes miss no bank
+  using SmemLayoutA = detail::StageRing<Element, false, kBlockM, kBlockK, kStages>;
+  using SmemLayoutB = detail::StageRing<Element, false, kBlockN, kBlockK, kStages>;
+  using SmemLayoutBHalf = detail::StageTile<Element, false, kHalfN, kBlockK>;
+  static constexpr int kStageElemsA = kBlockM * kBlockK, kStageElemsB = kBlockN * kBlockK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(Element);
+  using TiledMma = Coop::Tile::TiledMma;  // two warpgroups of 64x256x16
+  using Accumulator = Coop::Tile::Accumulator;
+  using Params = Coop::Params;
+
+  struct SharedStorage {
+    alignas(1024) Element a[kStages * kStageElemsA];
+    alignas(1024) Element b[kStages * kStageElemsB];
+    alignas(16) Element staged[kBlockM * kPitch];
+    alignas(8) uint64_t full[kStages];
+    alignas(8) uint64_t empty[kStages];
+    alignas(8) uint64_t staged_full, staged_empty;
+    GroupTable<Coop::kMaxGroups> table;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+
+  struct Pos {
+    int stage = 0;
+    uint32_t phase = 0;
+    __device__ void advance() {
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+  };
+  struct TileRef {
+    int group, m_block, n_block, k0, n_k;
+  };
+  __device__ static int num_tiles(const Params& p) {
+    return (p.m_dim + kBlockM - 1) / kBlockM * ((p.n_dim + kBlockN - 1) / kBlockN) * p.num_groups;
+  }
+  __device__ static TileRef decode(const Params& p, const SharedStorage& s, int tile) {
+    const int nb = (p.n_dim + kBlockN - 1) / kBlockN, per_group = (p.m_dim + kBlockM - 1) / kBlockM * nb;
+    TileRef r;
+    r.group = tile / per_group;
+    band_tile<kBlockM, kGroupM>(tile - r.group * per_group, p.m_dim, nb, &r.m_block, &r.n_block);
+    r.k0 = s.table.row_start[r.group];
+    r.n_k = (s.table.row_start[r.group + 1] - r.k0) / kBlockK;
+    return r;
+  }
+
+  __device__ static void producer(const Params& p, SharedStorage& s) {
+    using namespace cute;
+    Pos pos;
+    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m_dim, p.num_rows));
+    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n_dim, p.num_rows, 1));
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+      const TileRef r = decode(p, s, tile);
+      Tensor gA = local_tile(domain_offset(make_coord(r.m_block * kBlockM, r.k0), mA),
+                             Shape<Int<kBlockM>, Int<kBlockK>>{}, make_coord(0, _));
+      auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+      Tensor gB0 = local_tile(domain_offset(make_coord(r.n_block * kBlockN, r.k0), mB(_, _, 0)),
+                              Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
+      Tensor gB1 = local_tile(domain_offset(make_coord(r.n_block * kBlockN + kHalfN, r.k0), mB(_, _, 0)),
+                              Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
+      for (int k = 0; k < r.n_k; ++k) {
+        if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, p.status)) return;
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], kStageBytes);
+        copy(p.tma_a.with(s.full[pos.stage]), tAgA(_, k), tAsA(_, pos.stage));
+        Tensor sB0 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB), SmemLayoutBHalf{});
+        auto [tB0g, tB0s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB0),
+                                          group_modes<0, 2>(gB0(_, _, k)));
+        copy(p.tma_b.with(s.full[pos.stage]), tB0g, tB0s);
+        Tensor sB1 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB + kHalfN * kBlockK), SmemLayoutBHalf{});
+        auto [tB1g, tB1s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB1),
+                                          group_modes<0, 2>(gB1(_, _, k)));
+        copy(p.tma_b.with(s.full[pos.stage]), tB1g, tB1s);
+        pos.advance();
+      }
+    }
+  }
+
+  // Mode 0's mainloop (Sm90TileT::mma_tile) over this ring; ct: 0..255.
+  __device__ static bool mainloop(SharedStorage& s, Pos& pos, Accumulator& acc, int n_k, int ct, int32_t* status) {
+    using namespace cute;
+    TiledMma mma;
+    auto thr = mma.get_thread_slice(ct);
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    const int lane = ct % 32;
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int prev_stage = -1;
+    bool ok = true;
+    for (int kt = 0; kt < n_k; ++kt) {
+      if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) {
+        ok = false;
+        break;
+      }
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (prev_stage >= 0) release(&s.empty[prev_stage], lane);
+      prev_stage = pos.stage;
+      pos.advance();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (prev_stage >= 0) release(&s.empty[prev_stage], lane);
+    return ok;
+  }
+
+  __device__ static void release(uint64_t* bar, int lane) {
+    __syncwarp();
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
+  }
+
+  __device__ static void consumer(const Params& p, SharedStorage& s, int ct) {
+    Accumulator acc;
+    Pos pos;
+    uint32_t staged = 0;
+    const int wg = ct / 128, t = ct % 128, lane = t % 32, warp = t / 32;
+    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+      const TileRef r = decode(p, s, tile);
+      if (!mainloop(s, pos, acc, r.n_k, ct, p.status)) return;
+      if (!mbarrier_wait(&s.staged_empty, staged ^ 1, p.status)) return;  // the previous tile is copied out
+      staged ^= 1;
+      // Value i of thread (warp w, lane l) of warpgroup wg: row 64 wg + 16 w + l/4 + 8 ((i/2)%2), column
+      // 8 (i/4) + 2 (l%4) + i%2 (PTX m64nNk16 f32 D).
+      auto* words = reinterpret_cast<uint32_t*>(s.staged);
+      CUTE_UNROLL
+      for (int i = 0; i < 128; i += 2) {
+        const int row = 64 * wg + 16 * warp + lane / 4 + 8 * ((i >> 1) & 1);
+        const int col = 8 * (i >> 2) + 2 * (lane % 4);
+        words[(row * kPitch + col) / 2] = Coop::Tile::pack_bf16x2(acc(i), acc(i + 1));
+      }
+      release(&s.staged_full, lane);
+    }
+  }
+
+  // Warps 1-3: each staged tile out, 16 bytes a thread at a time, rows in order.
+  __device__ static void copier(const Params& p, SharedStorage& s, int ct) {
+    uint32_t staged = 0;
+    const int lane = ct % 32;
+    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
+      const TileRef r = decode(p, s, tile);
+      if (!mbarrier_wait(&s.staged_full, staged, p.status)) return;
+      staged ^= 1;
+      Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
+      const int row0 = r.m_block * kBlockM, col0 = r.n_block * kBlockN;
+      for (int c = ct; c < kBlockM * kBlockN / 8; c += 32 * kCopyWarps) {
+        const int row = c / (kBlockN / 8), col = (c % (kBlockN / 8)) * 8;
+        const uint4 v = *reinterpret_cast<const uint4*>(s.staged + row * kPitch + col);
+        if (row0 + row < p.m_dim && col0 + col < p.n_dim)
+          *reinterpret_cast<uint4*>(out + int64_t(row0 + row) * p.n_dim + col0 + col) = v;
+      }
+      release(&s.staged_empty, lane);
+    }
+  }
+
+  __device__ static void run(const Params& p) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    SharedStorage& s = aligned_shared_storage<SharedStorage>(smem_raw);
+    const int warp = cutlass::canonical_warp_idx_sync();
+    const int lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      for (int i = 0; i < kStages; ++i) {
+        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+        cutlass::arch::ClusterBarrier::init(&s.empty[i], 8);
+      }
+      cutlass::arch::ClusterBarrier::init(&s.staged_full, 8);           // the consumers' 8 warps
+      cutlass::arch::ClusterBarrier::init(&s.staged_empty, kCopyWarps);  // the copy warps
+      cutlass::arch::fence_barrier_init();
+      cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+    }
+    if (warp == 1) build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      cutlass::arch::warpgroup_reg_dealloc<40>();
+      if (warp == 0) {
+        if (cute::elect_one_sync()) producer(p, s);
+      } else {
+        copier(p, s, threadIdx.x - 32);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<232>();
+      consumer(p, s, threadIdx.x - 128);
+    }
+  }
+};
+
+__global__ void __launch_bounds__(EpilogueWarps::kThreads, 1)
+    epilogue_warps_kernel(const __grid_constant__ EpilogueWarps::Params p) {
+  EpilogueWarps::run(p);
+}
+
 // ---- inputs, reference, comparison ----------------------------------------------------------------------------
 __global__ void fill(Element* x, int64_t n, uint32_t seed) {  // values in [-1, 1), none zero by construction
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -319,15 +532,14 @@ int main(int argc, char** argv) {
   std::printf("problem: %d groups x %d rows, out[g] = A_g^T B_g of %d x %d (%.1f GFLOP)\n", groups, rows_per_group,
               m_dim, n_dim, 2.0 * rows * double(m_dim) * n_dim / 1e9);
 
-  Element *a, *b, *out0, *out1;
+  Element *a, *b, *outs[3];
   int *sizes, *starts, *status;
   CHECK(cudaMalloc(&a, int64_t(rows) * m_dim * sizeof(Element)));
   CHECK(cudaMalloc(&b, int64_t(rows) * n_dim * sizeof(Element)));
-  CHECK(cudaMalloc(&out0, out_elems * sizeof(Element)));
-  CHECK(cudaMalloc(&out1, out_elems * sizeof(Element)));
+  for (auto& o : outs) CHECK(cudaMalloc(&o, out_elems * sizeof(Element)));
   CHECK(cudaMalloc(&sizes, groups * sizeof(int)));
   CHECK(cudaMalloc(&starts, (groups + 1) * sizeof(int)));
-  CHECK(cudaMalloc(&status, 2 * sizeof(int)));
+  CHECK(cudaMalloc(&status, 3 * sizeof(int)));
   fill<<<1024, 256>>>(a, int64_t(rows) * m_dim, 0x1234u);
   fill<<<1024, 256>>>(b, int64_t(rows) * n_dim, 0x9876u);
   std::vector<int> h_sizes(groups, rows_per_group), h_starts(groups + 1);
@@ -343,40 +555,48 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaFuncSetAttribute(coop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Coop::kSmemBytes));
   CHECK(cudaFuncSetAttribute(pingpong_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PingPong::kSmemBytes));
+  CHECK(cudaFuncSetAttribute(epilogue_warps_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             EpilogueWarps::kSmemBytes));
   auto launch = [&](int mode) {
     Coop::Params q = p;
-    q.out = mode == 0 ? out0 : out1;
+    q.out = outs[mode];
     q.status = status + mode;
     if (mode == 0) coop_kernel<<<sms, Coop::kThreads, Coop::kSmemBytes>>>(q);
-    else pingpong_kernel<<<sms, PingPong::kThreads, PingPong::kSmemBytes>>>(q);
+    else if (mode == 1) pingpong_kernel<<<sms, PingPong::kThreads, PingPong::kSmemBytes>>>(q);
+    else epilogue_warps_kernel<<<sms, EpilogueWarps::kThreads, EpilogueWarps::kSmemBytes>>>(q);
   };
 
-  // Correctness: both outputs poisoned, one launch each, every element compared; mode 0 against fp32 samples.
-  CHECK(cudaMemset(out0, 0xff, out_elems * sizeof(Element)));
-  CHECK(cudaMemset(out1, 0xff, out_elems * sizeof(Element)));
-  CHECK(cudaMemset(status, 0, 2 * sizeof(int)));
-  launch(0);
-  launch(1);
+  // Correctness: every output poisoned, one launch each, every element of modes 1 and 2 against mode 0; mode 0
+  // against fp32 samples.
+  for (auto o : outs) CHECK(cudaMemset(o, 0xff, out_elems * sizeof(Element)));
+  CHECK(cudaMemset(status, 0, 3 * sizeof(int)));
+  for (int mode : {0, 1, 2}) launch(mode);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  int h_status[2];
+  int h_status[3];
   CHECK(cudaMemcpy(h_status, status, sizeof(h_status), cudaMemcpyDeviceToHost));
-  std::vector<uint16_t> h0(out_elems), h1(out_elems);
-  CHECK(cudaMemcpy(h0.data(), out0, out_elems * 2, cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(h1.data(), out1, out_elems * 2, cudaMemcpyDeviceToHost));
-  int64_t differ = 0, unwritten0 = 0, unwritten1 = 0, first = -1;
-  for (int64_t i = 0; i < out_elems; ++i) {
-    unwritten0 += h0[i] == 0xffff, unwritten1 += h1[i] == 0xffff;
-    if (h0[i] != h1[i] && differ++ == 0) first = i;
+  std::vector<uint16_t> h0(out_elems), hm(out_elems);
+  CHECK(cudaMemcpy(h0.data(), outs[0], out_elems * 2, cudaMemcpyDeviceToHost));
+  int64_t unwritten0 = 0, wrong = 0;
+  for (int64_t i = 0; i < out_elems; ++i) unwritten0 += h0[i] == 0xffff;
+  std::printf("mode 0: status %d, unwritten (0xffff) %lld\n", h_status[0], (long long)unwritten0);
+  wrong += unwritten0 != 0;
+  for (int mode : {1, 2}) {
+    CHECK(cudaMemcpy(hm.data(), outs[mode], out_elems * 2, cudaMemcpyDeviceToHost));
+    int64_t differ = 0, unwritten = 0, first = -1;
+    for (int64_t i = 0; i < out_elems; ++i) {
+      unwritten += hm[i] == 0xffff;
+      if (hm[i] != h0[i] && differ++ == 0) first = i;
+    }
+    std::printf("mode %d: status %d, unwritten %lld, ", mode, h_status[mode], (long long)unwritten);
+    if (differ)
+      std::printf("differs from mode 0 in %lld of %lld outputs, first at group %lld row %lld col %lld\n",
+                  (long long)differ, (long long)out_elems, (long long)(first / (int64_t(m_dim) * n_dim)),
+                  (long long)(first / n_dim % m_dim), (long long)(first % n_dim));
+    else
+      std::printf("the bits of mode 0 in all %lld outputs\n", (long long)out_elems);
+    wrong += differ != 0 || unwritten != 0;
   }
-  std::printf("status: mode 0 %d, mode 1 %d; unwritten (0xffff): mode 0 %lld, mode 1 %lld\n", h_status[0],
-              h_status[1], (long long)unwritten0, (long long)unwritten1);
-  if (differ)
-    std::printf("mode 1 differs from mode 0 in %lld of %lld outputs, first at group %lld row %lld col %lld\n",
-                (long long)differ, (long long)out_elems, (long long)(first / (int64_t(m_dim) * n_dim)),
-                (long long)(first / n_dim % m_dim), (long long)(first % n_dim));
-  else
-    std::printf("mode 1: the bits of mode 0 in all %lld outputs\n", (long long)out_elems);
 
   const int num = 4096;
   std::vector<int3> h_samples(num);
@@ -411,10 +631,10 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms[2];
-  for (int mode : {0, 1})
+  std::vector<float> ms[3];
+  for (int mode : {0, 1, 2})
     for (int i = 0; i < 3; ++i) launch(mode);
-  for (int mode : {0, 1, 1, 0}) {
+  for (int mode : {0, 1, 2, 2, 1, 0}) {
     for (int sample = 0; sample < 5; ++sample) {
       CHECK(cudaEventRecord(e0));
       for (int i = 0; i < 10; ++i) launch(mode);
@@ -427,11 +647,13 @@ int main(int argc, char** argv) {
   }
   CHECK(cudaMemcpy(h_status, status, sizeof(h_status), cudaMemcpyDeviceToHost));
   const double flop = 2.0 * rows * double(m_dim) * n_dim;
-  for (int mode : {0, 1}) {
+  const char* names[3] = {"cooperative 128 x 256, 4 stages", "ping-pong 128 x 128, 6 stages",
+                          "cooperative 128 x 256, 3 stages, epilogue warps"};
+  for (int mode : {0, 1, 2}) {
     const float m = median(ms[mode]);
-    std::printf("mode %d (%s): median %.3f ms of %zu samples, %.0f TFLOP/s\n", mode,
-                mode == 0 ? "cooperative 128 x 256" : "ping-pong 128 x 128", m, ms[mode].size(), flop / m / 1e9);
+    std::printf("mode %d (%s): median %.3f ms of %zu samples, %.0f TFLOP/s\n", mode, names[mode], m,
+                ms[mode].size(), flop / m / 1e9);
   }
-  std::printf("status after the timed launches: mode 0 %d, mode 1 %d\n", h_status[0], h_status[1]);
-  return (differ || bad || h_status[0] || h_status[1] || unwritten0 || unwritten1) ? 1 : 0;
+  std::printf("status after the timed launches: %d %d %d\n", h_status[0], h_status[1], h_status[2]);
+  return (wrong || bad || h_status[0] || h_status[1] || h_status[2]) ? 1 : 0;
 }
