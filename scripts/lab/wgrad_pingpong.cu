@@ -55,39 +55,36 @@ __global__ void __launch_bounds__(Coop::kThreads, 1) coop_kernel(const __grid_co
   Coop::run(p);
 }
 
-// ---- mode 1: ping-pong ------------------------------------------------------------------------------------------
-struct PingPong {
-  static constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64, kStages = 6;
-  static constexpr int kGroupM = 16;
+// ---- what modes 1 and 2 share ------------------------------------------------------------------------------------
+// Tiles of kBlockM x kBlockN outputs over a ring of kStages stages (A 128 x 64, B kBlockN x 64, both MN-major: the
+// stage layouts of Sm90WeightGrad, whose TMA descriptors load them in 128 x 64 boxes), their list (a CTA takes tiles
+// c, c + num_ctas, ..., bands of 16 m-blocks, as Sm90WeightGrad), the producer's loads and a consumer mainloop.
+template <int kBlockN_, int kStages_>
+struct LabTiles {
+  static constexpr int kBlockM = 128, kBlockN = kBlockN_, kBlockK = 64, kStages = kStages_;
+  static constexpr int kGroupM = 16, kBoxN = 128;
   static constexpr int kThreads = 384;
-  static constexpr int kEpiCols = 64, kEpiPitch = kEpiCols + 8;  // as Sm90TileT's buffer: conflict-free bf16x2 writes
-  static constexpr int kEpiWords = 64 * kEpiPitch / 2;
-  // The operands' stage layouts are Sm90WeightGrad's (MN-major A 128 x 64, one MN-major B half 128 x 64), so its
-  // TMA descriptors load them unchanged; only the ring is longer and has no second B half.
   using SmemLayoutA = detail::StageRing<Element, false, kBlockM, kBlockK, kStages>;
   using SmemLayoutB = detail::StageRing<Element, false, kBlockN, kBlockK, kStages>;
-  using SmemLayoutBStage = detail::StageTile<Element, false, kBlockN, kBlockK>;
-  static constexpr int kStageElems = kBlockM * kBlockK;  // A's and B's
-  static constexpr uint32_t kStageBytes = 2 * kStageElems * sizeof(Element);
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>{},
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
-  using Accumulator = decltype(cute::partition_fragment_C(
-      std::declval<TiledMma>(), cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
-
+  using SmemLayoutBBox = detail::StageTile<Element, false, kBoxN, kBlockK>;
+  static constexpr int kStageElemsA = kBlockM * kBlockK, kStageElemsB = kBlockN * kBlockK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(Element);
   using Params = Coop::Params;  // the same descriptors, sizes and output
+  using Table = GroupTable<Coop::kMaxGroups>;
 
-  struct SharedStorage {
-    alignas(1024) Element a[kStages * kStageElems];
-    alignas(1024) Element b[kStages * kStageElems];
+  struct Ring {
+    alignas(1024) Element a[kStages * kStageElemsA];
+    alignas(1024) Element b[kStages * kStageElemsB];
     alignas(8) uint64_t full[kStages];
     alignas(8) uint64_t empty[kStages];
-    alignas(8) uint64_t order[2];  // order[w]: warpgroup w may run its next mainloop
-    alignas(16) uint32_t epi[2][kEpiWords];
-    GroupTable<Coop::kMaxGroups> table;
   };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+  // full[s]: the producer's arrive and the TMA bytes; empty[s]: one arrive per warp of the consumers that read s.
+  __device__ static void init_ring(Ring& s, int consumer_warps) {  // one thread, before the CTA's first barrier
+    for (int i = 0; i < kStages; ++i) {
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], consumer_warps);
+    }
+  }
 
   struct Pos {
     int stage = 0;
@@ -104,54 +101,61 @@ struct PingPong {
   __device__ static int num_tiles(const Params& p) {
     return (p.m_dim + kBlockM - 1) / kBlockM * ((p.n_dim + kBlockN - 1) / kBlockN) * p.num_groups;
   }
-  __device__ static TileRef decode(const Params& p, const SharedStorage& s, int tile) {
+  __device__ static TileRef decode(const Params& p, const Table& table, int tile) {
     const int nb = (p.n_dim + kBlockN - 1) / kBlockN, per_group = (p.m_dim + kBlockM - 1) / kBlockM * nb;
     TileRef r;
     r.group = tile / per_group;
     band_tile<kBlockM, kGroupM>(tile - r.group * per_group, p.m_dim, nb, &r.m_block, &r.n_block);
-    r.k0 = s.table.row_start[r.group];
-    r.n_k = (s.table.row_start[r.group + 1] - r.k0) / kBlockK;
+    r.k0 = table.row_start[r.group];
+    r.n_k = (table.row_start[r.group + 1] - r.k0) / kBlockK;
     return r;
   }
 
-  __device__ static void producer(const Params& p, SharedStorage& s) {
+  // The producer (one thread): every tile of the CTA, k-tile by k-tile, A in one box and B in kBlockN / 128.
+  __device__ static void producer(const Params& p, Ring& s, const Table& table) {
     using namespace cute;
     Pos pos;
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m_dim, p.num_rows));
     Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n_dim, p.num_rows, 1));
     Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
     for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
-      const TileRef r = decode(p, s, tile);
+      const TileRef r = decode(p, table, tile);
       Tensor gA = local_tile(domain_offset(make_coord(r.m_block * kBlockM, r.k0), mA),
                              Shape<Int<kBlockM>, Int<kBlockK>>{}, make_coord(0, _));
       auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-      Tensor gB = local_tile(domain_offset(make_coord(r.n_block * kBlockN, r.k0), mB(_, _, 0)),
-                             Shape<Int<kBlockN>, Int<kBlockK>>{}, make_coord(0, _));
       for (int k = 0; k < r.n_k; ++k) {
         if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, p.status)) return;
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], kStageBytes);
         copy(p.tma_a.with(s.full[pos.stage]), tAgA(_, k), tAsA(_, pos.stage));
-        Tensor sB = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElems), SmemLayoutBStage{});
-        auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                        group_modes<0, 2>(gB(_, _, k)));
-        copy(p.tma_b.with(s.full[pos.stage]), tBg, tBs);
+        CUTE_UNROLL
+        for (int box = 0; box < kBlockN / kBoxN; ++box) {
+          Tensor gB = local_tile(domain_offset(make_coord(r.n_block * kBlockN + box * kBoxN, r.k0), mB(_, _, 0)),
+                                 Shape<Int<kBoxN>, Int<kBlockK>>{}, make_coord(0, _));
+          Tensor sB = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB + box * kBoxN * kBlockK),
+                                  SmemLayoutBBox{});
+          auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                          group_modes<0, 2>(gB(_, _, k)));
+          copy(p.tma_b.with(s.full[pos.stage]), tBg, tBs);
+        }
         pos.advance();
       }
     }
   }
 
-  // One warpgroup's mainloop over n_k stages from pos; arrives on the other warpgroup's order barrier once its
-  // last wgmmas are issued (thread 0 of the warpgroup, after the warpgroup's named barrier).
-  __device__ static bool mainloop(SharedStorage& s, Pos& pos, Accumulator& acc, int n_k, int wg, int t,
-                                  int32_t* status) {
+  // The consumers' MMAs of one tile (Sm90TileT::mma_tile's loop over this ring): one batch of wgmmas per k-tile in
+  // flight, each stage freed once the next batch is issued. after_issue() runs once the tile's last batch is issued,
+  // before its wait. thread: the thread's index among the TiledMma's.
+  template <class TiledMma, class Accumulator, class AfterIssue>
+  __device__ static bool mainloop(Ring& s, Pos& pos, Accumulator& acc, int n_k, int thread, int32_t* status,
+                                  AfterIssue after_issue) {
     using namespace cute;
     TiledMma mma;
-    auto thr = mma.get_thread_slice(t);
+    auto thr = mma.get_thread_slice(thread);
     Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
-    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M = 2, MMA_K, stages)
-    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N = 1, MMA_K, stages)
-    const int lane = t % 32;
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stages)
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA, MMA_N, MMA_K, stages)
+    const int lane = thread % 32;
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int prev_stage = -1;
     bool ok = true;
@@ -170,22 +174,49 @@ struct PingPong {
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous k-tile's wgmmas are done: free its stage
       warpgroup_fence_operand(acc);
-      if (prev_stage >= 0) release(s, prev_stage, lane);
+      if (prev_stage >= 0) arrive_warp(&s.empty[prev_stage], lane);
       prev_stage = pos.stage;
       pos.advance();
     }
-    named_barrier_sync(1 + wg, 128);  // every warp of this warpgroup has issued its last wgmmas
-    if (t == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[1 - wg]);
+    after_issue();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (prev_stage >= 0) release(s, prev_stage, lane);
+    if (prev_stage >= 0) arrive_warp(&s.empty[prev_stage], lane);
     return ok;
   }
 
-  __device__ static void release(SharedStorage& s, int stage, int lane) {
+  // One arrive for the warp, after all its lanes' earlier accesses.
+  __device__ static void arrive_warp(uint64_t* bar, int lane) {
     __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[stage]);
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
   }
+
+  // Thread 0's set-up of the TMA descriptors (after init_ring and the mode's own barriers).
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cutlass::arch::fence_barrier_init();
+    cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+  }
+};
+
+// ---- mode 1: ping-pong ------------------------------------------------------------------------------------------
+struct PingPong : LabTiles<128, 6> {
+  static constexpr int kEpiCols = 64, kEpiPitch = kEpiCols + 8;  // as Sm90TileT's buffer: conflict-free bf16x2 writes
+  static constexpr int kEpiWords = 64 * kEpiPitch / 2;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>{},
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using Accumulator = decltype(cute::partition_fragment_C(
+      std::declval<TiledMma>(), cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+
+  struct SharedStorage {
+    Ring ring;
+    alignas(8) uint64_t order[2];  // order[w]: warpgroup w may run its next mainloop
+    alignas(16) uint32_t epi[2][kEpiWords];
+    Table table;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
 
   // bf16 out of one warpgroup's 128 x 128 accumulator: 4 passes of 64 rows x 64 columns through its buffer, then
   // 16-byte row stores (as Sm90TileT::store_bf16). Value v of MMA_M block m of thread (warp w, lane l): row
@@ -223,21 +254,26 @@ struct PingPong {
   }
 
   // Warpgroup wg runs tiles j = wg, wg + 2, ... of its CTA's sequence and steps its ring position over the other
-  // warpgroup's tiles; order[wg] is armed once for warpgroup 0's first tile, then each mainloop arms the other's.
+  // warpgroup's tiles; order[wg] is armed once for warpgroup 0's first tile, then each mainloop arms the other's
+  // once its last wgmmas are issued (thread 0 of the warpgroup, after the warpgroup's named barrier).
   __device__ static void consumer(const Params& p, SharedStorage& s, int wg, int t) {
     Accumulator acc;
     Pos pos;
     uint32_t turn = 0;
     int j = 0;
     for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x, ++j) {
-      const TileRef r = decode(p, s, tile);
+      const TileRef r = decode(p, s.table, tile);
       if (j % 2 != wg) {
         pos.advance(r.n_k);
         continue;
       }
       if (!mbarrier_wait(&s.order[wg], turn, p.status)) return;
       turn ^= 1;
-      if (!mainloop(s, pos, acc, r.n_k, wg, t, p.status)) return;
+      const bool ok = mainloop<TiledMma>(s.ring, pos, acc, r.n_k, t, p.status, [&] {
+        named_barrier_sync(1 + wg, 128);  // every warp of this warpgroup has issued its last wgmmas
+        if (t == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[1 - wg]);
+      });
+      if (!ok) return;
       Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
       store(acc, s.epi[wg], p, out, r.m_block * kBlockM, r.n_block * kBlockN, wg, t);
     }
@@ -249,22 +285,17 @@ struct PingPong {
     const int warp = cutlass::canonical_warp_idx_sync();
     const int lane = threadIdx.x % 32;
     if (warp == 0 && lane == 0) {
-      for (int i = 0; i < kStages; ++i) {
-        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
-        cutlass::arch::ClusterBarrier::init(&s.empty[i], 4);  // the 4 warps of the one warpgroup that reads it
-      }
+      init_ring(s.ring, 4);  // the 4 warps of the one warpgroup that reads a stage
       cutlass::arch::ClusterBarrier::init(&s.order[0], 1);
       cutlass::arch::ClusterBarrier::init(&s.order[1], 1);
-      cutlass::arch::fence_barrier_init();
-      cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      prefetch_descriptors(p);
     }
     if (warp == 1) build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
     __syncthreads();
     if (threadIdx.x == 0) cutlass::arch::ClusterBarrier::arrive(&s.order[0]);  // warpgroup 0 goes first
     if (threadIdx.x < 128) {
       cutlass::arch::warpgroup_reg_dealloc<40>();
-      if (warp == 0 && cute::elect_one_sync()) producer(p, s);
+      if (warp == 0 && cute::elect_one_sync()) producer(p, s.ring, s.table);
     } else {
       cutlass::arch::warpgroup_reg_alloc<232>();
       consumer(p, s, (threadIdx.x - 128) / 128, threadIdx.x % 128);
@@ -281,130 +312,20 @@ __global__ void __launch_bounds__(PingPong::kThreads, 1) pingpong_kernel(const _
 // outputs into a staging buffer in shared memory (128 rows x 256 columns, padded) and go on to the next tile's MMAs;
 // warps 1-3 of the producer warpgroup (idle in mode 0) copy it out in 16-byte row stores meanwhile. staged_full:
 // the consumers' 8 warps have written a tile; staged_empty: the 3 copy warps have read it all.
-struct EpilogueWarps {
-  static constexpr int kBlockM = 128, kBlockN = 256, kHalfN = 128, kBlockK = 64, kStages = 3;
-  static constexpr int kGroupM = 16;
-  static constexpr int kThreads = 384;
+struct EpilogueWarps : LabTiles<256, 3> {
   static constexpr int kCopyWarps = 3;
   static constexpr int kPitch = kBlockN + 8;  // bf16: 528-byte rows, so the consumers' 4-byte writes miss no bank
-  using SmemLayoutA = detail::StageRing<Element, false, kBlockM, kBlockK, kStages>;
-  using SmemLayoutB = detail::StageRing<Element, false, kBlockN, kBlockK, kStages>;
-  using SmemLayoutBHalf = detail::StageTile<Element, false, kHalfN, kBlockK>;
-  static constexpr int kStageElemsA = kBlockM * kBlockK, kStageElemsB = kBlockN * kBlockK;
-  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(Element);
   using TiledMma = Coop::Tile::TiledMma;  // two warpgroups of 64x256x16
   using Accumulator = Coop::Tile::Accumulator;
-  using Params = Coop::Params;
 
   struct SharedStorage {
-    alignas(1024) Element a[kStages * kStageElemsA];
-    alignas(1024) Element b[kStages * kStageElemsB];
+    Ring ring;
     alignas(16) Element staged[kBlockM * kPitch];
-    alignas(8) uint64_t full[kStages];
-    alignas(8) uint64_t empty[kStages];
     alignas(8) uint64_t staged_full, staged_empty;
-    GroupTable<Coop::kMaxGroups> table;
+    Table table;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
-
-  struct Pos {
-    int stage = 0;
-    uint32_t phase = 0;
-    __device__ void advance() {
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-  };
-  struct TileRef {
-    int group, m_block, n_block, k0, n_k;
-  };
-  __device__ static int num_tiles(const Params& p) {
-    return (p.m_dim + kBlockM - 1) / kBlockM * ((p.n_dim + kBlockN - 1) / kBlockN) * p.num_groups;
-  }
-  __device__ static TileRef decode(const Params& p, const SharedStorage& s, int tile) {
-    const int nb = (p.n_dim + kBlockN - 1) / kBlockN, per_group = (p.m_dim + kBlockM - 1) / kBlockM * nb;
-    TileRef r;
-    r.group = tile / per_group;
-    band_tile<kBlockM, kGroupM>(tile - r.group * per_group, p.m_dim, nb, &r.m_block, &r.n_block);
-    r.k0 = s.table.row_start[r.group];
-    r.n_k = (s.table.row_start[r.group + 1] - r.k0) / kBlockK;
-    return r;
-  }
-
-  __device__ static void producer(const Params& p, SharedStorage& s) {
-    using namespace cute;
-    Pos pos;
-    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m_dim, p.num_rows));
-    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n_dim, p.num_rows, 1));
-    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
-    for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
-      const TileRef r = decode(p, s, tile);
-      Tensor gA = local_tile(domain_offset(make_coord(r.m_block * kBlockM, r.k0), mA),
-                             Shape<Int<kBlockM>, Int<kBlockK>>{}, make_coord(0, _));
-      auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-      Tensor gB0 = local_tile(domain_offset(make_coord(r.n_block * kBlockN, r.k0), mB(_, _, 0)),
-                              Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
-      Tensor gB1 = local_tile(domain_offset(make_coord(r.n_block * kBlockN + kHalfN, r.k0), mB(_, _, 0)),
-                              Shape<Int<kHalfN>, Int<kBlockK>>{}, make_coord(0, _));
-      for (int k = 0; k < r.n_k; ++k) {
-        if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, p.status)) return;
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], kStageBytes);
-        copy(p.tma_a.with(s.full[pos.stage]), tAgA(_, k), tAsA(_, pos.stage));
-        Tensor sB0 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB), SmemLayoutBHalf{});
-        auto [tB0g, tB0s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB0),
-                                          group_modes<0, 2>(gB0(_, _, k)));
-        copy(p.tma_b.with(s.full[pos.stage]), tB0g, tB0s);
-        Tensor sB1 = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB + kHalfN * kBlockK), SmemLayoutBHalf{});
-        auto [tB1g, tB1s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB1),
-                                          group_modes<0, 2>(gB1(_, _, k)));
-        copy(p.tma_b.with(s.full[pos.stage]), tB1g, tB1s);
-        pos.advance();
-      }
-    }
-  }
-
-  // Mode 0's mainloop (Sm90TileT::mma_tile) over this ring; ct: 0..255.
-  __device__ static bool mainloop(SharedStorage& s, Pos& pos, Accumulator& acc, int n_k, int ct, int32_t* status) {
-    using namespace cute;
-    TiledMma mma;
-    auto thr = mma.get_thread_slice(ct);
-    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(s.b), SmemLayoutB{});
-    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
-    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-    const int lane = ct % 32;
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int prev_stage = -1;
-    bool ok = true;
-    for (int kt = 0; kt < n_k; ++kt) {
-      if (!mbarrier_wait(&s.full[pos.stage], pos.phase, status)) {
-        ok = false;
-        break;
-      }
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(mma, tCrA(_, _, kb, pos.stage), tCrB(_, _, kb, pos.stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      if (prev_stage >= 0) release(&s.empty[prev_stage], lane);
-      prev_stage = pos.stage;
-      pos.advance();
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (prev_stage >= 0) release(&s.empty[prev_stage], lane);
-    return ok;
-  }
-
-  __device__ static void release(uint64_t* bar, int lane) {
-    __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
-  }
 
   __device__ static void consumer(const Params& p, SharedStorage& s, int ct) {
     Accumulator acc;
@@ -412,8 +333,8 @@ struct EpilogueWarps {
     uint32_t staged = 0;
     const int wg = ct / 128, t = ct % 128, lane = t % 32, warp = t / 32;
     for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
-      const TileRef r = decode(p, s, tile);
-      if (!mainloop(s, pos, acc, r.n_k, ct, p.status)) return;
+      const TileRef r = decode(p, s.table, tile);
+      if (!mainloop<TiledMma>(s.ring, pos, acc, r.n_k, ct, p.status, [] {})) return;
       if (!mbarrier_wait(&s.staged_empty, staged ^ 1, p.status)) return;  // the previous tile is copied out
       staged ^= 1;
       // Value i of thread (warp w, lane l) of warpgroup wg: row 64 wg + 16 w + l/4 + 8 ((i/2)%2), column
@@ -425,7 +346,7 @@ struct EpilogueWarps {
         const int col = 8 * (i >> 2) + 2 * (lane % 4);
         words[(row * kPitch + col) / 2] = Coop::Tile::pack_bf16x2(acc(i), acc(i + 1));
       }
-      release(&s.staged_full, lane);
+      arrive_warp(&s.staged_full, lane);
     }
   }
 
@@ -434,7 +355,7 @@ struct EpilogueWarps {
     uint32_t staged = 0;
     const int lane = ct % 32;
     for (int tile = blockIdx.x; tile < num_tiles(p); tile += gridDim.x) {
-      const TileRef r = decode(p, s, tile);
+      const TileRef r = decode(p, s.table, tile);
       if (!mbarrier_wait(&s.staged_full, staged, p.status)) return;
       staged ^= 1;
       Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
@@ -445,7 +366,7 @@ struct EpilogueWarps {
         if (row0 + row < p.m_dim && col0 + col < p.n_dim)
           *reinterpret_cast<uint4*>(out + int64_t(row0 + row) * p.n_dim + col0 + col) = v;
       }
-      release(&s.staged_empty, lane);
+      arrive_warp(&s.staged_empty, lane);
     }
   }
 
@@ -455,22 +376,17 @@ struct EpilogueWarps {
     const int warp = cutlass::canonical_warp_idx_sync();
     const int lane = threadIdx.x % 32;
     if (warp == 0 && lane == 0) {
-      for (int i = 0; i < kStages; ++i) {
-        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
-        cutlass::arch::ClusterBarrier::init(&s.empty[i], 8);
-      }
+      init_ring(s.ring, 8);  // both consumer warpgroups read every stage
       cutlass::arch::ClusterBarrier::init(&s.staged_full, 8);           // the consumers' 8 warps
       cutlass::arch::ClusterBarrier::init(&s.staged_empty, kCopyWarps);  // the copy warps
-      cutlass::arch::fence_barrier_init();
-      cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      prefetch_descriptors(p);
     }
     if (warp == 1) build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
     __syncthreads();
     if (threadIdx.x < 128) {
       cutlass::arch::warpgroup_reg_dealloc<40>();
       if (warp == 0) {
-        if (cute::elect_one_sync()) producer(p, s);
+        if (cute::elect_one_sync()) producer(p, s.ring, s.table);
       } else {
         copier(p, s, threadIdx.x - 32);
       }
