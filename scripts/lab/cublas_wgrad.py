@@ -1,8 +1,13 @@
 """cuBLAS (torch.bmm) on wgrad_pingpong.cu's default problem: 12 groups, out[g] = A_g^T B_g with A_g [1408, 7168] and
 B_g [1408, 4096] bf16 (kimi-k2's d_gate_up at T = 2048 on one GPU, 992 GFLOP): the rate the backward's weight-gradient
 mainloop is to reach on the same card, and the kernels cuBLAS picks for it (their names give the tile and cluster).
+Beside it, dense GEMMs of the same FLOPs: the same rows as one reduction (K = 12 x 1408, one [7168, 4096] output, as a
+dense layer's weight gradient), and a forward-like [16896, 7168] x [7168, 4096].
 Run it in the same call as wgrad_pingpong, on the same card: python3 scripts/lab/cublas_wgrad.py
-Fresh random operands (never zeros), 5 warm-up calls, then the median of 10 samples of 10 calls each."""
+Fresh random operands (never zeros), 5 warm-up calls, then the median of 10 samples of 10 calls each.
+Ran on one H100 (thirty-third session; the dense cases from a copy of this code, folded in here after): grouped
+1.375 / 1.352 ms (722 / 734 TFLOP/s, nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA), then in a second call grouped
+1.426 (696), one reduction 1.248 (795), forward-like 1.314 (755)."""
 import statistics
 
 import torch
@@ -41,6 +46,10 @@ def main():
         lambda: torch.bmm(a.transpose(1, 2), b), flop)
     at = a.transpose(1, 2).contiguous()
     run("bmm(At, B), At [m, rows] contiguous", lambda: torch.bmm(at, b), flop)
+    a2, b2 = a.view(GROUPS * ROWS, M_DIM), b.view(GROUPS * ROWS, N_DIM)
+    run("one GEMM A^T B over all rows (same FLOPs, one [m, n] output)", lambda: torch.mm(a2.t(), b2), flop)
+    w = torch.randn(M_DIM, N_DIM, device="cuda", dtype=torch.bfloat16)
+    run("one GEMM [rows, m] x [m, n] (forward-like, same FLOPs)", lambda: torch.mm(a2, w), flop)
 
 
 if __name__ == "__main__":

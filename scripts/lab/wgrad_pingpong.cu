@@ -1,4 +1,4 @@
-// A lab program (issue 33; docs/design.md, "Planned: the backward's epilogues under the MMAs", step 1), not part of
+// A lab program (issue 33; docs/design.md, "Tried: the backward's epilogues under the MMAs"), not part of
 // the package. The backward's weight-gradient tiles (WGATEUP, WDOWN) run as one 128 x 256 output of both consumer
 // warpgroups together: both finish the MMAs, then both store the tile, with the tensor cores idle. On one H100 that
 // store took 0.239 ms per SM of kimi-k2's d_gate_up (704 MB of bf16 gradient, at about the HBM's write rate). This
@@ -12,15 +12,18 @@
 //   mode 2  epilogue warps: mode 0's tile over a 3-stage ring; its consumers write the bf16 tile into a 66 KB
 //           staging buffer and go on to the next tile's MMAs while warps 1-3 of the producer warpgroup (idle in
 //           mode 0) copy it out
-// All three reduce each output over its group's rows in ascending 64-row k-tiles with fp32 accumulation, so the
+//   mode 3  mode 0's tile, ring and epilogue in 2-CTA clusters: the two CTAs take the same B (adjacent m-blocks) and
+//           each loads one of its two boxes, multicast into both (32 KB a k-tile out of L2 per CTA instead of 48)
+// All four reduce each output over its group's rows in ascending 64-row k-tiles with fp32 accumulation, so the
 // outputs are expected to be the same bits; the program compares them all (each output poisoned with 0xff first)
 // and checks sampled outputs of mode 0 against an fp32 dot product on the GPU (bound: one bf16 rounding plus the
-// fp32 sums' error). Then the median ms of each mode over sustained launches, in the order 0 1 2 2 1 0.
+// fp32 sums' error). Then the median ms of each mode over sustained launches, in the order 0 1 2 3 3 2 1 0.
 // The problem (default: kimi-k2's d_gate_up at T = 2048 on one GPU): 12 groups (experts) of 1408 rows (multiples
 // of 128, as the backward pads them), A = x_e [rows, H = 7168], B = dgu [rows, 2I = 4096], out[g] = A_g^T B_g.
-// Run on one H100 (thirty-third session): the same bits in all three; mode 0 1.524 ms (651 TFLOP/s), mode 1 1.814
-// (547), mode 2 1.480 (670). So ping-pong at 128 x 128 loses and epilogue warps gain 2.9%: docs/design.md, "Tried:
-// the backward's epilogues under the MMAs".
+// Run on H100s (thirty-third session), every mode the same bits: modes 0-2 (before mode 3 existed) on one card
+// 1.524 / 1.814 / 1.480 ms (651 / 547 / 670 TFLOP/s); all four on another 1.426 / 1.838 / 1.391 / 1.445 (696 / 540 /
+// 713 / 686), where cuBLAS's grouped GEMM (scripts/lab/cublas_wgrad.py) took 1.375. So ping-pong at 128 x 128 loses,
+// epilogue warps gain 2-3%, multicast loses 1%: docs/design.md, "Tried: the backward's epilogues under the MMAs".
 // Build (from the repository root; CUTLASS from the nvidia-cutlass wheel, as CMake finds it):
 //   CUTLASS=$(python3 -c "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -I ffi/include \
@@ -57,7 +60,7 @@ __global__ void __launch_bounds__(Coop::kThreads, 1) coop_kernel(const __grid_co
   Coop::run(p);
 }
 
-// ---- what modes 1 and 2 share ------------------------------------------------------------------------------------
+// ---- what modes 1-3 share ----------------------------------------------------------------------------------------
 // Tiles of kBlockM x kBlockN outputs over a ring of kStages stages (A 128 x 64, B kBlockN x 64, both MN-major: the
 // stage layouts of Sm90WeightGrad, whose TMA descriptors load them in 128 x 64 boxes), their list (a CTA takes tiles
 // c, c + num_ctas, ..., bands of 16 m-blocks, as Sm90WeightGrad), the producer's loads and a consumer mainloop.
@@ -147,7 +150,9 @@ struct LabTiles {
   // The consumers' MMAs of one tile (Sm90TileT::mma_tile's loop over this ring): one batch of wgmmas per k-tile in
   // flight, each stage freed once the next batch is issued. after_issue() runs once the tile's last batch is issued,
   // before its wait. thread: the thread's index among the TiledMma's.
-  template <class TiledMma, class Accumulator, class AfterIssue>
+  // kCtas: the CTAs of the cluster whose consumers read each stage (mode 3 multicasts B into both): a warp frees
+  // a stage in every one of them.
+  template <class TiledMma, class Accumulator, class AfterIssue, int kCtas = 1>
   __device__ static bool mainloop(Ring& s, Pos& pos, Accumulator& acc, int n_k, int thread, int32_t* status,
                                   AfterIssue after_issue) {
     using namespace cute;
@@ -176,21 +181,28 @@ struct LabTiles {
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous k-tile's wgmmas are done: free its stage
       warpgroup_fence_operand(acc);
-      if (prev_stage >= 0) arrive_warp(&s.empty[prev_stage], lane);
+      if (prev_stage >= 0) arrive_warp<kCtas>(&s.empty[prev_stage], lane);
       prev_stage = pos.stage;
       pos.advance();
     }
     after_issue();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    if (prev_stage >= 0) arrive_warp(&s.empty[prev_stage], lane);
+    if (prev_stage >= 0) arrive_warp<kCtas>(&s.empty[prev_stage], lane);
     return ok;
   }
 
-  // One arrive for the warp, after all its lanes' earlier accesses.
+  // One arrive for the warp, after all its lanes' earlier accesses (kCtas > 1: one on the barrier at the same place
+  // in each CTA of the cluster).
+  template <int kCtas = 1>
   __device__ static void arrive_warp(uint64_t* bar, int lane) {
     __syncwarp();
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
+    if (lane != 0) return;
+    if constexpr (kCtas == 1) {
+      cutlass::arch::ClusterBarrier::arrive(bar);
+    } else {
+      for (int c = 0; c < kCtas; ++c) cutlass::arch::ClusterBarrier::arrive(bar, c, 1);
+    }
   }
 
   // Thread 0's set-up of the TMA descriptors (after init_ring and the mode's own barriers).
@@ -404,6 +416,132 @@ __global__ void __launch_bounds__(EpilogueWarps::kThreads, 1)
   EpilogueWarps::run(p);
 }
 
+// ---- mode 3: two CTAs of a cluster multicast B --------------------------------------------------------------------
+// Mode 0's tile, ring and epilogue, run by 2-CTA clusters: the CTAs of a cluster take the tiles (group, m-block
+// 2q + rank, n-block) of one (group, q, n-block), so both read the same B. Each loads its own A (16 KB a k-tile) and
+// one of B's two 128-column boxes, multicast into both CTAs: 32 KB a k-tile leave L2 for each CTA instead of 48.
+// full[s] takes the CTA's producer arrive and 48 KB (its A, its box and the peer's box); empty[s] one arrive per
+// consumer warp of both CTAs (16), since the peer's producer writes into this CTA's stage too.
+// B [rows, n_dim] read as n_dim x rows, in 128 x 64 boxes, each loaded once and multicast (outside the struct: its
+// type is deduced from the body).
+inline auto make_tma_b_multicast(const Element* ptr, int rows, int n_dim) {
+  using namespace cute;
+  using Box = LabTiles<256, 4>;
+  Tensor g = make_tensor(make_gmem_ptr(ptr), make_shape(n_dim, rows), make_stride(Int<1>{}, int64_t(n_dim)));
+  return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, Box::SmemLayoutBBox{},
+                       Shape<Int<Box::kBoxN>, Int<Box::kBlockK>>{}, Int<1>{});
+}
+
+struct Multicast : LabTiles<256, 4> {
+  static constexpr int kCtas = 2;
+  using TiledMma = Coop::Tile::TiledMma;
+  using Accumulator = Coop::Tile::Accumulator;
+  using TmaB = decltype(make_tma_b_multicast(nullptr, 0, 0));
+  struct NoOp {
+    __device__ void operator()() const {}
+  };
+  struct Params {
+    Coop::TmaA tma_a;
+    TmaB tma_b;
+    const int32_t* group_sizes;
+    int32_t num_groups, num_rows, m_dim, n_dim;
+    Element* out;
+    int32_t* status;
+  };
+  struct SharedStorage {
+    Ring ring;
+    alignas(16) uint32_t epi[Coop::Tile::kConsumerWarpgroups][Coop::Tile::kEpiWords];
+    Table table;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+
+  __device__ static int num_pairs(const Params& p) {
+    return (p.m_dim + 2 * kBlockM - 1) / (2 * kBlockM) * ((p.n_dim + kBlockN - 1) / kBlockN) * p.num_groups;
+  }
+  // Pair `pair` in the order of mode 0's list, with 256-row m-blocks; this CTA's m-block of it.
+  __device__ static TileRef decode(const Params& p, const Table& table, int pair, int rank) {
+    const int nb = (p.n_dim + kBlockN - 1) / kBlockN, per_group = (p.m_dim + 2 * kBlockM - 1) / (2 * kBlockM) * nb;
+    TileRef r;
+    r.group = pair / per_group;
+    int m_pair;
+    band_tile<2 * kBlockM, kGroupM / 2>(pair - r.group * per_group, p.m_dim, nb, &m_pair, &r.n_block);
+    r.m_block = 2 * m_pair + rank;
+    r.k0 = table.row_start[r.group];
+    r.n_k = (table.row_start[r.group + 1] - r.k0) / kBlockK;
+    return r;
+  }
+
+  __device__ static void producer(const Params& p, Ring& s, const Table& table, int rank) {
+    using namespace cute;
+    Pos pos;
+    Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m_dim, p.num_rows));
+    Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n_dim, p.num_rows));
+    Tensor sA = make_tensor(make_smem_ptr(s.a), SmemLayoutA{});
+    for (int pair = blockIdx.x / kCtas; pair < num_pairs(p); pair += gridDim.x / kCtas) {
+      const TileRef r = decode(p, table, pair, rank);
+      Tensor gA = local_tile(domain_offset(make_coord(r.m_block * kBlockM, r.k0), mA),
+                             Shape<Int<kBlockM>, Int<kBlockK>>{}, make_coord(0, _));
+      auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+      Tensor gB = local_tile(domain_offset(make_coord(r.n_block * kBlockN + rank * kBoxN, r.k0), mB),
+                             Shape<Int<kBoxN>, Int<kBlockK>>{}, make_coord(0, _));
+      for (int k = 0; k < r.n_k; ++k) {
+        if (!mbarrier_wait(&s.empty[pos.stage], pos.phase ^ 1, p.status)) return;
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[pos.stage], kStageBytes);
+        copy(p.tma_a.with(s.full[pos.stage]), tAgA(_, k), tAsA(_, pos.stage));
+        Tensor sB = make_tensor(make_smem_ptr(s.b + pos.stage * kStageElemsB + rank * kBoxN * kBlockK),
+                                SmemLayoutBBox{});
+        auto [tBg, tBs] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                        group_modes<0, 2>(gB(_, _, k)));
+        copy(p.tma_b.with(s.full[pos.stage], uint16_t((1u << kCtas) - 1)), tBg, tBs);
+        pos.advance();
+      }
+    }
+  }
+
+  __device__ static void consumer(const Params& p, SharedStorage& s, int ct, int rank) {
+    Accumulator acc;
+    Pos pos;
+    const int wg = ct / 128, t = ct % 128;
+    for (int pair = blockIdx.x / kCtas; pair < num_pairs(p); pair += gridDim.x / kCtas) {
+      const TileRef r = decode(p, s.table, pair, rank);
+      if (!mainloop<TiledMma, Accumulator, NoOp, kCtas>(s.ring, pos, acc, r.n_k, ct, p.status, NoOp{})) return;
+      Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
+      const Coop::Tile::TileStore st{out, p.n_dim, r.m_block * kBlockM, p.m_dim, r.n_block * kBlockN, p.n_dim};
+      Coop::Tile::store_bf16<false>(acc, s.epi[wg], st, wg, t);
+    }
+  }
+
+  __device__ static void run(const Params& p) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    SharedStorage& s = aligned_shared_storage<SharedStorage>(smem_raw);
+    const int warp = cutlass::canonical_warp_idx_sync();
+    const int lane = threadIdx.x % 32;
+    const int rank = int(cute::block_rank_in_cluster());
+    if (warp == 0 && lane == 0) {
+      init_ring(s.ring, 8 * kCtas);  // the consumer warps of both CTAs free each stage
+      cutlass::arch::fence_barrier_init();
+      cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+    }
+    if (warp == 1) build_group_table(s.table, p.group_sizes, p.num_groups, p.num_rows, kBlockM, 1, lane);
+    cute::cluster_sync();  // both CTAs' barriers are initialised before either multicasts or arrives into the other
+    if (threadIdx.x < 128) {
+      cutlass::arch::warpgroup_reg_dealloc<40>();
+      if (warp == 0 && cute::elect_one_sync()) producer(p, s.ring, s.table, rank);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<232>();
+      consumer(p, s, threadIdx.x - 128, rank);
+    }
+    cute::cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers or load into its stages
+  }
+};
+
+__global__ void __launch_bounds__(Multicast::kThreads, 1)
+    multicast_kernel(const __grid_constant__ Multicast::Params p) {
+  Multicast::run(p);
+}
+
 // ---- inputs, reference, comparison ----------------------------------------------------------------------------
 __global__ void fill(Element* x, int64_t n, uint32_t seed) {  // values in [-1, 1), none zero by construction
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -450,14 +588,15 @@ int main(int argc, char** argv) {
   std::printf("problem: %d groups x %d rows, out[g] = A_g^T B_g of %d x %d (%.1f GFLOP)\n", groups, rows_per_group,
               m_dim, n_dim, 2.0 * rows * double(m_dim) * n_dim / 1e9);
 
-  Element *a, *b, *outs[3];
+  constexpr int kModes = 4;
+  Element *a, *b, *outs[kModes];
   int *sizes, *starts, *status;
   CHECK(cudaMalloc(&a, int64_t(rows) * m_dim * sizeof(Element)));
   CHECK(cudaMalloc(&b, int64_t(rows) * n_dim * sizeof(Element)));
   for (auto& o : outs) CHECK(cudaMalloc(&o, out_elems * sizeof(Element)));
   CHECK(cudaMalloc(&sizes, groups * sizeof(int)));
   CHECK(cudaMalloc(&starts, (groups + 1) * sizeof(int)));
-  CHECK(cudaMalloc(&status, 3 * sizeof(int)));
+  CHECK(cudaMalloc(&status, kModes * sizeof(int)));
   fill<<<1024, 256>>>(a, int64_t(rows) * m_dim, 0x1234u);
   fill<<<1024, 256>>>(b, int64_t(rows) * n_dim, 0x9876u);
   std::vector<int> h_sizes(groups, rows_per_group), h_starts(groups + 1);
@@ -475,23 +614,42 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(pingpong_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PingPong::kSmemBytes));
   CHECK(cudaFuncSetAttribute(epilogue_warps_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              EpilogueWarps::kSmemBytes));
+  CHECK(cudaFuncSetAttribute(multicast_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Multicast::kSmemBytes));
+  Multicast::Params pm{};
+  pm.tma_a = p.tma_a;
+  pm.tma_b = make_tma_b_multicast(b, rows, n_dim);
+  pm.group_sizes = sizes, pm.num_groups = groups, pm.num_rows = rows, pm.m_dim = m_dim, pm.n_dim = n_dim;
+  const int cluster_grid = sms / Multicast::kCtas * Multicast::kCtas;
   auto launch = [&](int mode) {
     Coop::Params q = p;
     q.out = outs[mode];
     q.status = status + mode;
     if (mode == 0) coop_kernel<<<sms, Coop::kThreads, Coop::kSmemBytes>>>(q);
     else if (mode == 1) pingpong_kernel<<<sms, PingPong::kThreads, PingPong::kSmemBytes>>>(q);
-    else epilogue_warps_kernel<<<sms, EpilogueWarps::kThreads, EpilogueWarps::kSmemBytes>>>(q);
+    else if (mode == 2) epilogue_warps_kernel<<<sms, EpilogueWarps::kThreads, EpilogueWarps::kSmemBytes>>>(q);
+    else {
+      Multicast::Params qm = pm;
+      qm.out = outs[mode];
+      qm.status = status + mode;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(cluster_grid), cfg.blockDim = dim3(Multicast::kThreads);
+      cfg.dynamicSmemBytes = Multicast::kSmemBytes;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = Multicast::kCtas, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr, cfg.numAttrs = 1;
+      CHECK(cudaLaunchKernelEx(&cfg, multicast_kernel, qm));
+    }
   };
 
-  // Correctness: every output poisoned, one launch each, every element of modes 1 and 2 against mode 0; mode 0
+  // Correctness: every output poisoned, one launch each, every element of modes 1-3 against mode 0; mode 0
   // against fp32 samples.
   for (auto o : outs) CHECK(cudaMemset(o, 0xff, out_elems * sizeof(Element)));
-  CHECK(cudaMemset(status, 0, 3 * sizeof(int)));
-  for (int mode : {0, 1, 2}) launch(mode);
+  CHECK(cudaMemset(status, 0, kModes * sizeof(int)));
+  for (int mode = 0; mode < kModes; ++mode) launch(mode);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  int h_status[3];
+  int h_status[kModes];
   CHECK(cudaMemcpy(h_status, status, sizeof(h_status), cudaMemcpyDeviceToHost));
   std::vector<uint16_t> h0(out_elems), hm(out_elems);
   CHECK(cudaMemcpy(h0.data(), outs[0], out_elems * 2, cudaMemcpyDeviceToHost));
@@ -499,7 +657,7 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < out_elems; ++i) unwritten0 += h0[i] == 0xffff;
   std::printf("mode 0: status %d, unwritten (0xffff) %lld\n", h_status[0], (long long)unwritten0);
   wrong += unwritten0 != 0;
-  for (int mode : {1, 2}) {
+  for (int mode = 1; mode < kModes; ++mode) {
     CHECK(cudaMemcpy(hm.data(), outs[mode], out_elems * 2, cudaMemcpyDeviceToHost));
     int64_t differ = 0, unwritten = 0, first = -1;
     for (int64_t i = 0; i < out_elems; ++i) {
@@ -545,14 +703,14 @@ int main(int argc, char** argv) {
   }
   std::printf("mode 0 against fp32: %d of %d samples outside the bound\n", bad, num);
 
-  // Speed: 3 warm-up launches each, then 5 samples of 10 launches per mode, in the order 0 1 1 0.
+  // Speed: 3 warm-up launches each, then 5 samples of 10 launches per mode, in the order 0 1 2 3 3 2 1 0.
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms[3];
-  for (int mode : {0, 1, 2})
+  std::vector<float> ms[kModes];
+  for (int mode = 0; mode < kModes; ++mode)
     for (int i = 0; i < 3; ++i) launch(mode);
-  for (int mode : {0, 1, 2, 2, 1, 0}) {
+  for (int mode : {0, 1, 2, 3, 3, 2, 1, 0}) {
     for (int sample = 0; sample < 5; ++sample) {
       CHECK(cudaEventRecord(e0));
       for (int i = 0; i < 10; ++i) launch(mode);
@@ -565,13 +723,14 @@ int main(int argc, char** argv) {
   }
   CHECK(cudaMemcpy(h_status, status, sizeof(h_status), cudaMemcpyDeviceToHost));
   const double flop = 2.0 * rows * double(m_dim) * n_dim;
-  const char* names[3] = {"cooperative 128 x 256, 4 stages", "ping-pong 128 x 128, 6 stages",
-                          "cooperative 128 x 256, 3 stages, epilogue warps"};
-  for (int mode : {0, 1, 2}) {
+  const char* names[kModes] = {"cooperative 128 x 256, 4 stages", "ping-pong 128 x 128, 6 stages",
+                               "cooperative 128 x 256, 3 stages, epilogue warps",
+                               "cooperative 128 x 256, 4 stages, 2-CTA clusters multicasting B"};
+  for (int mode = 0; mode < kModes; ++mode) {
     const float m = median(ms[mode]);
     std::printf("mode %d (%s): median %.3f ms of %zu samples, %.0f TFLOP/s\n", mode, names[mode], m,
                 ms[mode].size(), flop / m / 1e9);
   }
-  std::printf("status after the timed launches: %d %d %d\n", h_status[0], h_status[1], h_status[2]);
-  return (wrong || bad || h_status[0] || h_status[1] || h_status[2]) ? 1 : 0;
+  std::printf("status after the timed launches: %d %d %d %d\n", h_status[0], h_status[1], h_status[2], h_status[3]);
+  return (wrong || bad || h_status[0] || h_status[1] || h_status[2] || h_status[3]) ? 1 : 0;
 }
