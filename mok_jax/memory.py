@@ -105,6 +105,13 @@ def _forward(ep: int, T: int, H: int, I: int, Is: int, k: int, L: int, kernel: K
     }
 
 
+def kept_shared_gu_bytes(keep: str, *, tokens: int, shared_inter: int) -> int:
+    """Bytes per rank and layer of the shared expert's kept g | u (KeptGateUp.shared_gu, bf16 [T, 2Is]): the forward
+    keeps them with any keep but "nothing" (mok_jax.layer._moe_fwd), so that the backward does not recompute them;
+    0 without a shared expert (shared_inter 0)."""
+    return 0 if keep == "nothing" else tokens * 2 * shared_inter * 2
+
+
 def _kept_rows(keep: str, ep: int, T: int, k: int, L: int, m: int, kernel: KernelConfig) -> tuple[int, bool]:
     """(rows of the kept bf16 [rows, 2I], whether the backward takes them as its own g, u scratch) for a layout of
     ``m`` rows, as mok_jax.layer._keep_plan decides."""
@@ -162,7 +169,7 @@ def layer_memory_per_rank(*, ep: int, tokens: int, hidden: int, inter: int, shar
         "forward": _forward(ep, T, H, I, Is, k, L, kernel),
         "backward": backward,
         "layout": layout,
-        "kept": {"gu": kept_rows * 2 * I * 2, "shared_gu": T * 2 * Is * 2 if keep != "nothing" else 0},
+        "kept": {"gu": kept_rows * 2 * I * 2, "shared_gu": kept_shared_gu_bytes(keep, tokens=T, shared_inter=Is)},
         "gradients": gradients,
     }
     return {f"{group}.{name}": n for group in GROUPS for name, n in groups[group].items()}

@@ -245,3 +245,15 @@ def test_group_totals_and_refusals():
         _terms(SHAPES["small"], 0)
     with pytest.raises(TypeError, match="KernelConfig"):
         _terms(SHAPES["small"], 2, kernel=None)
+
+
+def test_kept_shared_gu_bytes_is_the_rule_of_the_forward():
+    """The shared expert's g | u is kept, bf16 [T, 2Is], with any keep but "nothing", and is nothing without a
+    shared expert; the layer's term and mok-bench's kept bytes both come from this one function."""
+    from mok_jax.config import KEEP
+    from mok_jax.memory import kept_shared_gu_bytes
+
+    for keep in KEEP:
+        want = 0 if keep == "nothing" else 2048 * 2 * 1536 * 2
+        assert kept_shared_gu_bytes(keep, tokens=2048, shared_inter=1536) == want, keep
+        assert kept_shared_gu_bytes(keep, tokens=2048, shared_inter=0) == 0, keep

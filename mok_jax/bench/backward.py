@@ -135,6 +135,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
 
     from mok_jax import ops
     from mok_jax.bench.accounting import KEPT_GU_BYTES
+    from mok_jax.memory import kept_shared_gu_bytes
     from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
     from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
     from mok_jax.layer import kept_rows, moe
@@ -164,7 +165,6 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     status = int(op(*args).status)
     t0 = first_ring_token(cfg.kernel, tokens)  # keep="ring" keeps the slots of tokens t0..: all when 0
     rows_of = dict(tokens=tokens, top_k=k, local_experts=E)
-    shared_kept = tokens * 2 * m.shared_size * KEPT_GU_BYTES  # with any keep but "nothing"
     dense = dense_problem(dense_groups(tokens, k, I, m.shared_size), H, seed=seed)
     res = {"model": model_name, "tokens": tokens, "kernel": str(cfg.kernel), "keep": cfg.keep, "E": E, "H": H,
            "I": I, "k": k, "fwd_flops": flops,
@@ -179,9 +179,10 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
            "shared_in_op": bool(default),
            "fwd+bwd other shared": _timed(grad_other_shared, (x, idx, w, W, dy), timing_kw),
            "kept_bytes": kept_rows(cfg.keep, cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES
-                         + (shared_kept if cfg.keep != "nothing" else 0),
+                         + kept_shared_gu_bytes(cfg.keep, tokens=tokens, shared_inter=m.shared_size),
            "ring_tokens": tokens - t0,
-           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES + shared_kept,
+           "ring_kept_bytes": kept_rows("ring", cfg.kernel, **rows_of) * 2 * I * KEPT_GU_BYTES
+                              + kept_shared_gu_bytes("ring", tokens=tokens, shared_inter=m.shared_size),
            "experts op": _timed(op, args, timing_kw)}
     # the op fed its own g, u (what keep="everything" hands it), and where each setting's kernel time goes
     _, gu = jax.jit(lambda a, s: ops.experts_backward(*a, **s, return_gu=True))(*args)
