@@ -135,10 +135,10 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
 
     from mok_jax import ops
     from mok_jax.bench.accounting import KEPT_GU_BYTES
-    from mok_jax.memory import kept_shared_gu_bytes
     from mok_jax.bench.breakdown import _kernel_times, _problem, _timed, _trace_events
     from mok_jax.bench.dense import dense_groups, dense_problem, dense_step
     from mok_jax.layer import kept_rows, moe
+    from mok_jax.memory import kept_shared_gu_bytes
     from mok_jax.ops.moe_forward import first_ring_token
 
     m, x, idx, w, W, flops = _problem(model_name, tokens, seed, experts)
