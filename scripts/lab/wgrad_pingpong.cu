@@ -152,7 +152,7 @@ struct LabTiles {
   // before its wait. thread: the thread's index among the TiledMma's.
   // kCtas: the CTAs of the cluster whose consumers read each stage (mode 3 multicasts B into both): a warp frees
   // a stage in every one of them.
-  template <class TiledMma, class Accumulator, class AfterIssue, int kCtas = 1>
+  template <class TiledMma, int kCtas = 1, class Accumulator, class AfterIssue>
   __device__ static bool mainloop(Ring& s, Pos& pos, Accumulator& acc, int n_k, int thread, int32_t* status,
                                   AfterIssue after_issue) {
     using namespace cute;
@@ -437,9 +437,6 @@ struct Multicast : LabTiles<256, 4> {
   using TiledMma = Coop::Tile::TiledMma;
   using Accumulator = Coop::Tile::Accumulator;
   using TmaB = decltype(make_tma_b_multicast(nullptr, 0, 0));
-  struct NoOp {
-    __device__ void operator()() const {}
-  };
   struct Params {
     Coop::TmaA tma_a;
     TmaB tma_b;
@@ -505,7 +502,7 @@ struct Multicast : LabTiles<256, 4> {
     const int wg = ct / 128, t = ct % 128;
     for (int pair = blockIdx.x / kCtas; pair < num_pairs(p); pair += gridDim.x / kCtas) {
       const TileRef r = decode(p, s.table, pair, rank);
-      if (!mainloop<TiledMma, Accumulator, NoOp, kCtas>(s.ring, pos, acc, r.n_k, ct, p.status, NoOp{})) return;
+      if (!mainloop<TiledMma, kCtas>(s.ring, pos, acc, r.n_k, ct, p.status, [] {})) return;
       Element* out = p.out + int64_t(r.group) * p.m_dim * p.n_dim;
       const Coop::Tile::TileStore st{out, p.n_dim, r.m_block * kBlockM, p.m_dim, r.n_block * kBlockN, p.n_dim};
       Coop::Tile::store_bf16<false>(acc, s.epi[wg], st, wg, t);
