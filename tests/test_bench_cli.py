@@ -392,14 +392,17 @@ def test_parse_experts_per_gpu():
 def test_parse_kernel_knobs():
     o = cli.parse_args(["--granularity", "512,1024,512", "--comm-items", "16", "--ring-slots", "3", "--dispatch",
                         "push", "--combine", "pull"])
-    assert o.granularity == (512, 1024) and o.comm_items == 16 and o.ring_slots == 3
+    assert o.granularity == (512, 1024) and o.comm_items == (16,) and o.ring_slots == (3,)
     assert (o.dispatch, o.combine) == ("push", "pull")
+    o = cli.parse_args(["--comm-items", "16,24,16", "--ring-slots", "2,3"])  # lists to sweep, as --granularity
+    assert o.comm_items == (16, 24) and o.ring_slots == (2, 3)
     o = cli.parse_args([])
     assert (o.granularity, o.comm_items, o.ring_slots, o.dispatch, o.combine, o.tune) == (None,) * 5 + (False,)
     for argv, option in ((["--granularity", "500"], "--granularity"), (["--granularity", "512,x"], "--granularity"),
                          (["--granularity", "65536"], "--granularity"), (["--comm-items", "0"], "--comm-items"),
                          (["--comm-items", "129"], "--comm-items"), (["--ring-slots", "0"], "--ring-slots"),
-                         (["--ring-slots", "9"], "--ring-slots")):
+                         (["--ring-slots", "9"], "--ring-slots"), (["--comm-items", "16,0"], "--comm-items"),
+                         (["--comm-items", "16,"], "--comm-items"), (["--ring-slots", "2,9"], "--ring-slots")):
         with pytest.raises(cli.UsageError, match=option):
             cli.parse_args(argv)
     with pytest.raises(SystemExit):
@@ -411,7 +414,7 @@ def test_the_flag_before_issue_35_is_refused_naming_the_new_one():
     error that names the new one (main says so and exits 2), not argparse's "unrecognized arguments"."""
     with pytest.raises(cli.UsageError, match=r"^--comm-sms is now --comm-items .*not SMs set aside"):
         cli.parse_args(["--comm-sms", "16"])
-    assert cli.parse_args(["--comm-items", "16"]).comm_items == 16
+    assert cli.parse_args(["--comm-items", "16"]).comm_items == (16,)
 
 
 @pytest.mark.parametrize("old,new", [("--comm-sms", "--comm-items"), ("--only-comm-sms", "--only-comm-items")])
@@ -457,6 +460,11 @@ def test_kernel_settings():
     assert cli.kernel_settings(cli.parse_args(["--comm-items", "8"]), 2048) == want
     got = cli.kernel_settings(cli.parse_args(["--granularity", "512,2048", "--ring-slots", "3"]), 2048)
     assert got == [{"ring_slots": 3, "granularity": 512}, {"ring_slots": 3, "granularity": 2048}]
+    got = cli.kernel_settings(cli.parse_args(["--granularity", "512,2048", "--comm-items", "16,24", "--ring-slots",
+                                              "2,3", "--dispatch", "push"]), 2048)
+    want = [{"dispatch": "push", "granularity": g, "comm_items_fwd": c, "comm_items_bwd": c, "ring_slots": r}
+            for g in (512, 2048) for c in (16, 24) for r in (2, 3)]
+    assert got == want  # the cross product, granularity slowest
     tune = cli.kernel_settings(cli.parse_args(["--tune"]), 1024)
     assert len(tune) == 2 * 3 * 2 and {s["granularity"] for s in tune} == {512, 1024}
 

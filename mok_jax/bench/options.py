@@ -57,7 +57,7 @@ examples:
   mok-bench kimi-k2 --routing zipf --zipf-s 1.2 --impl xla,xla-capacity --capacity-factor 2
   mok-bench kimi-k2 --profile /tmp/prof       # jax.profiler trace per run (TensorBoard / Perfetto)
   mok-bench kimi-k2 --devices 1 --experts-per-gpu E/32   # the 2-GPU ep64-slice problem on one GPU
-  mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-items 16   # a mok granularity sweep
+  mok-bench kimi-k2 --impl mok,xla --granularity 512,1024,2048 --comm-items 16,24   # a sweep of mok's knobs
   mok-bench bench --tune --tokens 512..8192   # time mok's knobs, write configs/tuned/<device>/kernel.toml
   mok-bench bench --dtype fp8 --pass fwd,fwd+bwd --impl xla,mok   # mok-fp8 beside mok, ratio in 'vs bf16'
   mok-bench --project --json proj.json        # per-rank time at EP 8-72 projected from the committed results
@@ -138,9 +138,9 @@ class BenchOptions:
     target_sample_ms: float | None = None  # None: TARGET_SAMPLE_MS of the platform
     ragged_samples: int = 3
     experts_per_gpu: str | None = None  # 'N' or 'E/d'; None: the split of ep_mode
-    granularity: tuple[int, ...] | None = None  # mok knobs; None: mok_jax.tuning picks
-    comm_items: int | None = None
-    ring_slots: int | None = None
+    granularity: tuple[int, ...] | None = None  # mok knobs, each a sweep; None: mok_jax.tuning picks
+    comm_items: tuple[int, ...] | None = None
+    ring_slots: tuple[int, ...] | None = None
     dispatch: str | None = None
     combine: str | None = None
     tune: bool = False
@@ -213,12 +213,14 @@ class BenchOptions:
         """Each knob option as mok_jax.KernelConfig checks it, the error naming the option."""
         from mok_jax.config import KernelConfig
 
+        for option, values in (("--granularity", self.granularity), ("--comm-items", self.comm_items),
+                               ("--ring-slots", self.ring_slots)):
+            if values is not None and not values:
+                raise UsageError(f"{option}: give at least one value")
         checks = [("--granularity", {"granularity": g}) for g in self.granularity or ()]
-        if self.granularity is not None and not self.granularity:
-            raise UsageError("--granularity: give at least one value")
-        if self.comm_items is not None:
-            checks.append(("--comm-items", {"comm_items_fwd": self.comm_items, "comm_items_bwd": self.comm_items}))
-        for option, field in (("--ring-slots", "ring_slots"), ("--dispatch", "dispatch"), ("--combine", "combine")):
+        checks += [("--comm-items", {"comm_items_fwd": c, "comm_items_bwd": c}) for c in self.comm_items or ()]
+        checks += [("--ring-slots", {"ring_slots": r}) for r in self.ring_slots or ()]
+        for option, field in (("--dispatch", "dispatch"), ("--combine", "combine")):
             if getattr(self, field) is not None:
                 checks.append((option, {field: getattr(self, field)}))
         for option, knobs in checks:
@@ -267,10 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "mok_jax.tuning; other implementations ignore them)")
     k.add_argument("--granularity", help="tokens per microbatch: a multiple of 64 in 512..32768, or a comma list "
                    "to sweep (mok runs once per value)")
-    k.add_argument("--comm-items", type=int, help="work items each communication phase is split into, so how many "
-                   "CTAs move rows at once (KernelConfig.comm_items_fwd and comm_items_bwd)")
+    k.add_argument("--comm-items", help="work items each communication phase is split into, so how many CTAs move "
+                   "rows at once (KernelConfig.comm_items_fwd and comm_items_bwd), or a comma list to sweep")
     k.add_argument("--comm-sms", dest="renamed_comm_sms", help=argparse.SUPPRESS)  # refused: now --comm-items
-    k.add_argument("--ring-slots", type=int, help="microbatch slots of the receive ring")
+    k.add_argument("--ring-slots", help="microbatch slots of the receive ring, or a comma list to sweep")
     k.add_argument("--dispatch", choices=("pull", "push"), help="dispatch direction")
     k.add_argument("--combine", choices=("push", "pull"), help="combine direction")
     k.add_argument("--tune", action="store_true", help="time mok over granularity x comm items x ring slots per model "
@@ -332,7 +334,8 @@ def parse_args(argv: list[str] | None = None) -> BenchOptions | None:
         routing=ns.routing, zipf_s=ns.zipf_s, seed=ns.seed, capacity_factor=ns.capacity_factor, warmup=ns.warmup,
         samples=ns.samples, target_sample_ms=ns.target_sample_ms, ragged_samples=ns.ragged_samples,
         experts_per_gpu=ns.experts_per_gpu, granularity=_ints(ns.granularity, "--granularity"),
-        comm_items=ns.comm_items, ring_slots=ns.ring_slots, dispatch=ns.dispatch, combine=ns.combine, tune=ns.tune,
+        comm_items=_ints(ns.comm_items, "--comm-items"), ring_slots=_ints(ns.ring_slots, "--ring-slots"),
+        dispatch=ns.dispatch, combine=ns.combine, tune=ns.tune,
         peak_tflops=ns.peak_tflops, peak_tflops_fp8=ns.peak_tflops_fp8, nvlink_gbps=ns.nvlink_gbps, devices=ns.devices,
         reference_max_gb=ns.reference_max_gb, time_budget_s=ns.time_budget_s, json=ns.json, plot=ns.plot,
         profile=ns.profile, progress=ns.progress, quiet=ns.quiet, markdown=ns.markdown,
@@ -353,21 +356,20 @@ def print_models() -> None:
 
 
 def kernel_settings(opts: BenchOptions, tokens: int) -> list[dict | None]:
-    """The mok knob settings to run at ``tokens`` per GPU: one per --granularity value (with the other knob
-    options), the --tune grid, or [None] (no knob option: mok_jax.tuning resolves every knob)."""
+    """The mok knob settings to run at ``tokens`` per GPU: one per combination of the --granularity, --comm-items and
+    --ring-slots values (granularity slowest, ring slots fastest; with --dispatch and --combine), the --tune grid,
+    or [None] (no knob option: mok_jax.tuning resolves every knob). Knobs not given are left to the resolved
+    config."""
     from mok_jax.bench import tune
 
     if opts.tune:
         return tune.grid(tokens)
-    fixed: dict[str, Any] = {}
-    if opts.comm_items is not None:
-        fixed.update(comm_items_fwd=opts.comm_items, comm_items_bwd=opts.comm_items)
-    for field in ("ring_slots", "dispatch", "combine"):
-        if getattr(opts, field) is not None:
-            fixed[field] = getattr(opts, field)
-    if opts.granularity:
-        return [{**fixed, "granularity": g} for g in opts.granularity]
-    return [fixed or None]
+    fixed = {field: getattr(opts, field) for field in ("dispatch", "combine") if getattr(opts, field) is not None}
+    sweeps = [[{"granularity": g} for g in opts.granularity or ()] or [{}],
+              [{"comm_items_fwd": c, "comm_items_bwd": c} for c in opts.comm_items or ()] or [{}],
+              [{"ring_slots": r} for r in opts.ring_slots or ()] or [{}]]
+    settings = [{**fixed, **g, **c, **r} for g in sweeps[0] for c in sweeps[1] for r in sweeps[2]]
+    return [s or None for s in settings]
 
 
 def implementations(opts: BenchOptions, defaults: dict) -> tuple[list[str], set[str]]:
