@@ -186,20 +186,26 @@ def test_granularity_and_ring_across_microbatches():
 # ----------------------------------------------------------------------------- determinism
 
 
-def test_knobs_never_change_bits():
-    shape = _shape(8, 768, 384, 4)
-    args = _problem("knobs", shape, 2048, "zipf")
+@pytest.mark.parametrize("shared", [True, False])
+def test_knobs_never_change_bits(shared):
+    """Every knob setting gives the same y bits, with and without a shared expert (without one, the first
+    microbatch's dispatch is split over every CTA of the rank: mok/moe/plan.cuh, D0)."""
+    shape = _shape(8, 768, 384, 4, Is=None if shared else 0)
+    args = _problem(f"knobs{shared}", shape, 2048, "zipf")
     configs = [KernelConfig(granularity=g, comm_items_fwd=c, ring_slots=s)
                for g, c, s in [(2048, 24, 2), (512, 1, 1), (512, 8, 3), (1024, 16, 2), (2048, 128, 1)]]
     ys = [_layer(*args, config=_mok(c)) for c in configs]
     _check_math("knobs", ys[0], *args)
     for c, y in zip(configs[1:], ys[1:]):
         np.testing.assert_array_equal(_bits(y), _bits(ys[0]), f"{c} changed bits")
-    # emulated EP 2: the dispatch directions and the knobs, against each other and against EP 1
+    # emulated EP 2: the dispatch directions and the knobs, against each other and against the layer
     eps = [emulated_moe(*args, ep=2, kernel=KernelConfig(granularity=g, dispatch=d, comm_items_fwd=n))[0]
            for g, d, n in [(512, "pull", 8), (1024, "push", 3), (2048, "push", 30), (512, "pull", 1)]]
+    # fewer CTAs than SMs (num_sms), split unevenly among emulated ranks: a rank's CTAs set D0
+    eps += [emulated_moe(*args, ep=ep, num_sms=n, kernel=KernelConfig(granularity=512, comm_items_fwd=2))[0]
+            for ep, n in [(1, 7), (2, 9), (4, 13)]]
     for y in eps:
-        np.testing.assert_array_equal(_bits(y), _bits(ys[0]), "emulated EP 2: a knob or the EP size changed bits")
+        np.testing.assert_array_equal(_bits(y), _bits(ys[0]), "emulated: a knob, num_sms or the EP size changed bits")
 
 
 @pytest.mark.parametrize("shared", [True, False])

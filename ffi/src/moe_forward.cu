@@ -223,7 +223,7 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
   for (int r = 0; r < num_ranks; ++r)
     MOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<uint8_t*>(ranks[r].scratch) + sl.sync, 0, sl.sync_bytes,
                                              stream));
-  const Plan plan = make_plan(shape, kn);
+  const Plan plan = make_plan(shape, kn, grid / num_ranks);
   if (num_ranks > kMaxVirtualRanks) return launch_many(shape, knobs, ranks, num_ranks, plan, sl, grid, stream);
   Params params{};  // tens of KB: the launch copies it into the kernel's parameter space
   set_head(params, plan, num_ranks, knobs);

@@ -130,7 +130,7 @@ __device__ inline Item decode(const Plan& p, const RankParams& R, int32_t t, uin
   if (t < p.t_scan) return comm_item(kCount, 0, t - p.t_count, p.n_count);
   if (t < p.t_place) return comm_item(kScan, 0, 0, 1);
   if (t < p.t_disp0) return comm_item(kPlace, 0, t - p.t_place, p.n_place);
-  if (t < p.t_sgu) return comm_item(kDispatch, 0, t - p.t_disp0, p.D);
+  if (t < p.t_sgu) return comm_item(kDispatch, 0, t - p.t_disp0, p.D0);
   if (t < p.t_sdn) return shared_tile(p, kSharedGu, t - p.t_sgu);
   if (t < p.t_dynamic) return shared_tile(p, kSharedDn, t - p.t_sdn);
   Item end{};

@@ -45,7 +45,7 @@ struct SharedDnItem {
 struct GuItem {
   __device__ static __forceinline__ bool wait(const ItemContext& c, const Item& it) {
     const Plan& p = c.p;
-    return wait_count(c.v, c.sync + p.o_disp + it.mb, p.D, c.epoch);
+    return wait_count(c.v, c.sync + p.o_disp + it.mb, n_dispatch(p, it.mb), c.epoch);
   }
   __device__ static __forceinline__ void complete(const ItemContext& c, const Item& it) {
     const Plan& p = c.p;

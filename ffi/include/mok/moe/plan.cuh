@@ -5,12 +5,14 @@
 // only ever waits for items of smaller tickets, which running CTAs hold: no deadlock whatever the number
 // of resident CTAs; the results do not depend on which CTA runs which item):
 //
-//   static prefix   POST x P | COUNT x C | SCAN | PLACE x C | DISPATCH(0) x D | SHARED_GU tiles | SHARED_DN tiles
+//   static prefix   POST x P | COUNT x C | SCAN | PLACE x C | DISPATCH(0) x D0 | SHARED_GU tiles | SHARED_DN tiles
 //   dynamic part    for step i = 0 .. M + g:   COMBINE(i-g-1) = SEND x D' + REDUCE x D'  |  DISPATCH(i) x D
 //                                              |  GU(i-g) tiles  |  DN(i-g) tiles
 //   g = 1 when the ring has two or more slots (dispatch runs one microbatch ahead of compute), else 0;
 //   the last microbatch's SEND and REDUCE are split over every CTA of the rank (D' = CTAs), the others over
-//   D = comm_items. The dynamic part's tile counts come from the schedule, so SCAN writes its segment table.
+//   D = comm_items. So is the first microbatch's DISPATCH when the layer has no shared expert (D0 = CTAs, else
+//   D): no tile can start before it, and nothing else is there to overlap it with. The dynamic part's tile
+//   counts come from the schedule, so SCAN writes its segment table.
 //
 // Dependencies (waited for by the CTA's producer thread before the item starts; every wait is bounded):
 //   POST        peers' ack of the previous call's dispatch (they are done with my posted rows and routing)
@@ -52,6 +54,7 @@ struct Plan {
   int32_t G, M, S, slot_rows;
   int32_t nchunks, chunks_per_mb;
   int32_t D;                        // items per communication phase
+  int32_t D0;                       // items of DISPATCH(0): D, or the rank's CTAs without a shared expert
   int32_t n_post, n_count, n_place, n_shared_gu, n_shared_dn;
   int32_t nb_gu, nb_dn, nb_shared_gu, nb_shared_dn;   // output column blocks of each GEMM
   int32_t shared_mblocks;           // ceil(T / 128)
@@ -72,7 +75,9 @@ struct Plan {
 
 __host__ __device__ inline int32_t cdiv(int64_t a, int64_t b) { return int32_t((a + b - 1) / b); }
 
-__host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
+// rank_ctas: the CTAs that serve one rank (the fewest of any rank of the launch); 0 when the plan only sizes the
+// scratch (its layout does not depend on it; its ticket bounds then assume D0 = D).
+__host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, int32_t rank_ctas = 0) {
   Plan p{};
   p.T = s.tokens, p.H = s.hidden, p.I = s.inter, p.Is = kn.identity_experts ? 0 : s.shared_inter;
   p.k = s.top_k, p.L = s.local_experts, p.ep = s.ep;
@@ -100,13 +105,14 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
   p.nb_shared_dn = p.Is ? cdiv(s.hidden, kDnCols) : 0;
   p.n_shared_gu = p.shared_mblocks * p.nb_shared_gu;
   p.n_shared_dn = p.shared_mblocks * p.nb_shared_dn;
+  p.D0 = p.n_shared_gu == 0 && rank_ctas > p.D ? rank_ctas : p.D;
   p.mb_cap = cdiv(p.slot_rows, kTileM) + s.local_experts;
   p.max_segments = 4 * (p.M + 2) + 2;
   p.t_count = p.n_post;
   p.t_scan = p.t_count + p.n_count;
   p.t_place = p.t_scan + 1;
   p.t_disp0 = p.t_place + p.n_place;
-  p.t_sgu = p.t_disp0 + p.D;
+  p.t_sgu = p.t_disp0 + p.D0;
   p.t_sdn = p.t_sgu + p.n_shared_gu;
   p.t_dynamic = p.t_sdn + p.n_shared_dn;
   int64_t o = kCtlWords;
@@ -140,7 +146,8 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn) {
 }
 
 // Items of a communication phase: the last microbatch's combine is split over every CTA of the rank (there
-// is nothing left to overlap it with), the rest over D.
+// is nothing left to overlap it with), the rest over D; the first microbatch's dispatch over D0.
+__host__ __device__ inline int32_t n_dispatch(const Plan& p, int m) { return m == 0 ? p.D0 : p.D; }
 __host__ __device__ inline int32_t n_send(const Plan& p, int m, int ctas) {
   return p.ep > 1 ? (m == p.M - 1 ? ctas : p.D) : 0;
 }

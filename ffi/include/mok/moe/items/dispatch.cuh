@@ -81,7 +81,7 @@ __device__ __forceinline__ void DispatchItem::complete(const ItemContext& c, con
   int32_t* sync = c.sync;
   const uint64_t epoch = c.epoch;
   bump(sync + p.o_disp + it.mb);
-  if (bump(sync + kCtlDispatchAll) == p.M * p.D - 1) publish(v, comm::kMoeAckDisp, epoch);
+  if (bump(sync + kCtlDispatchAll) == (p.M - 1) * p.D + p.D0 - 1) publish(v, comm::kMoeAckDisp, epoch);
 }
 
 }  // namespace mok::moe

@@ -55,7 +55,7 @@ __device__ __forceinline__ bool ReduceItem::wait(const ItemContext& c, const Ite
   const CommView& v = c.v;
   int32_t* sync = c.sync;
   const uint64_t epoch = c.epoch;
-  return wait_count(v, sync + p.o_disp + it.mb, p.D, epoch) &&
+  return wait_count(v, sync + p.o_disp + it.mb, n_dispatch(p, it.mb), epoch) &&
          wait_count(v, sync + p.o_dn + it.mb, dn_tiles(p, sync, it.mb), epoch) &&
          wait_count(v, sync + kCtlSharedDn, p.n_shared_dn, epoch) &&
          wait_peers(v, comm::kMoeSigComb + it.mb, epoch, comm::kErrTimeoutData, epoch);

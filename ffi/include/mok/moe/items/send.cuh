@@ -28,7 +28,7 @@ __device__ __forceinline__ bool SendItem::wait(const ItemContext& c, const Item&
   const CommView& v = c.v;
   int32_t* sync = c.sync;
   const uint64_t epoch = c.epoch;
-  return wait_count(v, sync + p.o_disp + it.mb, p.D, epoch) &&
+  return wait_count(v, sync + p.o_disp + it.mb, n_dispatch(p, it.mb), epoch) &&
          wait_count(v, sync + p.o_dn + it.mb, dn_tiles(p, sync, it.mb), epoch) &&
          wait_peers(v, comm::kMoeAckComb, epoch - 1, comm::kErrTimeoutAck, epoch);
 }
