@@ -466,7 +466,7 @@ def test_kernel_settings():
             for g in (512, 2048) for c in (16, 24) for r in (2, 3)]
     assert got == want  # the cross product, granularity slowest
     tune = cli.kernel_settings(cli.parse_args(["--tune"]), 1024)
-    assert len(tune) == 2 * 3 * 2 and {s["granularity"] for s in tune} == {512, 1024}
+    assert len(tune) == 2 * 4 * 2 and {s["granularity"] for s in tune} == {512, 1024}
 
 
 def test_main_rejects_bad_experts_per_gpu(capsys, cpu_devices):
@@ -549,8 +549,8 @@ def test_mok_rows_kernel_memory_and_unsupported_backward(tmp_path, cpu_devices, 
     assert rows == [("fwd", "xla", None, "ok"), ("fwd", "mok", 512, "ok"), ("fwd", "mok", 1024, "ok"),
                     ("fwd+bwd", "xla", None, "ok"), ("fwd+bwd", "mok", 512, "unsupported"),
                     ("fwd+bwd", "mok", 1024, "unsupported")]
-    # on CPU tuning has no device table: the knobs not given are the heuristic's (16 comm items)
-    want = [KernelConfig(granularity=g, comm_items_fwd=16, comm_items_bwd=16, ring_slots=3) for g in (512, 1024)]
+    # on CPU tuning has no device table: the knobs not given are the heuristic's (32 comm items)
+    want = [KernelConfig(granularity=g, comm_items_fwd=32, comm_items_bwd=32, ring_slots=3) for g in (512, 1024)]
     assert built[-2:] == want  # the builder got each explicit KernelConfig (the first build: the availability check)
     shape = acc.bench_shape(load_model("ci"), 2, "full")
     for r in rep["results"]:
@@ -633,7 +633,7 @@ def test_tune_path_with_a_stand_in_gpu(tmp_path, cpu_devices, monkeypatch, capsy
                      "-q", *FAST]) == 0
     rep = json.loads(out.read_text())
     rows = rep["results"]
-    assert len(rows) == 2 * 6 and {r["impl"] for r in rows} == {"mok"}  # 16 and 32 tokens: granularity 512 only
+    assert len(rows) == 2 * 8 and {r["impl"] for r in rows} == {"mok"}  # 16 and 32 tokens: granularity 512 only
     assert all(r["status"] == "ok" and r["kernel_source"] == "explicit" for r in rows)
     path = tmp_path / "cpu" / "kernel.toml"
     assert rep["tuned"]["path"] == str(path) and rep["tuned"]["incomplete"] == []

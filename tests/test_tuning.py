@@ -34,9 +34,10 @@ def tuned_root(tmp_path, monkeypatch):
 
 def test_grid():
     g = tune.grid(2048)
-    assert len(g) == 3 * 3 * 2  # granularity 4096 clipped to 2048, deduplicated
+    assert len(g) == 3 * 4 * 2  # granularity 4096 clipped to 2048, deduplicated
     assert sorted({s["granularity"] for s in g}) == [512, 1024, 2048]
-    assert {s["comm_items_fwd"] for s in g} == {8, 16, 24} and {s["ring_slots"] for s in g} == {2, 3}
+    assert {s["comm_items_fwd"] for s in g} == {16, 24, 32, 48} and {s["ring_slots"] for s in g} == {2, 3}
+    assert {s["comm_items_fwd"] for s in g} >= {tuning.HEURISTIC_COMM_ITEMS}  # the tuner can find the heuristic
     assert all(s["comm_items_bwd"] == s["comm_items_fwd"] and (s["dispatch"], s["combine"]) == ("pull", "push")
                for s in g)
     assert len({tuple(sorted(s.items())) for s in g}) == len(g)  # no duplicates
@@ -74,6 +75,11 @@ def test_write_then_read_back_and_resolve(tuned_root):
     other = key({**SHAPE_A, "experts_per_rank": 2}, 4096)
     assert tuning.resolve(None, other, KIND) == tuning.heuristic(other)
     assert tuning.resolve(None, key(SHAPE_A, 4096), "NVIDIA B200") == tuning.heuristic(key(SHAPE_A, 4096))
+    # the heuristic: one microbatch up to 4096 tokens (at least 512, whole 64-token chunks), 32 items, 2 slots
+    heur = {t: tuning.heuristic(key(SHAPE_A, t)) for t in (100, 2048, 3000, 4096, 8192, 65536)}
+    assert {t: k.granularity for t, k in heur.items()} == {100: 512, 2048: 2048, 3000: 3008, 4096: 4096,
+                                                          8192: 4096, 65536: 4096}
+    assert all((k.comm_items_fwd, k.comm_items_bwd, k.ring_slots) == (32, 32, 2) for k in heur.values())
     # an explicit KernelConfig wins over the table
     explicit = KernelConfig(granularity=2048, comm_items_fwd=4, ring_slots=1)
     assert tuning.resolve(explicit, key(SHAPE_A, 8192), KIND) is explicit
