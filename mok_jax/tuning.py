@@ -90,18 +90,22 @@ def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
     return tuple(out)
 
 
-HEURISTIC_MAX_GRANULARITY = 4096
+HEURISTIC_MAX_GRANULARITY = {1: 4096}  # per EP size; any other: HEURISTIC_MAX_GRANULARITY_EP
+HEURISTIC_MAX_GRANULARITY_EP = 2048
 HEURISTIC_COMM_ITEMS = 32
 
 
 def heuristic(key: ProblemKey) -> KernelConfig:
-    """Knobs without a tuned entry. One microbatch up to 4096 tokens (small microbatches cost GEMM efficiency: a
-    rank's experts see fewer rows per tile; the cap keeps the receive ring at two microbatches of 4096 tokens);
-    two ring slots, so that dispatch of the next microbatch overlaps compute of this one; 32 communication items,
-    so 32 CTAs move rows at a time. Measured on one H100 (thirty-fourth session, benchmarks/results/forward.md,
-    "Knobs"): qwen3-30b-a3b at 8192 tokens ran its forward in 1.260 ms with these knobs against 1.466 with the
-    earlier (2048 tokens, 16 items), and kimi-k2 at 2048 tokens in 2.775 against 2.854."""
-    g = min(max(512, 64 * math.ceil(min(key.tokens, HEURISTIC_MAX_GRANULARITY) / 64)), 32768)
+    """Knobs without a tuned entry. One microbatch up to 4096 tokens at EP 1 and 2048 above it (small microbatches
+    cost GEMM efficiency: a rank's experts see fewer rows per tile; a ring slot holds ``ep * G * min(k, L)`` rows,
+    the dropless worst case, so above EP 1 the cap stays where it was until a measurement over NVLink says
+    otherwise); two ring slots, so that dispatch of the next microbatch overlaps compute of this one; 32
+    communication items, so 32 CTAs move rows at a time (the backward's items alike, as the tuner sets both).
+    Measured on one H100 (thirty-fourth session, benchmarks/results/forward.md, "Knobs"): qwen3-30b-a3b at 8192
+    tokens ran its forward in 1.260 ms with these knobs against 1.466 with the earlier (2048 tokens, 16 items), and
+    kimi-k2 at 2048 tokens in 2.775 against 2.854."""
+    cap = HEURISTIC_MAX_GRANULARITY.get(key.ep, HEURISTIC_MAX_GRANULARITY_EP)
+    g = min(max(512, 64 * math.ceil(min(key.tokens, cap) / 64)), 32768)
     return KernelConfig(granularity=g, comm_items_fwd=HEURISTIC_COMM_ITEMS, comm_items_bwd=HEURISTIC_COMM_ITEMS,
                         ring_slots=2)
 

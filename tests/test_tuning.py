@@ -75,10 +75,13 @@ def test_write_then_read_back_and_resolve(tuned_root):
     other = key({**SHAPE_A, "experts_per_rank": 2}, 4096)
     assert tuning.resolve(None, other, KIND) == tuning.heuristic(other)
     assert tuning.resolve(None, key(SHAPE_A, 4096), "NVIDIA B200") == tuning.heuristic(key(SHAPE_A, 4096))
-    # the heuristic: one microbatch up to 4096 tokens (at least 512, whole 64-token chunks), 32 items, 2 slots
-    heur = {t: tuning.heuristic(key(SHAPE_A, t)) for t in (100, 2048, 3000, 4096, 8192, 65536)}
+    # the heuristic: one microbatch up to 4096 tokens at EP 1, 2048 above (at least 512, whole 64-token chunks),
+    # 32 items, 2 slots
+    ep1, ep8 = ({**SHAPE_A, "ep": ep} for ep in (1, 8))
+    heur = {t: tuning.heuristic(key(ep1, t)) for t in (100, 2048, 3000, 4096, 8192, 65536)}
     assert {t: k.granularity for t, k in heur.items()} == {100: 512, 2048: 2048, 3000: 3008, 4096: 4096,
                                                           8192: 4096, 65536: 4096}
+    assert [tuning.heuristic(key(ep8, t)).granularity for t in (100, 2048, 3000, 8192)] == [512, 2048, 2048, 2048]
     assert all((k.comm_items_fwd, k.comm_items_bwd, k.ring_slots) == (32, 32, 2) for k in heur.values())
     # an explicit KernelConfig wins over the table
     explicit = KernelConfig(granularity=2048, comm_items_fwd=4, ring_slots=1)
