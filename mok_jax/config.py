@@ -199,6 +199,20 @@ class KernelConfig:
     def replace(self, **changes) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
 
+    def microbatches(self, tokens: int) -> tuple[int, int, int]:
+        """How the forward cuts a rank's ``tokens`` (mok/moe/plan.cuh's make_plan): (G, the microbatches, the ring
+        slots in use), G = min(granularity, tokens) rounded up to whole 64-token chunks, microbatch m = tokens
+        [m G, (m + 1) G)."""
+        g = -(-min(self.granularity, tokens) // 64) * 64
+        count = -(-tokens // g)
+        return g, count, min(self.ring_slots, count)
+
+    def first_ring_token(self, tokens: int) -> int:
+        """The first of a rank's ``tokens`` whose microbatch is still in the receive ring when the forward ends:
+        the last ``ring_slots`` microbatches (0 when every microbatch fits)."""
+        g, count, slots = self.microbatches(tokens)
+        return (count - slots) * g
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:

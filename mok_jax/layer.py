@@ -51,7 +51,7 @@ from mok_jax._native import require_native
 from mok_jax.config import MoEConfig
 from mok_jax.expert_layout import PaddedLayout, rank_layout  # rank_layout: a public piece of the backward here too
 from mok_jax.fp8 import BLOCK as FP8_BLOCK, Fp8ExpertWeights, quantize_expert_weights
-from mok_jax.ops.moe_backward import EXPERTS_BACKWARD_GROUP_ALIGN
+from mok_jax.memory import kept_rows  # the rows of the kept g | u: one formula for the layer and its memory terms
 from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
 from mok_jax.validation import check_fp8_weights, check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
@@ -232,23 +232,6 @@ def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
 # rank_layout, routed_backward_rank, slot_sum, drop_invalid_tokens, finish_backward and FUSED_EP_BACKWARD: the
 # pieces of the backward that mok_jax.emulation runs rank by rank, shared so that the emulation is the layer's
 # backward and not a copy of it.
-def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int, ep: int = 1) -> int:
-    """Rows of the bf16 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
-    MoEConfig(keep=keep) and the resolved knobs ``kernel`` (a KernelConfig; "ring" reads granularity and ring_slots)
-    for ``tokens`` per rank: 0 for "nothing"; M = ep T k + 128 L for "everything" (the dropless layout's bound), and
-    for "ring" when every token fits in the ring; else ep (T - t0) k for the ring's tokens [t0, T); T k + 128 L
-    for "balanced" (M at EP 1)."""
-    if keep == "nothing":
-        return 0
-    bound = ep * tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts
-    if keep == "balanced":
-        return min(bound, tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts)
-    t0 = first_ring_token(kernel, tokens) if keep == "ring" else 0
-    if t0:
-        return ep * (tokens - t0) * top_k
-    return bound
-
-
 def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout, workspace=None):
     """What the forward keeps for ``config.keep`` (anything but "nothing") in this rank's backward ``layout``:
     (keep_pos int32[ep T k], the kept buffer's rows, row), where keep_pos gives each slot of the EP group (flat (s T +

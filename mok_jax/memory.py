@@ -27,7 +27,7 @@ from __future__ import annotations
 from mok_jax.backward_types import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.config import KEEP, KernelConfig
 
-__all__ = ["GROUPS", "TOTAL_GROUPS", "group_totals", "layer_memory_per_rank", "markdown_tables"]
+__all__ = ["GROUPS", "TOTAL_GROUPS", "group_totals", "kept_rows", "layer_memory_per_rank", "markdown_tables"]
 
 GROUPS = ("workspace", "forward", "backward", "layout", "kept", "gradients")
 TOTAL_GROUPS = GROUPS[:-1]  # the issue's workspace, scratch and kept bytes: every group but the gradients
@@ -74,15 +74,8 @@ def _workspace(ep: int, T: int, H: int, k: int, L: int) -> dict[str, int]:
     return terms
 
 
-def _microbatches(T: int, kernel: KernelConfig) -> tuple[int, int, int]:
-    """make_plan's (G, microbatches, ring slots): G = min(granularity, T) in whole chunks."""
-    g = _cdiv(min(kernel.granularity, T), _CHUNK) * _CHUNK
-    mb = _cdiv(T, g)
-    return g, mb, min(kernel.ring_slots, mb)
-
-
 def _forward(ep: int, T: int, H: int, I: int, Is: int, k: int, L: int, kernel: KernelConfig) -> dict[str, int]:
-    g, mb, slots = _microbatches(T, kernel)
+    g, mb, slots = kernel.microbatches(T)
     slot_rows = ep * min(g, T) * min(k, L)  # the dropless worst case of one microbatch
     words = lambda n: _cdiv(n, _SYNC_BLOCK) * _SYNC_BLOCK  # noqa: E731
     segments = 4 * (mb + 2) + 2
@@ -112,20 +105,22 @@ def kept_shared_gu_bytes(keep: str, *, tokens: int, shared_inter: int) -> int:
     return 0 if keep == "nothing" else tokens * 2 * shared_inter * 2
 
 
-def _kept_rows(keep: str, ep: int, T: int, k: int, L: int, m: int, kernel: KernelConfig) -> tuple[int, bool]:
-    """(rows of the kept bf16 [rows, 2I], whether the backward takes them as its own g, u scratch) for a layout of
-    ``m`` rows, as mok_jax.layer._keep_plan decides."""
+def kept_rows(keep: str, kernel, *, tokens: int, top_k: int, local_experts: int, ep: int = 1) -> int:
+    """Rows of the bf16 [rows, 2I] buffer of g | u that implementation="mok"'s forward keeps per rank and layer with
+    MoEConfig(keep=keep) and the resolved knobs ``kernel`` (a KernelConfig; "ring" reads granularity and ring_slots)
+    for ``tokens`` per rank: 0 for "nothing"; M = ep T k + 128 L for "everything" (the dropless layout's bound), and
+    for "ring" when every token fits in the ring; else ep (T - t0) k for the ring's tokens [t0, T); T k + 128 L
+    for "balanced" (M at EP 1). The layer sizes its kept buffer with this (``mok_jax.layer.kept_rows``); when it is
+    M, the backward takes the kept buffer as its own g, u scratch."""
     if keep == "nothing":
-        return 0, False
+        return 0
+    bound = ep * tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts
     if keep == "balanced":
-        rows = T * k + EXPERTS_BACKWARD_GROUP_ALIGN * L
-        return min(rows, m), rows >= m  # the whole layout at EP 1, its first rows above
-    if keep == "ring":
-        g, mb, slots = _microbatches(T, kernel)
-        t0 = max(0, mb - slots) * g  # the first token still in the ring (ops.moe_forward.first_ring_token)
-        if t0:
-            return ep * (T - t0) * k, False
-    return m, True
+        return min(bound, tokens * top_k + EXPERTS_BACKWARD_GROUP_ALIGN * local_experts)
+    t0 = kernel.first_ring_token(tokens) if keep == "ring" else 0
+    if t0:
+        return ep * (tokens - t0) * top_k
+    return bound
 
 
 def layer_memory_per_rank(*, ep: int, tokens: int, hidden: int, inter: int, shared_inter: int, top_k: int,
@@ -146,8 +141,9 @@ def layer_memory_per_rank(*, ep: int, tokens: int, hidden: int, inter: int, shar
         raise ValueError(f"layer_memory_per_rank: keep must be one of {', '.join(map(repr, KEEP))}, got {keep!r}")
     T, H, I, Is, k, L = tokens, hidden, inter, shared_inter, top_k, local_experts
     m = ep * T * k + EXPERTS_BACKWARD_GROUP_ALIGN * L  # the backward layout's rows: every rank's slots could be here
-    kept_rows, aliased = _kept_rows(keep, ep, T, k, L, m, kernel)
-    part = kept_rows > 0 and not aliased  # gu_part with its row map: the op recomputes what it lacks
+    rows = kept_rows(keep, kernel, tokens=T, top_k=k, local_experts=L, ep=ep)
+    aliased = rows == m  # the whole layout: the backward takes the kept buffer as its g, u
+    part = rows > 0 and not aliased  # gu_part with its row map: the op recomputes what it lacks
     counter_words = _BWD_TIME_WORDS + 4 * (_cdiv(m, EXPERTS_BACKWARD_GROUP_ALIGN) + L) + 2 * (L + 1) + 5  # unrounded
     backward = {
         "x_e": m * H * 2, "dy_e": m * H * 2, "w_e": m * 4,
@@ -169,7 +165,7 @@ def layer_memory_per_rank(*, ep: int, tokens: int, hidden: int, inter: int, shar
         "forward": _forward(ep, T, H, I, Is, k, L, kernel),
         "backward": backward,
         "layout": layout,
-        "kept": {"gu": kept_rows * 2 * I * 2, "shared_gu": kept_shared_gu_bytes(keep, tokens=T, shared_inter=Is)},
+        "kept": {"gu": rows * 2 * I * 2, "shared_gu": kept_shared_gu_bytes(keep, tokens=T, shared_inter=Is)},
         "gradients": gradients,
     }
     return {f"{group}.{name}": n for group in GROUPS for name, n in groups[group].items()}

@@ -65,12 +65,9 @@ def resolve_kernel(ws, kernel: KernelConfig | None, *, tokens: int, hidden: int,
 
 
 def first_ring_token(kernel: KernelConfig, tokens: int) -> int:
-    """The first of a rank's ``tokens`` whose microbatch is still in the receive ring when the forward ends: the
-    last ``ring_slots`` microbatches (0 when every microbatch fits). Microbatches as mok/moe/plan.cuh's make_plan
-    cuts them: G = min(granularity, T) rounded up to whole 64-token chunks, microbatch m = tokens [m G, (m + 1) G)."""
-    g = -(-min(kernel.granularity, tokens) // 64) * 64
-    microbatches = -(-tokens // g)
-    return max(0, microbatches - kernel.ring_slots) * g
+    """The first of a rank's ``tokens`` whose microbatch is still in the receive ring when the forward ends
+    (KernelConfig.first_ring_token)."""
+    return kernel.first_ring_token(tokens)
 
 
 def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
