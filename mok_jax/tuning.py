@@ -90,8 +90,8 @@ def load_table(path: str) -> tuple[tuple[ProblemKey, KernelConfig], ...]:
     return tuple(out)
 
 
-HEURISTIC_MAX_GRANULARITY = {1: 4096}  # per EP size; any other: HEURISTIC_MAX_GRANULARITY_EP
-HEURISTIC_MAX_GRANULARITY_EP = 2048
+HEURISTIC_MAX_GRANULARITY_EP1 = 4096
+HEURISTIC_MAX_GRANULARITY = 2048  # above EP 1
 HEURISTIC_COMM_ITEMS = 32
 
 
@@ -104,7 +104,7 @@ def heuristic(key: ProblemKey) -> KernelConfig:
     Measured on one H100 (thirty-fourth session, benchmarks/results/forward.md, "Knobs"): qwen3-30b-a3b at 8192
     tokens ran its forward in 1.260 ms with these knobs against 1.466 with the earlier (2048 tokens, 16 items), and
     kimi-k2 at 2048 tokens in 2.775 against 2.854."""
-    cap = HEURISTIC_MAX_GRANULARITY.get(key.ep, HEURISTIC_MAX_GRANULARITY_EP)
+    cap = HEURISTIC_MAX_GRANULARITY_EP1 if key.ep == 1 else HEURISTIC_MAX_GRANULARITY
     g = min(max(512, 64 * math.ceil(min(key.tokens, cap) / 64)), 32768)
     return KernelConfig(granularity=g, comm_items_fwd=HEURISTIC_COMM_ITEMS, comm_items_bwd=HEURISTIC_COMM_ITEMS,
                         ring_slots=2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-from typing import Any
 
 from mok_jax.bench import accounting as acc
 from mok_jax.bench.project import COMBINE_ROWS  # --project: combine rows per (token, remote owner) or per remote slot
