@@ -41,6 +41,7 @@ constexpr int kMaxGroups = 1024;
 constexpr int kSlotTokens = 8;  // tokens per SLOT item: one per consumer warp
 constexpr int kGatherVecs = 4;  // 16-byte vectors in flight per lane and source in GATHER (more spill)
 constexpr int kSlotVecs = 8;    // slot rows loaded per lane before any is added, in SLOT
+constexpr int kSlotPrefetch = 2;  // passes (32 vectors a row) the L2 prefetch of SLOT's rows runs ahead
 constexpr int kCopyVecs = 4;    // 16-byte vectors per lane in flight when SHARE and SEND copy a row
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
 constexpr int kWorkSlots = 2;             // tickets the producer hands the consumers ahead

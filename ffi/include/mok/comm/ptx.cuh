@@ -74,6 +74,13 @@ __device__ __forceinline__ int4 ld_v4_na(const int4* p) {
   return v;
 }
 
+// A hint, no data: the bulk-copy engine brings [p, p + bytes) of global memory into L2 (p 16-byte aligned, bytes a
+// multiple of 16). One instruction of one lane fetches a whole row's span, with no registers held while it flies,
+// so the loads that follow it wait on L2 instead of on HBM.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // 16-byte store (local or peer memory).
 __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
   asm volatile("st.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)

@@ -46,6 +46,7 @@ constexpr int kSendUnroll = 2;       // ... when SEND copies a slot's row to its
 constexpr int kSendGroup = 2;        // rows whose loads are in flight together there
 constexpr int kReduceUnroll = 2;     // vectors per lane and row in flight in the origin's final sum
 constexpr int kReduceGroup = 2;      // rows whose loads are in flight together there
+constexpr int kReducePrefetch = 1;   // passes (32 kReduceUnroll vectors a row) its L2 prefetch runs ahead
 constexpr uint32_t kConsumerBarrier = 3;  // named barrier of the 256 consumer threads (1, 2: epilogues)
 
 // The routed GEMMs' TMA descriptors of one form of the kernel (a union: the parameter space holds 8 ranks).

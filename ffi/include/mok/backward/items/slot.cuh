@@ -35,14 +35,29 @@ __device__ void slot_sum(const KernelParams& p, const SharedStorage& s, const It
   // waiting for it would tie the sum to CTAs that may not have started. Adding nothing is adding those zeros
   // (an f32 sum that starts at +0 never holds -0).
   const int32_t used = ep ? p.experts_all : s.table.row_start[p.E];  // pos (EP 1) or the id (EP) is in [0, used)
+  const int4* my_row = nullptr;  // lane j < k: slot j's row, when it adds something
   if (lane < p.k) {
     const int32_t r = pos[lane];
     const bool in = r >= 0 && r < used;
     p.dw[int64_t(t) * p.k + lane] =
         !in ? 0.0f : ep ? p.view.local<const float>(p.view.layout.bwd_dw)[int64_t(t) * p.k + lane] : p.dw_e[r];
+    if (in) my_row = ep ? recv + int64_t(lane) * chunks : reinterpret_cast<const int4*>(p.dx_e) + int64_t(r) * chunks;
   }
-  // No shuffles in this loop: when 32 does not divide H / 8, the lanes leave it at different trip counts.
+  // kSlotPrefetch passes (32 vectors) ahead of the loads, lane j prefetches slot j's row into L2 and lane 31 the
+  // shared expert's dx row (f32): the loads of a pass then wait on L2, not on HBM.
+  const float4* xs_row = p.Ts > 0 ? reinterpret_cast<const float4*>(p.dxs) + int64_t(t) * chunks * 2 : nullptr;
+  const auto prefetch = [&](int v) {
+    if (v >= chunks) return;
+    const uint32_t n = uint32_t(min(32, chunks - v));
+    if (my_row != nullptr) comm::prefetch_l2(my_row + v, 16 * n);
+    if (lane == 31 && xs_row != nullptr) comm::prefetch_l2(xs_row + 2 * v, 32 * n);
+  };
+  for (int a = 0; a < kSlotPrefetch; ++a) prefetch(32 * a);
+  // No shuffles in this loop: when 32 does not divide H / 8, the lanes leave it at different trip counts (a lane
+  // that leaves early has issued its prefetches: those of pass i are issued in pass i - kSlotPrefetch, which every
+  // lane runs).
   for (int c = lane; c < chunks; c += 32) {
+    prefetch(c - lane + 32 * kSlotPrefetch);
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int j0 = 0; j0 < p.k; j0 += kSlotVecs) {
       uint4 v[kSlotVecs];

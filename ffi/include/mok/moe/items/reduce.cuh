@@ -24,10 +24,21 @@ struct ReduceItem {
 // row_j is slot j's expert output row, bf16 (my ring's row when its expert is mine, else the one its owner pushed
 // into my combine_rows[t][j]); lane j holds its address (my_src) and weight, `used` the slots with an expert. The
 // terms and their order do not depend on which rank owns which expert, so y has the same bits at every EP size.
+// The loads of a pass wait on kReduceGroup rows at a time; kReducePrefetch passes ahead, each slot's lane (and lane
+// 31 for the shared row) prefetches its row's bytes of that pass into L2, so that all of a pass's rows are on their
+// way from HBM at once.
 __device__ inline void reduce_row(const int4* my_src, float my_w, uint32_t used, const float* shared_row, int nvec,
                                   int4* dst, int lane) {
-  constexpr int kU = kReduceUnroll;
-  for (int v0 = 0; v0 < nvec; v0 += 32 * kU) {
+  constexpr int kU = kReduceUnroll, kPass = 32 * kU;  // vectors a pass
+  const auto prefetch = [&](int v) {
+    if (v >= nvec) return;
+    const uint32_t n = uint32_t(min(kPass, nvec - v));
+    if ((used >> lane) & 1u) comm::prefetch_l2(my_src + v, 16 * n);
+    if (lane == 31 && shared_row != nullptr) comm::prefetch_l2(shared_row + 8 * v, 32 * n);
+  };
+  for (int a = 0; a < kReducePrefetch; ++a) prefetch(a * kPass);
+  for (int v0 = 0; v0 < nvec; v0 += kPass) {
+    prefetch(v0 + kReducePrefetch * kPass);
     float acc[kU][8];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
