@@ -49,9 +49,10 @@ __device__ __forceinline__ void warp_copy_row(const int4* src, int nvec, int4* m
 }
 
 // Copy the row of every lane j in `lanes` (my_src, nvec vectors) to its destination (my_dst), kGroup rows' loads in
-// flight together.
-template <int kUnroll, int kGroup>
+// flight together; kPrefetch passes (32 kUnroll vectors) ahead of them, lane g prefetches row g's bytes into L2.
+template <int kUnroll, int kGroup, int kPrefetch = 0>
 __device__ __forceinline__ void warp_copy_rows(const int4* my_src, int4* my_dst, uint32_t lanes, int nvec, int lane) {
+  constexpr int kPass = 32 * kUnroll;
   while (lanes) {
     const int4* src[kGroup];
     int4* dst[kGroup];
@@ -65,7 +66,15 @@ __device__ __forceinline__ void warp_copy_rows(const int4* my_src, int4* my_dst,
           __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), j));
       dst[g] = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), j));
     }
-    for (int v0 = 0; v0 < nvec; v0 += 32 * kUnroll) {
+    const auto prefetch = [&](int v) {
+      if (v >= nvec) return;
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g)
+        if (use[g] && lane == g) prefetch_l2(src[g] + v, 16 * uint32_t(min(kPass, nvec - v)));
+    };
+    for (int a = 0; a < kPrefetch; ++a) prefetch(a * kPass);
+    for (int v0 = 0; v0 < nvec; v0 += kPass) {
+      if (kPrefetch > 0) prefetch(v0 + kPrefetch * kPass);
       int4 buf[kGroup][kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

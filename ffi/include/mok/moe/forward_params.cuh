@@ -44,6 +44,7 @@ constexpr int kCopyUnrollFp8 = 2;
 constexpr int kQuantUnroll = 4;      // ... when quantising a row to FP8
 constexpr int kSendUnroll = 2;       // ... when SEND copies a slot's row to its origin (both forms)
 constexpr int kSendGroup = 2;        // rows whose loads are in flight together there
+constexpr int kSendPrefetch = 1;     // passes (32 kSendUnroll vectors a row) its L2 prefetch runs ahead
 constexpr int kReduceUnroll = 2;     // vectors per lane and row in flight in the origin's final sum
 constexpr int kReduceGroup = 2;      // rows whose loads are in flight together there
 constexpr int kReducePrefetch = 1;   // passes (32 kReduceUnroll vectors a row) its L2 prefetch runs ahead
