@@ -26,6 +26,7 @@ each collective replaced by what it computes.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -36,6 +37,7 @@ from mok_jax._native import require_native
 from mok_jax.backward_types import EXPERTS_BACKWARD_MAX_EMULATED_RANKS
 from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights, quantize_expert_weights
+from mok_jax.ops.moe_forward import TIMING_MODES
 from mok_jax.validation import check_fp8_expert_weights, check_moe_args
 from mok_jax.weights import MoEWeights
 from mok_jax.workspace import Workspace, emulated_workspace
@@ -111,7 +113,8 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
     weights: the global MoEWeights (gate_up [E, H, 2I] with E divisible by ep). Returns (y: bf16[ep * T, H],
     status: int32[ep, 4]) where rank r's tokens are rows [r*T, (r+1)*T). ``workspace``: an emulated one
     (default: cached per device, ep and shape); identity_experts, skip_rank: the kernel's test modes;
-    timing_mode: its bench-only timing mode (ops.moe_forward). keep: also return each rank's kept g, u
+    timing_mode: its bench-only timing mode (ops.moe_forward; with its "item times" bit the call returns (y,
+    status, item times)). keep: also return each rank's kept g, u
     (MoEConfig(keep="everything")): (y, status, [mok_jax.layer.KeptGateUp of rank r for r in range(ep)]), for
     ``emulated_moe_backward(..., kept=...)``. precision "fp8" (MoEConfig.precision): the routed experts in E4M3 from
     ``fp8_weights`` (all E experts, mok_jax.fp8.quantize_expert_weights), else from the weights quantised here.
@@ -136,6 +139,12 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
             fp8_weights = quantize_expert_weights(weights.gate_up, weights.down)
         check_fp8_expert_weights(fp8_weights, num_experts, H, name="fp8_weights", source="E and H from weights")
         fp8 = dict(fp8_weights=Fp8ExpertWeights(*map(per_rank, fp8_weights)))
+    try:
+        item_times = bool(operator.index(timing_mode) & TIMING_MODES["item times"])
+    except TypeError:  # ops.moe_forward names the bad value
+        item_times = False
+    if item_times and keep:
+        raise ValueError("emulated_moe: keep and the \"item times\" timing mode cannot be asked together")
     layouts, kept = None, {}
     if keep:
         from mok_jax.layer import rank_layout
@@ -150,6 +159,8 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         None if weights.shared_down is None else weights.shared_down.astype(jnp.bfloat16),
         kernel=kernel, identity_experts=identity_experts, skip_rank=skip_rank, num_sms=num_sms,
         timing_mode=timing_mode, **kept, **fp8)
+    if item_times:
+        return y.reshape(ep * tokens, H), status, gu[-1]
     if not keep:
         return y.reshape(ep * tokens, H), status
     from mok_jax.layer import KeptGateUp

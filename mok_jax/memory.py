@@ -43,6 +43,7 @@ _SYNC_BLOCK = 64  # make_plan's take(): sync blocks are whole 256-byte blocks of
 _CTL_WORDS = 16  # kCtlWords: the sync region's control block
 _MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks (forward.cuh): above it, the scratch holds the rank's kernel parameters
 _RANK_PARAMS = 2432  # sizeof(RankParams) (forward_params.cuh): one rank's pointers and TMA descriptors
+_ITEM_TIME_WORDS = 2 * 5 * 12  # kItemTimeWords (plan.cuh): the forward's lab item times, five u64 per kind
 _BWD_TIME_WORDS = 6 * 10  # kExpertsBackwardTimeWords: three u64 per kind of work item (ops.moe_backward.ITEM_KINDS)
 _DW_PART_COLS = 256  # kExpertsBackwardColBlock: a dw partial per 256 intermediate columns
 
@@ -80,12 +81,13 @@ def _forward(ep: int, T: int, H: int, I: int, Is: int, k: int, L: int, kernel: K
     words = lambda n: _cdiv(n, _SYNC_BLOCK) * _SYNC_BLOCK  # noqa: E731
     segments = 4 * (mb + 2) + 2
     mb_cap = _cdiv(slot_rows, _TILE_M) + L
-    sync = (_CTL_WORDS + 4 * words(mb)  # disp, send, reduce, dn
-            + words(_cdiv(T, _TILE_M)) + words(mb * mb_cap)  # sgu, gu
-            + 2 * words(ep * _cdiv(T, _CHUNK) * L)  # cnt, base
-            + 2 * words(ep * T * k)  # row, w: every slot of the EP group
-            + 4 * words(mb * (L + 1))  # row_start, tile_gu, tile_dn, mblock
-            + words(segments + 1) + 2 * words(segments))  # seg_begin, seg_kind, seg_mb
+    sync = words(_CTL_WORDS + 4 * words(mb)  # disp, send, reduce, dn
+                 + words(_cdiv(T, _TILE_M)) + words(mb * mb_cap)  # sgu, gu
+                 + 2 * words(ep * _cdiv(T, _CHUNK) * L)  # cnt, base
+                 + 2 * words(ep * T * k)  # row, w: every slot of the EP group
+                 + 4 * words(mb * (L + 1))  # row_start, tile_gu, tile_dn, mblock
+                 + words(segments + 1) + 2 * words(segments))  # seg_begin, seg_kind, seg_mb
+    sync += words(_ITEM_TIME_WORDS)  # item_times, from a 64-word boundary (make_plan pads before them)
     return {
         "recv": _aligned(slots * slot_rows * H * 2),
         "h": _aligned(slots * slot_rows * I * 2),

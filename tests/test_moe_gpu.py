@@ -307,6 +307,39 @@ def test_lab_form_has_the_production_bits(ep):
                                       err_msg=f"timing_mode {mode}")
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_item_times_keep_the_bits_and_count_every_item(ep):
+    """The "item times" timing mode (mok_jax.bench.breakdown --items) changes no work: y has the production form's
+    bits, and each rank's times count the items the plan has (ffi/include/mok/moe/plan.cuh): 5 m-blocks of 600 tokens
+    x 2 column blocks of the shared expert's tiles, DISPATCH over D = 3 items in each of the 2 microbatches (D0 = D
+    with a shared expert), REDUCE over 3 items and then over every CTA of the rank for the last microbatch."""
+    from mok_jax.bench.breakdown import item_times
+
+    shape = _shape(16, 512, 256, 4)
+    args = _problem(f"times{ep}", shape, 600, "uniform", ranks=ep)
+    cfg = KernelConfig(granularity=512, comm_items_fwd=3)
+    y0, status = emulated_moe(*args, ep=ep, kernel=cfg)
+    assert not np.asarray(status).any(), f"status {np.asarray(status)}"
+    y1, status, words = emulated_moe(*args, ep=ep, kernel=cfg, timing_mode=32)
+    assert not np.asarray(status).any(), f"status {np.asarray(status)}"
+    np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16))
+    assert words.shape == (ep, 12, 5, 2)
+    sms = jax.devices()[0].core_count
+    for r in range(ep):
+        ctas = (sms - r + ep - 1) // ep  # CTA b serves rank b % ep
+        t = item_times([np.asarray(words[r])])
+        counts = {kind: v["items"] for kind, v in t.items()}
+        assert counts["consumers"] == ctas, counts
+        assert counts["scan"] == 1 and counts["shared gate/up"] == 10 and counts["shared down"] == 10, counts
+        assert counts["dispatch"] == 6 and counts["reduce"] == 3 + ctas, counts
+        assert counts["gate/up"] >= 2 and counts["down"] >= 4, counts  # 2 microbatches, 2 column blocks of H
+        assert ("send" in counts) == (ep > 1), counts
+        end = t["consumers"]["last end us"]
+        for kind, v in t.items():
+            assert v["busy ms per CTA"] > 0 and v["waited ms per CTA"] >= 0, (kind, v)
+            assert 0 <= v["first start us"] <= v["last end us"] <= end, (kind, v)
+
+
 @pytest.mark.parametrize("ep", [2, 4, 8])
 def test_emulated_math(ep):
     shape = _shape(16, 512, 256, 4)

@@ -18,7 +18,10 @@ config), in one process, median ms of back-to-back calls (mok_jax.bench.timing):
   pre-summed partials left out), which is what choice (b)'s owner side costs.
 Beside them: a dense bf16 GEMM of 8192^3 (the compute floor's reference) timed the same way, and the SM
 clock and power that nvidia-smi reports while each variant runs. ``--trace DIR`` also records 40 calls of
-``mok`` with jax.profiler and prints the kernel's device time of the first and last calls.
+``mok`` with jax.profiler and prints the kernel's device time of the first and last calls. ``--items`` also runs
+the kernel's "item times" form (the same work; ``mok, item times`` is its time) and prints, per kind of work
+item, the consumers' busy and waiting ms per CTA and when the kind's first item started and its last ended
+(item_times; the median of 5 calls).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["main", "run"]
+__all__ = ["item_times", "main", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")
 
@@ -167,8 +170,34 @@ def _problem(model_name: str, tokens: int, seed: int, experts: int | None = None
     return m, x, jnp.asarray(idx), jnp.asarray(w), W, flops
 
 
+def item_times(calls) -> dict:
+    """Per kind of the forward's work items, from the "item times" words of one rank in calls (uint32[..., 12, 5, 2]
+    each, ops.moe_forward): the items, the consumers' busy and waiting ms per CTA and the first start and last end
+    in us after the consumers' first start; the median over the calls of each. Kinds without items are left out."""
+    from mok_jax.ops.moe_forward import ITEM_TIME_KINDS
+
+    per_call = []
+    for words in calls:
+        w = np.asarray(words, dtype=np.uint64).reshape(len(ITEM_TIME_KINDS), 5, 2)
+        f = w[..., 0] | (w[..., 1] << np.uint64(32))  # the u64 fields
+        ctas = int(f[-1, 2])  # the consumers' row counts the CTAs
+        if ctas == 0:
+            raise ValueError("item_times: no CTA recorded its run (was the call made with the \"item times\" bit?)")
+        t0 = int(~f[-1, 3])  # the consumers' first start
+        kinds = {}
+        for i, kind in enumerate(ITEM_TIME_KINDS):
+            if f[i, 2] == 0:
+                continue
+            kinds[kind] = {"items": int(f[i, 2]), "busy ms per CTA": int(f[i, 0]) / ctas / 1e6,
+                           "waited ms per CTA": int(f[i, 1]) / ctas / 1e6,
+                           "first start us": (int(~f[i, 3]) - t0) / 1e3, "last end us": (int(f[i, 4]) - t0) / 1e3}
+        per_call.append(kinds)
+    return {kind: {k: statistics.median(c[kind][k] for c in per_call) for k in per_call[0][kind]}
+            for kind in per_call[0]}
+
+
 def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None, comm_items=(),
-          only_sweep=False) -> dict:
+          only_sweep=False, items=False, experts: int | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -176,7 +205,7 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     from mok_jax.emulation import emulated_moe
     from mok_jax.ops.moe_forward import TIMING_MODES
 
-    m, x, idx, w, W, flops = _problem(model_name, tokens, seed)
+    m, x, idx, w, W, flops = _problem(model_name, tokens, seed, experts)
     E, H = W.gate_up.shape[0], x.shape[1]
     out = {"model": model_name, "tokens": tokens, "experts": E, "flops": flops}
 
@@ -191,14 +220,24 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
 
     args = (x, idx, w, W)
     rows = {}
+
+    def timed_items():  # the "item times" form: its time beside mok's, and the times of 5 calls' items
+        timed = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=TIMING_MODES["item times"]))
+        rows["mok, item times"] = _timed(jax.jit(lambda *a: timed(*a)[0]), args, timing_kw)
+        out["item times"] = item_times([np.asarray(timed(*args)[2][0]) for _ in range(5)])
+
     for c in comm_items:  # the tuned config with another count of communication items
         kernel = tuned.replace(comm_items_fwd=c, comm_items_bwd=c)
         rows[f"comm items {c}"] = _timed(layer(kernel=kernel), args, timing_kw)
     if only_sweep:
         rows["mok"] = _timed(layer(), args, timing_kw)
+        if items:
+            timed_items()
         out["rows"] = rows
         return out
     rows["mok"] = _timed(layer(), args, timing_kw)
+    if items:
+        timed_items()
     rows["dispatch rows twice"] = _timed(layer(timing_mode=TIMING_MODES["dispatch rows twice"]), args, timing_kw)
     rows["reduce rows twice"] = _timed(layer(timing_mode=TIMING_MODES["reduce rows twice"]), args, timing_kw)
     rows["no dispatch rows"] = _timed(layer(timing_mode=TIMING_MODES["no dispatch rows"]), args, timing_kw)
@@ -249,14 +288,15 @@ def _dense(timing_kw) -> dict:
 
 
 def run(models=MODELS, tokens: int = 2048, *, samples: int = 15, sample_ms: float = 100.0, seed: int = 0,
-        trace: str | None = None, comm_items=(), only_sweep: bool = False) -> dict:
+        trace: str | None = None, comm_items=(), only_sweep: bool = False, items: bool = False,
+        experts: int | None = None) -> dict:
     import jax
 
     timing_kw = dict(samples=samples, target_sample_ms=sample_ms)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tokens": tokens,
            "dense_before": _dense(timing_kw), "cases": []}
     for name in models:
-        res["cases"].append(_case(name, tokens, timing_kw, seed, trace, comm_items, only_sweep))
+        res["cases"].append(_case(name, tokens, timing_kw, seed, trace, comm_items, only_sweep, items, experts))
         print(table({**res, "cases": res["cases"][-1:]}, header=False), flush=True)
     res["dense_after"] = _dense(timing_kw)
     return res
@@ -280,6 +320,12 @@ def table(res: dict, header: bool = True) -> str:
         for name, r in c["rows"].items():
             lines.append(f"| {name} | {r['ms']:.3f} | {r['ms'] - base:+.3f} | {r['sm_mhz']} ({r.get('sm_mhz_min')}) "
                          f"| {r['watts']} |")
+        if c.get("item times"):
+            lines.append("| item kind | items | busy ms per CTA | waited ms per CTA | first start us | last end us |")
+            lines.append("| --- | --: | --: | --: | --: | --: |")
+            for kind, r in c["item times"].items():
+                lines.append(f"| {kind} | {r['items']:.0f} | {r['busy ms per CTA']:.3f} | {r['waited ms per CTA']:.3f} "
+                             f"| {r['first start us']:.1f} | {r['last end us']:.1f} |")
         ks = c.get("trace_kernel_ms")
         if ks:
             lines.append(f"profiler: {len(ks)} kernels, first 3 {[round(v, 3) for v in ks[:3]]}, last 3 "
@@ -291,6 +337,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mok_jax.bench.breakdown", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=",".join(MODELS))
     p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=None, help="experts of the one GPU (default E/32 of the model)")
     p.add_argument("--samples", type=int, default=15)
     p.add_argument("--sample-ms", type=float, default=100.0)
     p.add_argument("--json")
@@ -298,6 +345,7 @@ def main(argv=None) -> int:
     p.add_argument("--comm-items", default="", help="comma list: also time the tuned config at these counts of "
                    "communication items (KernelConfig.comm_items_fwd and comm_items_bwd)")
     p.add_argument("--only-comm-items", action="store_true", help="time only the --comm-items sweep and mok")
+    p.add_argument("--items", action="store_true", help="also the item times of the kernel's consumers, per kind")
     renamed = {"--comm-sms": "--comm-items", "--only-comm-sms": "--only-comm-items"}  # with KernelConfig's fields
     for old in renamed:  # refused, naming the new flag
         p.add_argument(old, dest="renamed_" + old[2:].replace("-", "_"), nargs="?", const="", help=argparse.SUPPRESS)
@@ -311,7 +359,8 @@ def main(argv=None) -> int:
         print("mok_jax.bench.breakdown: no GPU here; it times the CUDA megakernel and needs one.")
         return 2
     res = run(tuple(a.model.split(",")), a.tokens, samples=a.samples, sample_ms=a.sample_ms, trace=a.trace,
-              comm_items=tuple(int(c) for c in a.comm_items.split(",") if c), only_sweep=a.only_comm_items)
+              comm_items=tuple(int(c) for c in a.comm_items.split(",") if c), only_sweep=a.only_comm_items,
+              items=a.items, experts=a.experts)
     print(table({**res, "cases": []}))
     if a.json:
         with open(a.json, "w") as f:

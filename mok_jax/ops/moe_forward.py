@@ -20,7 +20,8 @@ from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights
 from mok_jax.validation import KEPT_GU_DTYPE, check_fp8_expert_weights, check_workspace_call
 
-__all__ = ["TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel", "scratch_bytes"]
+__all__ = ["ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel",
+           "scratch_bytes"]
 
 # Ranks one emulated call carries: kMaxEmulatedRanks in ffi/include/mok/moe/forward.cuh (above kMaxVirtualRanks, 8,
 # each rank's kernel parameters travel in its row of the scratch: forward_params.cuh, ManyParams).
@@ -81,7 +82,16 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
 
 # Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
-                "reduce rows twice": 16}
+                "reduce rows twice": 16, "item times": 32}
+# The "item times" bit changes no work: each rank's consumers time their items into the last words of the sync
+# region, which end the scratch at EP <= 8 (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns
+# them: u64[R, 12, 5] (ITEM_TIME_KINDS x ITEM_TIME_FIELDS, in globaltimer ns).
+ITEM_TIME_KINDS = ("post", "count", "scan", "place", "dispatch", "shared gate/up", "shared down", "gate/up", "down",
+                   "send", "reduce", "consumers")
+ITEM_TIME_FIELDS = ("busy ns", "waited ns", "items", "first start (complement)", "last end")
+_ITEM_TIME_BYTES = 8 * len(ITEM_TIME_KINDS) * len(ITEM_TIME_FIELDS)
+_ITEM_TIME_BLOCK = -(-_ITEM_TIME_BYTES // 256) * 256  # make_plan's take(): whole 256-byte blocks, the times first
+_MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks: above it the scratch ends with the rank's kernel parameters
 
 
 def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, gate_up: jax.Array,
@@ -99,7 +109,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     and drops the shared expert, so the data path can be checked bitwise; skip_rank (another) makes one
     emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
     a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
-    still runs, so that differences of timings say what a phase costs the call. A call with skip_rank >= 0 or
+    still runs, so that differences of timings say what a phase costs the call; with the "item times" bit (which
+    changes no work; EP <= 8) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the
+    u64 fields of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times). A call with skip_rank >= 0 or
     timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16 only); every other
     call runs a production form without it. kernel None: the tuned table of the workspace's device, else the
     heuristic (mok_jax.tuning), for this call's per-rank problem.
@@ -154,6 +166,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                          f"{shared_gate_up.shape} and {shared_down.shape}")
     if not isinstance(timing_mode, (int, np.integer)) or not 0 <= timing_mode <= sum(TIMING_MODES.values()):
         raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
+    if timing_mode & TIMING_MODES["item times"] and cfg.ep > _MAX_VIRTUAL_RANKS:
+        raise ValueError(f"mok_jax.ops.moe_forward: the \"item times\" timing mode needs ep <= {_MAX_VIRTUAL_RANKS}, "
+                         f"got {cfg.ep}")
     if keep_pos is None:
         keep_pos, keep_rows = jnp.zeros((R, 0), jnp.int32), 0
     elif identity_experts:
@@ -216,7 +231,12 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                                         vmap_method="sequential")(
             x, topk_idx, topk_weight, *fp8_weights, shared_gate_up, shared_down, **attrs)
         return y, status
-    y, status, _, keep_gu, shared_gu = jax.ffi.ffi_call("mok_moe_forward", out, has_side_effect=True,  # vmap: comm.py
-                                                        vmap_method="sequential")(
+    y, status, scratch, keep_gu, shared_gu = jax.ffi.ffi_call(  # vmap: comm.py
+        "mok_moe_forward", out, has_side_effect=True, vmap_method="sequential")(
         x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, keep_pos, **attrs)
-    return (y, status) + ((keep_gu,) if keep_rows else ()) + ((shared_gu,) if keep_shared else ())
+    times = ()
+    if timing_mode & TIMING_MODES["item times"]:  # the sync region's last words (checked: EP <= 8)
+        at = nbytes - _ITEM_TIME_BLOCK
+        words = jax.lax.bitcast_convert_type(scratch[:, at:at + _ITEM_TIME_BYTES].reshape(R, -1, 4), jnp.uint32)
+        times = (words.reshape(R, len(ITEM_TIME_KINDS), len(ITEM_TIME_FIELDS), 2),)
+    return (y, status) + ((keep_gu,) if keep_rows else ()) + ((shared_gu,) if keep_shared else ()) + times

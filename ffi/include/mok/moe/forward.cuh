@@ -79,6 +79,7 @@ enum TimingMode : int32_t {
   kTimingNoReduceRows = 4,       // REDUCE writes no y rows
   kTimingTwiceDispatchRows = 8,  // DISPATCH copies every row twice (the same bytes to the same place)
   kTimingTwiceReduceRows = 16,   // REDUCE computes and writes every y row twice
+  kTimingItemTimes = 32,         // no change to the work: each CTA's consumers time their items (ItemTimes)
 };
 
 struct ForwardRank {

@@ -97,6 +97,18 @@ __device__ inline void producer(const LaunchParams& P, const RankParams& R, Shar
   }
 }
 
+// The lab form's item times (kTimingItemTimes; plan.cuh, kItemTimeWords): one consumer thread adds the times of an
+// item of `kind` (or, at kEnd, of the consumers' whole run) that waited from `since` and ran from t0 to t1.
+__device__ inline void add_item_time(const Plan& p, const RankParams& R, int kind, uint64_t since, uint64_t t0,
+                                     uint64_t t1) {
+  auto* f = reinterpret_cast<unsigned long long*>(R.sync + p.o_item_times) + kItemTimeFields * kind;
+  atomicAdd(f + 0, (unsigned long long)(t1 - t0));
+  atomicAdd(f + 1, (unsigned long long)(t0 - since));
+  atomicAdd(f + 2, 1ull);
+  atomicMax(f + 3, (unsigned long long)~t0);
+  atomicMax(f + 4, (unsigned long long)t1);
+}
+
 template <bool kFp8, bool kLab, class LaunchParams>
 __device__ inline void consumer(const LaunchParams& P, const RankParams& R, SharedStorage& s, int ct, int ctas,
                                 uint64_t epoch) {
@@ -104,6 +116,9 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
   Tile::StagePos pos;
   const int lane = ct % 32;
   WorkCursor w;
+  const bool timed = (timing_bits<kLab>(p) & kTimingItemTimes) && ct == 0;  // false in the production forms
+  const uint64_t t_start = timed ? comm::global_timer_ns() : 0;
+  uint64_t t_free = t_start;  // the end of the consumers' previous item
   for (;;) {
     if (!s.work.wait_ready(w, nullptr)) {
       comm::raise_error(R.view, comm::kErrTimeoutLocal, comm::kOpMoeForward, -1, epoch);
@@ -112,7 +127,11 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
     // The item is read from its slot where it is used, and the slot is given back only when the item is done: a
     // copy in registers would stay live across a tile's K loop, where the FP8 tiles' 192 accumulators leave none.
     const Item& it = s.work.at(w);
-    if (it.kind == kEnd) return;
+    const uint64_t t0 = timed ? comm::global_timer_ns() : 0;
+    if (it.kind == kEnd) {
+      if (timed) add_item_time(p, R, kEnd, t_start, t_start, t0);
+      return;
+    }
     if (is_tile(it.kind)) {
       // FP8: the thread's index is read afresh for each tile (opaque to the compiler), so that the epilogues'
       // addresses derived from it are recomputed per tile instead of hoisted out of the loop, where beside the 192
@@ -139,6 +158,11 @@ __device__ inline void consumer(const LaunchParams& P, const RankParams& R, Shar
     }
     gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
     if (ct == 0) complete(p, R, it, ctas, epoch);
+    if (timed) {
+      const uint64_t t1 = comm::global_timer_ns();
+      add_item_time(p, R, it.kind, t_free, t0, t1);
+      t_free = t1;
+    }
     s.work.give_back(w, lane);
     s.work.advance(w);
   }

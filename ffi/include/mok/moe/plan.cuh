@@ -43,6 +43,13 @@ constexpr int kWorkerWarps = 8;      // consumer warps, which execute every item
 constexpr int kChunksPerCountItem = kWorkerWarps;
 
 // Words of the control block at the start of the sync region.
+// The lab form's item times (kTimingItemTimes), the sync region's last words: per item kind, and at kEnd for the
+// consumers' whole run, 5 u64: the consumers' busy ns (an item's start to its completion, over the CTAs), their ns
+// waiting for the item (from the end of their previous item, or their start), the items, the first start (as its
+// complement: the words start at 0 and atomicMax keeps the largest) and the last end, in globaltimer ns.
+constexpr int kItemTimeFields = 5;
+constexpr int kItemTimeWords = 2 * kItemTimeFields * (kEnd + 1);
+
 enum Ctl : int32_t {
   kCtlTickets = 0, kCtlPostRoute, kCtlPostRows, kCtlCount, kCtlScan, kCtlPlace, kCtlSharedDn,
   kCtlDispatchAll, kCtlReduceAll, kCtlSegments, kCtlCallError, kCtlCallErrorToken, kCtlWords = 16,
@@ -69,7 +76,7 @@ struct Plan {
   int32_t t_count, t_scan, t_place, t_disp0, t_sgu, t_sdn, t_dynamic;
   // word offsets in the sync region (int32 words)
   int64_t o_disp, o_send, o_reduce, o_dn, o_sgu, o_gu, o_cnt, o_base, o_row, o_w;
-  int64_t o_row_start, o_tile_gu, o_tile_dn, o_mblock, o_seg_begin, o_seg_kind, o_seg_mb;
+  int64_t o_row_start, o_tile_gu, o_tile_dn, o_mblock, o_seg_begin, o_seg_kind, o_seg_mb, o_item_times;
   int64_t sync_words;
 };
 
@@ -141,6 +148,10 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   p.o_seg_begin = take(p.max_segments + 1);
   p.o_seg_kind = take(p.max_segments);
   p.o_seg_mb = take(p.max_segments);
+  // The item times last, ending the region on a 256-byte boundary (the control block leaves it 64 bytes past one):
+  // so they end the scratch, where a bench finds them (at EP <= 8, without rank_params after the region).
+  o = (o + 63) / 64 * 64;
+  p.o_item_times = take(kItemTimeWords);
   p.sync_words = o;
   return p;
 }

@@ -1,0 +1,41 @@
+"""mok_jax.bench.breakdown's reading of the forward's "item times" words (ops.moe_forward, timing mode 32), on
+words made here: the u64 fields split into (low, high) uint32 words, the first start kept as its complement."""
+import numpy as np
+import pytest
+
+from mok_jax.bench.breakdown import item_times
+from mok_jax.ops.moe_forward import ITEM_TIME_FIELDS, ITEM_TIME_KINDS
+
+T0 = 5_000_000_000  # globaltimer ns past 2^32: the high words matter
+
+
+def _words(fields: dict) -> np.ndarray:
+    f = np.zeros((len(ITEM_TIME_KINDS), len(ITEM_TIME_FIELDS)), np.uint64)
+    for kind, (busy, waited, items, first, last) in fields.items():
+        f[ITEM_TIME_KINDS.index(kind)] = [busy, waited, items, ~np.uint64(first), last]
+    return np.stack([f & np.uint64(0xFFFFFFFF), f >> np.uint64(32)], -1).astype(np.uint32)
+
+
+def test_item_times_per_cta_and_from_the_first_start():
+    w = _words({"consumers": (2_000_000, 0, 2, T0, T0 + 1_000_000),
+                "dispatch": (300_000, 100_000, 3, T0 + 500, T0 + 400_000),
+                "down": (1_000_000, 50_000, 8, T0 + 200_000, T0 + 900_000)})
+    t = item_times([w])
+    assert list(t) == ["dispatch", "down", "consumers"]  # kinds without items are left out, the plan's order kept
+    assert t["dispatch"] == {"items": 3, "busy ms per CTA": 0.15, "waited ms per CTA": 0.05, "first start us": 0.5,
+                             "last end us": 400.0}
+    assert t["down"]["busy ms per CTA"] == 0.5 and t["down"]["first start us"] == 200.0
+    assert t["consumers"]["last end us"] == 1000.0 and t["consumers"]["items"] == 2
+
+
+def test_item_times_takes_the_median_of_the_calls():
+    calls = [_words({"consumers": (2_000_000 * m, 0, 2, T0, T0 + 1_000_000 * m),
+                     "reduce": (100_000 * m, 0, 4, T0 + 10_000, T0 + 20_000 * m)}) for m in (1, 3, 2)]
+    t = item_times(calls)
+    assert t["reduce"]["busy ms per CTA"] == 0.1 and t["reduce"]["last end us"] == 40.0
+    assert t["consumers"]["busy ms per CTA"] == 2.0
+
+
+def test_item_times_refuses_words_without_a_run():
+    with pytest.raises(ValueError, match="item times"):
+        item_times([_words({})])
