@@ -81,13 +81,13 @@ def _forward(ep: int, T: int, H: int, I: int, Is: int, k: int, L: int, kernel: K
     words = lambda n: _cdiv(n, _SYNC_BLOCK) * _SYNC_BLOCK  # noqa: E731
     segments = 4 * (mb + 2) + 2
     mb_cap = _cdiv(slot_rows, _TILE_M) + L
-    sync = words(_CTL_WORDS + 4 * words(mb)  # disp, send, reduce, dn
-                 + words(_cdiv(T, _TILE_M)) + words(mb * mb_cap)  # sgu, gu
-                 + 2 * words(ep * _cdiv(T, _CHUNK) * L)  # cnt, base
-                 + 2 * words(ep * T * k)  # row, w: every slot of the EP group
-                 + 4 * words(mb * (L + 1))  # row_start, tile_gu, tile_dn, mblock
-                 + words(segments + 1) + 2 * words(segments))  # seg_begin, seg_kind, seg_mb
-    sync += words(_ITEM_TIME_WORDS)  # item_times, from a 64-word boundary (make_plan pads before them)
+    sync = (_CTL_WORDS + 4 * words(mb)  # disp, send, reduce, dn
+            + words(_cdiv(T, _TILE_M)) + words(mb * mb_cap)  # sgu, gu
+            + 2 * words(ep * _cdiv(T, _CHUNK) * L)  # cnt, base
+            + 2 * words(ep * T * k)  # row, w: every slot of the EP group
+            + 4 * words(mb * (L + 1))  # row_start, tile_gu, tile_dn, mblock
+            + words(segments + 1) + 2 * words(segments)  # seg_begin, seg_kind, seg_mb
+            + words(_ITEM_TIME_WORDS))  # item_times
     return {
         "recv": _aligned(slots * slot_rows * H * 2),
         "h": _aligned(slots * slot_rows * I * 2),

@@ -1,10 +1,13 @@
-"""mok_jax.bench.breakdown's reading of the forward's "item times" words (ops.moe_forward, timing mode 32), on
-words made here: the u64 fields split into (low, high) uint32 words, the first start kept as its complement."""
+"""The forward's "item times" words (ops.moe_forward, timing mode 32): mok_jax.bench.breakdown's reading of them, on
+words made here (the u64 fields split into (low, high) uint32 words, the first start kept as its complement), and
+their place in the scratch."""
 import numpy as np
 import pytest
 
+from mok_jax import _native, memory
 from mok_jax.bench.breakdown import item_times
-from mok_jax.ops.moe_forward import ITEM_TIME_FIELDS, ITEM_TIME_KINDS
+from mok_jax.config import KernelConfig
+from mok_jax.ops.moe_forward import ITEM_TIME_FIELDS, ITEM_TIME_KINDS, item_times_offset, scratch_bytes
 
 T0 = 5_000_000_000  # globaltimer ns past 2^32: the high words matter
 
@@ -39,3 +42,20 @@ def test_item_times_takes_the_median_of_the_calls():
 def test_item_times_refuses_words_without_a_run():
     with pytest.raises(ValueError, match="item times"):
         item_times([_words({})])
+
+
+@pytest.mark.skipif(_native.library() is None, reason="the scratch layout comes from libmok_ffi.so")
+@pytest.mark.parametrize("ep, tokens, granularity", [(1, 2048, 2048), (1, 600, 512), (2, 300, 512), (16, 256, 512)])
+def test_item_times_lie_in_the_sync_region_of_the_scratch(ep, tokens, granularity):
+    """The place the library gives for the item times (mok_moe_item_times_offset) is inside the forward scratch's
+    sync region as mok_jax.memory counts it: after every region before it, and with all its words before the
+    region's end (at EP 16 the rank's parameters follow the region)."""
+    kernel = KernelConfig(granularity=granularity, comm_items_fwd=8)
+    shape = dict(tokens=tokens, hidden=512, inter=256, shared_inter=256, top_k=4, local_experts=4, ep=ep)
+    total = scratch_bytes(kernel=kernel, **shape)
+    terms = memory._forward(ep, tokens, 512, 256, 256, 4, 4, kernel)
+    assert sum(terms.values()) == total
+    sync_end = total - terms["rank_params"]
+    at = item_times_offset(kernel=kernel, **shape)
+    assert sync_end - terms["sync"] <= at and at + len(ITEM_TIME_KINDS) * len(ITEM_TIME_FIELDS) * 8 <= sync_end
+    assert at % 8 == 0  # u64 words

@@ -364,6 +364,20 @@ extern "C" __attribute__((visibility("default"))) int64_t mok_moe_scratch_bytes(
   return int64_t(mok::moe::forward_scratch_layout(shape, knobs).total);
 }
 
+// Where in one rank's scratch output the lab form's item times lie (timing mode "item times": kItemTimeWords
+// words, u64 fields), or -1 for an unsupported call; the same arguments as mok_moe_scratch_bytes.
+extern "C" __attribute__((visibility("default"))) int64_t mok_moe_item_times_offset(
+    int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
+    int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, int32_t routed_fp8,
+    int32_t identity_experts) {
+  mok::moe::ForwardShape shape;
+  mok::moe::ForwardKnobs knobs;
+  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
+                 routed_fp8, identity_experts, &shape, &knobs);
+  if (mok::moe::forward_unsupported(shape, knobs)) return -1;
+  return int64_t(mok::moe::forward_scratch_layout(shape, knobs).item_times);
+}
+
 // Why a call is unsupported ("" when it is): the same checks as the handler's, for Python's trace-time errors.
 extern "C" __attribute__((visibility("default"))) int32_t mok_moe_unsupported(
     int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,

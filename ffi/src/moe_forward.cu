@@ -106,6 +106,7 @@ ScratchLayout forward_scratch_layout(const ForwardShape& s, const ForwardKnobs& 
   l.row_slot = take(size_t(p.M) * p.slot_rows * 4);
   l.sync_bytes = size_t(p.sync_words) * 4;
   l.sync = take(l.sync_bytes);
+  l.item_times = l.sync + size_t(p.o_item_times) * 4;
   // This rank's RankParams, for an emulated launch of every rank of a group too large for the kernel parameter space
   // (forward_kernel_many); the region exists at every call of such a group, used by that launch only.
   l.rank_params = take(s.ep > kMaxVirtualRanks ? sizeof(RankParams) : 0);

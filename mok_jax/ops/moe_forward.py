@@ -20,8 +20,8 @@ from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights
 from mok_jax.validation import KEPT_GU_DTYPE, check_fp8_expert_weights, check_workspace_call
 
-__all__ = ["ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "moe_forward", "resolve_kernel",
-           "scratch_bytes"]
+__all__ = ["ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "item_times_offset",
+           "moe_forward", "resolve_kernel", "scratch_bytes"]
 
 # Ranks one emulated call carries: kMaxEmulatedRanks in ffi/include/mok/moe/forward.cuh (above kMaxVirtualRanks, 8,
 # each rank's kernel parameters travel in its row of the scratch: forward_params.cuh, ManyParams).
@@ -56,6 +56,18 @@ def scratch_bytes(*, tokens: int, hidden: int, inter: int, shared_inter: int, to
     return n
 
 
+def item_times_offset(*, tokens: int, hidden: int, inter: int, shared_inter: int, top_k: int, local_experts: int,
+                      ep: int, kernel: KernelConfig, identity_experts: bool = False) -> int:
+    """Where in one rank's scratch (bf16 form) the lab form's item times lie: the native layout's byte offset
+    (mok_moe_item_times_offset; the arguments of scratch_bytes)."""
+    args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
+            kernel.granularity, kernel.comm_items_fwd, kernel.ring_slots, 0, int(bool(identity_experts))]
+    at = int(_lib().mok_moe_item_times_offset(*args))
+    if at < 0:
+        raise ValueError("implementation='mok' does not support this call (scratch_bytes says why)")
+    return at
+
+
 def resolve_kernel(ws, kernel: KernelConfig | None, *, tokens: int, hidden: int, inter: int, top_k: int,
                    local_experts: int) -> KernelConfig:
     """The knobs a call of ``moe_forward`` on workspace ``ws`` with this per-rank problem runs with: ``kernel``, else
@@ -83,15 +95,13 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
 # Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
                 "reduce rows twice": 16, "item times": 32}
-# The "item times" bit changes no work: each rank's consumers time their items into the last words of the sync
-# region, which end the scratch at EP <= 8 (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns
-# them: u64[R, 12, 5] (ITEM_TIME_KINDS x ITEM_TIME_FIELDS, in globaltimer ns).
+# The "item times" bit changes no work: each rank's consumers time their items into words of the sync region
+# (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns them: uint32[R, 12, 5, 2], the u64 fields
+# of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words, in globaltimer ns.
 ITEM_TIME_KINDS = ("post", "count", "scan", "place", "dispatch", "shared gate/up", "shared down", "gate/up", "down",
                    "send", "reduce", "consumers")
 ITEM_TIME_FIELDS = ("busy ns", "waited ns", "items", "first start (complement)", "last end")
 _ITEM_TIME_BYTES = 8 * len(ITEM_TIME_KINDS) * len(ITEM_TIME_FIELDS)
-_ITEM_TIME_BLOCK = -(-_ITEM_TIME_BYTES // 256) * 256  # make_plan's take(): whole 256-byte blocks, the times first
-_MAX_VIRTUAL_RANKS = 8  # kMaxVirtualRanks: above it the scratch ends with the rank's kernel parameters
 
 
 def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, gate_up: jax.Array,
@@ -110,7 +120,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
     a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
     still runs, so that differences of timings say what a phase costs the call; with the "item times" bit (which
-    changes no work; EP <= 8) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the
+    changes no work) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the
     u64 fields of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times). A call with skip_rank >= 0 or
     timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16 only); every other
     call runs a production form without it. kernel None: the tuned table of the workspace's device, else the
@@ -166,9 +176,6 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                          f"{shared_gate_up.shape} and {shared_down.shape}")
     if not isinstance(timing_mode, (int, np.integer)) or not 0 <= timing_mode <= sum(TIMING_MODES.values()):
         raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
-    if timing_mode & TIMING_MODES["item times"] and cfg.ep > _MAX_VIRTUAL_RANKS:
-        raise ValueError(f"mok_jax.ops.moe_forward: the \"item times\" timing mode needs ep <= {_MAX_VIRTUAL_RANKS}, "
-                         f"got {cfg.ep}")
     if keep_pos is None:
         keep_pos, keep_rows = jnp.zeros((R, 0), jnp.int32), 0
     elif identity_experts:
@@ -235,8 +242,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
         "mok_moe_forward", out, has_side_effect=True, vmap_method="sequential")(
         x, topk_idx, topk_weight, gate_up, down, shared_gate_up, shared_down, keep_pos, **attrs)
     times = ()
-    if timing_mode & TIMING_MODES["item times"]:  # the sync region's last words (checked: EP <= 8)
-        at = nbytes - _ITEM_TIME_BLOCK
+    if timing_mode & TIMING_MODES["item times"]:
+        at = item_times_offset(tokens=T, hidden=H, inter=inter, shared_inter=Is, top_k=k, local_experts=L,
+                               ep=cfg.ep, kernel=kernel, identity_experts=identity_experts)
         words = jax.lax.bitcast_convert_type(scratch[:, at:at + _ITEM_TIME_BYTES].reshape(R, -1, 4), jnp.uint32)
         times = (words.reshape(R, len(ITEM_TIME_KINDS), len(ITEM_TIME_FIELDS), 2),)
     return (y, status) + ((keep_gu,) if keep_rows else ()) + ((shared_gu,) if keep_shared else ()) + times

@@ -54,6 +54,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_moe_clear_call_error.restype = i32
         lib.mok_moe_scratch_bytes.argtypes = [i32] * 12
         lib.mok_moe_scratch_bytes.restype = i64
+        lib.mok_moe_item_times_offset.argtypes = [i32] * 12
+        lib.mok_moe_item_times_offset.restype = i64
         lib.mok_moe_unsupported.argtypes = [i32] * 11 + [p, i32]
         lib.mok_moe_unsupported.restype = i32
         lib.mok_experts_backward_ep_counter_words.argtypes = [i64] * 3

@@ -117,6 +117,7 @@ struct ScratchLayout {
   size_t recv_scale, h_scale;  // FP8 only (else empty): the ring rows' and h's scales, [blocks][scale_ld] f32
   size_t rank_params;     // ep > kMaxVirtualRanks only (else empty): this rank's parameters in an emulated launch
   size_t sync_bytes;      // zeroed before every call
+  size_t item_times;      // inside the sync region: the lab form's item times (kItemTimeWords in plan.cuh)
   size_t total;
 };
 

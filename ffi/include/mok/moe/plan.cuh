@@ -43,7 +43,7 @@ constexpr int kWorkerWarps = 8;      // consumer warps, which execute every item
 constexpr int kChunksPerCountItem = kWorkerWarps;
 
 // Words of the control block at the start of the sync region.
-// The lab form's item times (kTimingItemTimes), the sync region's last words: per item kind, and at kEnd for the
+// The lab form's item times (kTimingItemTimes), in the sync region (zeroed before every call): per item kind, and at kEnd for the
 // consumers' whole run, 5 u64: the consumers' busy ns (an item's start to its completion, over the CTAs), their ns
 // waiting for the item (from the end of their previous item, or their start), the items, the first start (as its
 // complement: the words start at 0 and atomicMax keeps the largest) and the last end, in globaltimer ns.
@@ -148,10 +148,7 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   p.o_seg_begin = take(p.max_segments + 1);
   p.o_seg_kind = take(p.max_segments);
   p.o_seg_mb = take(p.max_segments);
-  // The item times last, ending the region on a 256-byte boundary (the control block leaves it 64 bytes past one):
-  // so they end the scratch, where a bench finds them (at EP <= 8, without rank_params after the region).
-  o = (o + 63) / 64 * 64;
-  p.o_item_times = take(kItemTimeWords);
+  p.o_item_times = take(kItemTimeWords);  // a bench finds them through mok_moe_item_times_offset (ffi_moe.cu)
   p.sync_words = o;
   return p;
 }
