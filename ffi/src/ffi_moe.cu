@@ -334,7 +334,7 @@ MOK_FFI_HANDLER(MokMoeForwardFp8, forward_fp8_impl,
 
 namespace {
 
-// The shape and knobs that the two sizing entry points below describe (no test modes beyond identity).
+// The shape and knobs that the sizing entry points below describe (no test modes beyond identity).
 void sizing_problem(int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k,
                     int32_t local_experts, int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots,
                     int32_t routed_fp8, int32_t identity_experts, mok::moe::ForwardShape* shape,
@@ -349,6 +349,19 @@ void sizing_problem(int32_t tokens, int32_t hidden, int32_t inter, int32_t share
   knobs->skip_rank = -1;
 }
 
+// The scratch layout of a call with these arguments, or false for an unsupported call.
+bool sizing_layout(int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k,
+                   int32_t local_experts, int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots,
+                   int32_t routed_fp8, int32_t identity_experts, mok::moe::ScratchLayout* layout) {
+  mok::moe::ForwardShape shape;
+  mok::moe::ForwardKnobs knobs;
+  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
+                 routed_fp8, identity_experts, &shape, &knobs);
+  if (mok::moe::forward_unsupported(shape, knobs)) return false;
+  *layout = mok::moe::forward_scratch_layout(shape, knobs);
+  return true;
+}
+
 }  // namespace
 
 // Bytes of one rank's scratch output (a multiple of 256), or -1 for an unsupported call.
@@ -356,12 +369,9 @@ extern "C" __attribute__((visibility("default"))) int64_t mok_moe_scratch_bytes(
     int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
     int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, int32_t routed_fp8,
     int32_t identity_experts) {
-  mok::moe::ForwardShape shape;
-  mok::moe::ForwardKnobs knobs;
-  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
-                 routed_fp8, identity_experts, &shape, &knobs);
-  if (mok::moe::forward_unsupported(shape, knobs)) return -1;
-  return int64_t(mok::moe::forward_scratch_layout(shape, knobs).total);
+  mok::moe::ScratchLayout l;
+  return sizing_layout(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items,
+                       ring_slots, routed_fp8, identity_experts, &l) ? int64_t(l.total) : -1;
 }
 
 // Where in one rank's scratch output the lab form's item times lie (timing mode "item times": kItemTimeWords
@@ -370,12 +380,9 @@ extern "C" __attribute__((visibility("default"))) int64_t mok_moe_item_times_off
     int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
     int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, int32_t routed_fp8,
     int32_t identity_experts) {
-  mok::moe::ForwardShape shape;
-  mok::moe::ForwardKnobs knobs;
-  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
-                 routed_fp8, identity_experts, &shape, &knobs);
-  if (mok::moe::forward_unsupported(shape, knobs)) return -1;
-  return int64_t(mok::moe::forward_scratch_layout(shape, knobs).item_times);
+  mok::moe::ScratchLayout l;
+  return sizing_layout(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items,
+                       ring_slots, routed_fp8, identity_experts, &l) ? int64_t(l.item_times) : -1;
 }
 
 // Why a call is unsupported ("" when it is): the same checks as the handler's, for Python's trace-time errors.
