@@ -75,11 +75,16 @@ def _workspace(ep: int, T: int, H: int, k: int, L: int) -> dict[str, int]:
     return terms
 
 
+def _max_segments(ep: int, microbatches: int) -> int:
+    """Plan::max_segments: SEND (EP > 1) and REDUCE of each microbatch, DISPATCH of each but the first, GU and DN."""
+    return (5 if ep > 1 else 4) * microbatches
+
+
 def _forward(ep: int, T: int, H: int, I: int, Is: int, k: int, L: int, kernel: KernelConfig) -> dict[str, int]:
     g, mb, slots = kernel.microbatches(T)
     slot_rows = ep * min(g, T) * min(k, L)  # the dropless worst case of one microbatch
     words = lambda n: _cdiv(n, _SYNC_BLOCK) * _SYNC_BLOCK  # noqa: E731
-    segments = 4 * (mb + 2) + 2
+    segments = _max_segments(ep, mb)
     mb_cap = _cdiv(slot_rows, _TILE_M) + L
     sync = (_CTL_WORDS + 4 * words(mb)  # disp, send, reduce, dn
             + words(_cdiv(T, _TILE_M)) + words(mb * mb_cap)  # sgu, gu

@@ -257,3 +257,20 @@ def test_kept_shared_gu_bytes_is_the_rule_of_the_forward():
         want = 0 if keep == "nothing" else 2048 * 2 * 1536 * 2
         assert kept_shared_gu_bytes(keep, tokens=2048, shared_inter=1536) == want, keep
         assert kept_shared_gu_bytes(keep, tokens=2048, shared_inter=0) == 0, keep
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_segment_table_holds_every_dynamic_segment(ep):
+    """The dynamic part's segments in scan.cuh's order (SEND at EP > 1 and REDUCE of microbatch i - g - 1, DISPATCH
+    of i >= 1, GU and DN of i - g, for i = 0 .. M + g), each with items, fit Plan::max_segments, which
+    mok_jax.memory mirrors: 4 (M + 2) + 2 did not above EP 1 from 12 microbatches on."""
+    for mb in range(1, 130):
+        for g in (0, 1):
+            n = 0
+            for i in range(mb + g + 1):
+                c = i - g - 1
+                if 0 <= c < mb:
+                    n += (ep > 1) + 1
+                n += 1 <= i < mb
+                n += 2 * (0 <= i - g < mb)
+            assert n <= memory._max_segments(ep, mb), (ep, mb, g, n)
