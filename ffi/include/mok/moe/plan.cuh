@@ -42,14 +42,14 @@ constexpr int kDnCols = 256;         // output columns of a down tile
 constexpr int kWorkerWarps = 8;      // consumer warps, which execute every item
 constexpr int kChunksPerCountItem = kWorkerWarps;
 
-// Words of the control block at the start of the sync region.
-// The lab form's item times (kTimingItemTimes), in the sync region (zeroed before every call): per item kind, and at kEnd for the
-// consumers' whole run, 5 u64: the consumers' busy ns (an item's start to its completion, over the CTAs), their ns
-// waiting for the item (from the end of their previous item, or their start), the items, the first start (as its
-// complement: the words start at 0 and atomicMax keeps the largest) and the last end, in globaltimer ns.
+// The lab form's item times (kTimingItemTimes), in the sync region (zeroed before every call): per item kind, and
+// at kEnd for the consumers' whole run, 5 u64: the consumers' busy ns (an item's start to its completion, over the
+// CTAs), their ns waiting for the item (from the end of their previous item, or their start), the items, the first
+// start (as its complement: the words start at 0 and atomicMax keeps the largest) and the last end, in globaltimer ns.
 constexpr int kItemTimeFields = 5;
 constexpr int kItemTimeWords = 2 * kItemTimeFields * (kEnd + 1);
 
+// Words of the control block at the start of the sync region.
 enum Ctl : int32_t {
   kCtlTickets = 0, kCtlPostRoute, kCtlPostRows, kCtlCount, kCtlScan, kCtlPlace, kCtlSharedDn,
   kCtlDispatchAll, kCtlReduceAll, kCtlSegments, kCtlCallError, kCtlCallErrorToken, kCtlWords = 16,
