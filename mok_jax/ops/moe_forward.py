@@ -120,11 +120,11 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     emulated rank skip the call; num_sms caps the persistent CTAs (0: every SM); timing_mode (bench only) is
     a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
     still runs, so that differences of timings say what a phase costs the call; with the "item times" bit (which
-    changes no work) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the
-    u64 fields of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times). A call with skip_rank >= 0 or
-    timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16 only); every other
-    call runs a production form without it. kernel None: the tuned table of the workspace's device, else the
-    heuristic (mok_jax.tuning), for this call's per-rank problem.
+    changes no work) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the u64 fields of
+    ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times). A call with
+    skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16
+    only); every other call runs a production form without it. kernel None: the tuned table of the workspace's
+    device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
 
     keep_pos (the backward's kept g, u, MoEConfig.keep): int32[R, ep * T * k], the row that each slot (s, t, j) of
     the EP group (source rank s, its token t, slot j; flat (s T + t) k + j) takes in a kept bf16[keep_rows, 2I]
