@@ -52,8 +52,8 @@ __device__ inline void SendItem::run(const LaunchParams& P, const RankParams& R,
     const uint32_t dropped = __ballot_sync(kFull, row == -2);
     for (uint32_t m = dropped; m; m &= m - 1) nan_row(cell + size_t(__ffs(m) - 1) * nvec, nvec, lane);
     const int4* my_src = row >= 0 ? slot + size_t(row) * nvec : nullptr;
-    comm::warp_copy_rows<kSendUnroll, kSendGroup, kSendPrefetch>(my_src, cell + size_t(lane) * nvec, __ballot_sync(kFull, row >= 0),
-                                                  nvec, lane);
+    comm::warp_copy_rows<kSendUnroll, kSendGroup, kSendPrefetch>(my_src, cell + size_t(lane) * nvec,
+                                                                 __ballot_sync(kFull, row >= 0), nvec, lane);
   }
 }
 
