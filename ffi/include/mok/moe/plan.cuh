@@ -115,8 +115,7 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   p.D0 = p.n_shared_gu == 0 && rank_ctas > p.D ? rank_ctas : p.D;
   p.mb_cap = cdiv(p.slot_rows, kTileM) + s.local_experts;
   // The dynamic part's segments (scan.cuh writes them): SEND (ep > 1) and REDUCE of each microbatch, DISPATCH of
-  // each but the first, GU and DN of each. (4 (M + 2) + 2 was too few above EP 1 from M = 12 on, hidden by take()'s
-  // 64-word blocks up to M = 51.)
+  // each but the first, GU and DN of each.
   p.max_segments = (s.ep > 1 ? 5 : 4) * p.M;
   p.t_count = p.n_post;
   p.t_scan = p.t_count + p.n_count;
