@@ -174,11 +174,11 @@ def item_times(calls) -> dict:
     """Per kind of the forward's work items, from the "item times" words of one rank in calls (uint32[..., 12, 5, 2]
     each, ops.moe_forward): the items, the consumers' busy and waiting ms per CTA and the first start and last end
     in us after the consumers' first start; the median over the calls of each. Kinds without items are left out."""
-    from mok_jax.ops.moe_forward import ITEM_TIME_KINDS
+    from mok_jax.ops.moe_forward import ITEM_TIME_FIELDS, ITEM_TIME_KINDS
 
     per_call = []
     for words in calls:
-        w = np.asarray(words, dtype=np.uint64).reshape(len(ITEM_TIME_KINDS), 5, 2)
+        w = np.asarray(words, dtype=np.uint64).reshape(len(ITEM_TIME_KINDS), len(ITEM_TIME_FIELDS), 2)
         f = w[..., 0] | (w[..., 1] << np.uint64(32))  # the u64 fields
         ctas = int(f[-1, 2])  # the consumers' row counts the CTAs
         if ctas == 0:
@@ -220,24 +220,17 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
 
     args = (x, idx, w, W)
     rows = {}
-
-    def timed_items():  # the "item times" form: its time beside mok's, and the times of 5 calls' items
-        timed = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=TIMING_MODES["item times"]))
-        rows["mok, item times"] = _timed(jax.jit(lambda *a: timed(*a)[0]), args, timing_kw)
-        out["item times"] = item_times([np.asarray(timed(*args)[2][0]) for _ in range(5)])
-
     for c in comm_items:  # the tuned config with another count of communication items
         kernel = tuned.replace(comm_items_fwd=c, comm_items_bwd=c)
         rows[f"comm items {c}"] = _timed(layer(kernel=kernel), args, timing_kw)
+    rows["mok"] = _timed(layer(), args, timing_kw)
+    if items:  # the "item times" form: its time beside mok's, and the times of 5 calls' items
+        timed = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=TIMING_MODES["item times"]))
+        rows["mok, item times"] = _timed(jax.jit(lambda *a: timed(*a)[0]), args, timing_kw)
+        out["item times"] = item_times([np.asarray(timed(*args)[2][0]) for _ in range(5)])
     if only_sweep:
-        rows["mok"] = _timed(layer(), args, timing_kw)
-        if items:
-            timed_items()
         out["rows"] = rows
         return out
-    rows["mok"] = _timed(layer(), args, timing_kw)
-    if items:
-        timed_items()
     rows["dispatch rows twice"] = _timed(layer(timing_mode=TIMING_MODES["dispatch rows twice"]), args, timing_kw)
     rows["reduce rows twice"] = _timed(layer(timing_mode=TIMING_MODES["reduce rows twice"]), args, timing_kw)
     rows["no dispatch rows"] = _timed(layer(timing_mode=TIMING_MODES["no dispatch rows"]), args, timing_kw)
