@@ -3,6 +3,7 @@
 // the megakernel shell, mok/megakernel.cuh), the kernel's entry, the checks and the launch.
 #include <algorithm>
 #include <climits>
+#include <memory>
 #include <type_traits>
 
 #include "mok/comm/ptx.cuh"
@@ -196,6 +197,39 @@ int64_t experts_backward_ep_counter_words(int64_t rows, int64_t experts, int64_t
   const int64_t words = experts_backward_counter_words(rows, experts, 0);
   if (ranks <= kExpertsBackwardParamRanks) return words;
   return (words + 15) / 16 * 16 + int64_t(sizeof(KernelParams)) / 4;
+}
+
+int32_t experts_backward_item_list(const int32_t* group_sizes, int32_t E, int32_t M, int32_t H, int32_t I, int32_t Is,
+                                   int32_t Ts, int32_t ep, int32_t kept, int32_t share_items, int32_t* out,
+                                   int32_t capacity) {
+  if (E < 0 || E > kMaxGroups) return -1;
+  KernelParams p{};
+  p.group_sizes = group_sizes, p.E = E, p.M = M, p.H = H, p.I = I, p.Is = Is, p.Ts = Ts, p.ep = ep;
+  p.kept = kept, p.share_items = share_items;
+  auto s = std::make_unique<SharedStorage>();  // the table, as warp 1 builds it (gemm::build_group_table)
+  int64_t rows = 0, tiles = 0;
+  bool negative = false, unpadded = false;
+  for (int e = 0; e < E; ++e) {
+    const int64_t size = group_sizes[e] < 0 ? 0 : group_sizes[e];
+    negative |= group_sizes[e] < 0, unpadded |= size % kBlockM != 0;
+    s->table.row_start[e] = int32_t(rows), s->table.tile_start[e] = int32_t(tiles);
+    rows += size, tiles += (size + kBlockM - 1) / kBlockM;
+  }
+  const bool valid = !negative && rows <= M;
+  for (int e = 0; e <= E; ++e) {
+    if (!valid) s->table.row_start[e] = 0, s->table.tile_start[e] = 0;
+  }
+  if (valid) s->table.row_start[E] = int32_t(rows), s->table.tile_start[E] = int32_t(tiles);
+  s->unpadded = unpadded, s->bad = unpadded || !valid;
+  const Shape h = make_shape(p, *s);
+  const int32_t n = h.begin[kKinds];
+  for (int32_t i = 0; i < n && i < capacity; ++i) {
+    const Item it = decode(p, *s, h, i);
+    const int32_t words[kExpertsBackwardItemWords] = {it.kind, it.shared, it.group, it.mb, it.m_block, it.n_block,
+                                                      it.row0, it.row_end};
+    for (int w = 0; w < kExpertsBackwardItemWords; ++w) out[int64_t(i) * kExpertsBackwardItemWords + w] = words[w];
+  }
+  return n;
 }
 
 const char* experts_backward_unsupported(const ExpertsBackwardParams& p) {

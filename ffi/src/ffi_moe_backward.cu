@@ -447,3 +447,10 @@ extern "C" __attribute__((visibility("default"))) int64_t mok_experts_backward_e
                                                                                             int64_t ranks) {
   return mok::experts_backward_ep_counter_words(rows, experts, ranks);
 }
+
+// The backward kernel's item list, decoded on the host (mok/experts_backward.cuh), for the tests of its order.
+extern "C" __attribute__((visibility("default"))) int32_t mok_experts_backward_item_list(
+    const int32_t* group_sizes, int32_t E, int32_t M, int32_t H, int32_t I, int32_t Is, int32_t Ts, int32_t ep,
+    int32_t kept, int32_t share_items, int32_t* out, int32_t capacity) {
+  return mok::experts_backward_item_list(group_sizes, E, M, H, I, Is, Ts, ep, kept, share_items, out, capacity);
+}

@@ -84,6 +84,28 @@ def _ep_counter_words(rows: int, experts: int, ranks: int) -> int:
     return int(_host_lib().mok_experts_backward_ep_counter_words(rows, experts, ranks))
 
 
+ITEM_FIELDS = ("kind", "shared", "group", "mb", "m_block", "n_block", "row0", "row_end")
+
+
+def item_list(group_sizes, *, rows: int, hidden: int, inter: int, shared_inter: int = 0, shared_rows: int = 0,
+              ep: int = 1, kept: bool = False, share_items: int = 0) -> np.ndarray:
+    """The backward kernel's work items in ticket order, as its CTAs decode them, computed on the host by the native
+    library (mok_experts_backward_item_list; no GPU): int32[n, len(ITEM_FIELDS)], ``kind`` an index of ITEM_KINDS.
+    For tests and reading of the list's order: ``group_sizes`` the routed experts' padded rows of ``rows``, the
+    shared expert's ``shared_inter`` and ``shared_rows`` (0: none), ``kept`` g | u (no gate/up recompute items)."""
+    from mok_jax.workspace.native import _host_lib
+
+    lib = _host_lib()
+    sizes = np.ascontiguousarray(group_sizes, np.int32)
+    args = (sizes.ctypes.data, sizes.size, rows, hidden, inter, shared_inter, shared_rows, ep, int(kept), share_items)
+    n = int(lib.mok_experts_backward_item_list(*args, None, 0))
+    if n < 0:
+        raise ValueError(f"group_sizes: {sizes.size} experts, the kernel takes at most 1024")
+    out = np.zeros((n, len(ITEM_FIELDS)), np.int32)
+    lib.mok_experts_backward_item_list(*args, out.ctypes.data, n)
+    return out
+
+
 def _row_scratch(m: int, hidden: int, inter: int, counter_words: int, lead: tuple = ()) -> tuple:
     """The op's scratch results over its M rows (each with the leading axes ``lead``: (R,) for the EP form),
     dropped by the wrappers: the gathered x_e, dy_e, w_e; gu (g, u in KEPT_GU_DTYPE, as the forward keeps them; kept:

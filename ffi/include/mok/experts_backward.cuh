@@ -177,6 +177,15 @@ constexpr int64_t experts_backward_counter_words(int64_t rows, int64_t experts, 
 // alignment, so such a row is a multiple of 16 words too). mok_jax/ops/moe_backward.py asks the library for it.
 int64_t experts_backward_ep_counter_words(int64_t rows, int64_t experts, int64_t ranks);
 
+// The backward kernel's item list as its CTAs decode it, on the host (no GPU; for tests of its order): E routed
+// experts of group_sizes over rows M, H, I, the shared expert's Is and rows Ts (0: none), ep, kept g | u (no GU
+// items) and share_items (ep > 1). Writes up to `capacity` items of kExpertsBackwardItemWords int32 each (kind,
+// shared, group, mb, m_block, n_block, row0, row_end) and returns the list's length; -1 for E outside [0, 1024].
+constexpr int kExpertsBackwardItemWords = 8;
+int32_t experts_backward_item_list(const int32_t* group_sizes, int32_t E, int32_t M, int32_t H, int32_t I, int32_t Is,
+                                   int32_t Ts, int32_t ep, int32_t kept, int32_t share_items, int32_t* out,
+                                   int32_t capacity);
+
 const char* experts_backward_unsupported(const ExpertsBackwardParams& params);
 cudaError_t launch_experts_backward(const ExpertsBackwardParams& params, cudaStream_t stream);
 // One launch for num_ranks EP ranks (1, or all ep of an emulated group on one device: CTA b serves rank

@@ -86,7 +86,8 @@ __device__ bool wait_count(const int32_t* ctr, int32_t target, int32_t* status,
   }
 }
 
-__device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
+// __host__ as well, with decode: mok_experts_backward_item_list gives the list on the host, for tests.
+__host__ __device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
   Shape h;
   h.nb_gu = ceil_div(2 * p.I, kBlockN), h.nb_dh = ceil_div(p.I, kBlockN), h.nb_dx = ceil_div(p.H, kBlockN);
   h.mb_wd = ceil_div(p.I, kBlockM), h.nb_wd = ceil_div(p.H, kBlockN);
@@ -116,7 +117,7 @@ struct Item {
   int32_t k0, k_len;        // weight gradients: the expert's rows
 };
 
-__device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shape& h, int i) {
+__host__ __device__ Item decode(const KernelParams& p, const SharedStorage& s, const Shape& h, int i) {
   const auto& tb = s.table;
   Item it{};
   int q = 0;

@@ -80,7 +80,7 @@ __device__ void build_group_table(GroupTable<kMaxGroups>& table, const int32_t* 
 // The last g in [0, n) with start(g) <= t, for a non-decreasing start() with start(0) <= t: the group a
 // flat tile index belongs to (the grouped FFN's tile_start, the megakernel's m-block prefix).
 template <class Start>
-__device__ __forceinline__ int last_group_at(Start start, int n, int t) {
+__host__ __device__ __forceinline__ int last_group_at(Start start, int n, int t) {
   int lo = 0, hi = n;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -92,7 +92,7 @@ __device__ __forceinline__ int last_group_at(Start start, int n, int t) {
 // Tile `local` of a group of `rows` rows with n_blocks column blocks: bands of kGroupM m-blocks, m fastest
 // within a band (the raster of every grouped GEMM of the library).
 template <int kBlockM, int kGroupM>
-__device__ __forceinline__ void band_tile(int local, int rows, int n_blocks, int* m_block, int* n_block) {
+__host__ __device__ __forceinline__ void band_tile(int local, int rows, int n_blocks, int* m_block, int* n_block) {
   const int m_blocks = (rows + kBlockM - 1) / kBlockM;
   const int band = local / (kGroupM * n_blocks);
   const int band_m0 = band * kGroupM;

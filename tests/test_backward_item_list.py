@@ -1,0 +1,110 @@
+"""The backward kernel's list of work items, decoded on the host by the native library's own `make_shape` and `decode`
+(`ops.moe_backward.item_list`; no GPU): every kind's items cover their m-blocks or tiles exactly once, in the kinds'
+order, and the row items go m-block by m-block. The GPU tests check what the items compute; these check which items
+there are, for group sizes no GPU test reaches (hundreds of experts, skewed, empty, bad tables)."""
+import numpy as np
+import pytest
+
+from mok_jax import _native
+from mok_jax.ops.moe_backward import ITEM_FIELDS, ITEM_KINDS, item_list
+
+pytestmark = pytest.mark.skipif(_native.library() is None,
+                                reason=f"the list is the native library's: {_native.native_status()}")
+
+BLOCK = 128  # the kernel's m-block and n-block rows (kBlockM) and its tiles' 256 output columns (kBlockN)
+N_BLOCK = 256
+KIND = {name: i for i, name in enumerate(ITEM_KINDS)}
+F = {name: i for i, name in enumerate(ITEM_FIELDS)}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _sizes(rng, E: int, how: str) -> np.ndarray:
+    """Padded group sizes (multiples of 128) of E experts."""
+    if how == "uniform":
+        blocks = rng.integers(30, 35, E)
+    elif how == "skewed":  # expert e with about 40 / (e + 1) m-blocks, at least one
+        blocks = np.maximum(1, (40.0 / np.arange(1, E + 1) * rng.uniform(0.7, 1.3, E)).astype(int))
+    elif how == "empty":  # some experts without rows
+        blocks = np.where(rng.random(E) < 0.3, 0, rng.integers(1, 9, E))
+    else:  # "small": at most one m-block each
+        blocks = rng.integers(0, 2, E)
+    return (blocks * BLOCK).astype(np.int32)
+
+
+def _check(sizes: np.ndarray, *, hidden: int = 512, inter: int = 384, kept: bool = False, extra_rows: int = 0):
+    E = sizes.size
+    rows = int(sizes.sum()) + extra_rows
+    items = item_list(sizes, rows=rows, hidden=hidden, inter=inter, kept=kept)
+    kinds = items[:, F["kind"]]
+    assert (np.diff(kinds) >= 0).all(), "the kinds are not in the list's order"
+    blocks = sizes // BLOCK
+    tile_start = np.concatenate([[0], np.cumsum(blocks)])
+    row_start = np.concatenate([[0], np.cumsum(sizes)])
+    nmb = int(tile_start[-1])
+    group_of = np.repeat(np.arange(E), blocks)  # each m-block's expert
+
+    # GATHER: one item per m-block, in order, each with its expert's rows
+    gather = items[kinds == KIND["gather"]]
+    mb, group = gather[:, F["mb"]], gather[:, F["group"]]
+    assert (mb == np.arange(nmb)).all(), "GATHER misses, repeats or reorders an m-block"
+    assert (group == group_of[mb]).all()
+    assert (gather[:, F["row0"]] == row_start[group] + (mb - tile_start[group]) * BLOCK).all()
+    assert (gather[:, F["row_end"]] == np.minimum(gather[:, F["row0"]] + BLOCK, row_start[group + 1])).all()
+
+    # DWSUM: one item per m-block, in order
+    assert (items[kinds == KIND["router-weight sum"]][:, F["mb"]] == np.arange(nmb)).all()
+
+    # the row GEMMs: each (m-block, n-block) once
+    for kind, cols in (("gate/up recompute", 2 * inter), ("down dgrad + SwiGLU bwd", inter),
+                       ("gate/up dgrad", hidden)):
+        tiles = items[kinds == KIND[kind]]
+        want = 0 if kind == "gate/up recompute" and kept else nmb * _cdiv(cols, N_BLOCK)
+        assert len(tiles) == want, kind
+        m, n = tiles[:, F["mb"]], tiles[:, F["n_block"]]
+        assert len({(int(a), int(b)) for a, b in zip(m, n)}) == want, kind
+        assert ((0 <= m) & (m < nmb) & (0 <= n) & (n < _cdiv(cols, N_BLOCK))).all(), kind
+        assert (group_of[m] == tiles[:, F["group"]]).all(), kind
+
+    # the weight gradients: each expert's output tiles once
+    for kind, (out_rows, out_cols) in (("d_down", (inter, hidden)), ("d_gate_up", (hidden, 2 * inter))):
+        tiles = items[kinds == KIND[kind]]
+        per = _cdiv(out_rows, BLOCK) * _cdiv(out_cols, N_BLOCK)
+        assert len(tiles) == E * per, kind
+        got = {(int(t[F["group"]]), int(t[F["m_block"]]), int(t[F["n_block"]])) for t in tiles}
+        assert len(got) == E * per, kind
+    return items
+
+
+@pytest.mark.parametrize("E,how", [(1, "uniform"), (4, "skewed"), (16, "uniform"), (16, "skewed"), (33, "empty"),
+                                   (200, "small"), (384, "uniform"), (1024, "small")])
+def test_every_item_once(E, how):
+    rng = np.random.default_rng(E * 7 + len(how))
+    _check(_sizes(rng, E, how))
+
+
+def test_rows_past_the_groups_and_kept_g_u():
+    rng = np.random.default_rng(5)
+    _check(_sizes(rng, 8, "skewed"), extra_rows=3 * BLOCK, kept=True, hidden=7168, inter=2048)
+
+
+def test_an_empty_expert_has_no_items():
+    sizes = np.array([4, 0, 3, 2], np.int32) * BLOCK
+    items = _check(sizes)
+    assert 1 not in items[:, F["group"]][np.isin(items[:, F["kind"]], [KIND["gather"], KIND["router-weight sum"]])]
+
+
+def test_a_bad_table_has_no_rows_to_gather():
+    """Group sizes past the rows (the kernel's status says so): the table is zeros, no GATHER, no row tiles."""
+    sizes = np.array([256, 256], np.int32)
+    items = item_list(sizes, rows=256, hidden=256, inter=256)
+    kinds = items[:, 0]
+    for kind in ("gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad", "router-weight sum"):
+        assert not (kinds == KIND[kind]).any(), kind
+
+
+def test_too_many_experts_is_an_error():
+    with pytest.raises(ValueError, match="group_sizes: 1025 experts"):
+        item_list(np.zeros(1025, np.int32), rows=0, hidden=256, inter=256)
