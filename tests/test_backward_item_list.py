@@ -96,10 +96,11 @@ def test_an_empty_expert_has_no_items():
     assert 1 not in items[:, F["group"]][np.isin(items[:, F["kind"]], [KIND["gather"], KIND["router-weight sum"]])]
 
 
-def test_a_bad_table_has_no_rows_to_gather():
-    """Group sizes past the rows (the kernel's status says so): the table is zeros, no GATHER, no row tiles."""
-    sizes = np.array([256, 256], np.int32)
-    items = item_list(sizes, rows=256, hidden=256, inter=256)
+@pytest.mark.parametrize("sizes,rows", [([256, 256], 256), ([256, -128], 512)])
+def test_a_bad_table_has_no_rows_to_gather(sizes, rows):
+    """Group sizes past the rows, or a negative one (the kernel's status says so): the table is zeros, no GATHER, no
+    row tiles."""
+    items = item_list(np.array(sizes, np.int32), rows=rows, hidden=256, inter=256)
     kinds = items[:, 0]
     for kind in ("gather", "gate/up recompute", "down dgrad + SwiGLU bwd", "gate/up dgrad", "router-weight sum"):
         assert not (kinds == KIND[kind]).any(), kind

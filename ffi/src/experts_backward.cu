@@ -206,21 +206,23 @@ int32_t experts_backward_item_list(const int32_t* group_sizes, int32_t E, int32_
   KernelParams p{};
   p.group_sizes = group_sizes, p.E = E, p.M = M, p.H = H, p.I = I, p.Is = Is, p.Ts = Ts, p.ep = ep;
   p.kept = kept, p.share_items = share_items;
-  auto s = std::make_unique<SharedStorage>();  // the table, as warp 1 builds it (gemm::build_group_table)
+  // The table and flags as warp 1 makes them (gemm::build_group_table, gemm::any_unpadded_group): all zeros when a
+  // size is negative or the sizes pass M.
+  auto s = std::make_unique<SharedStorage>();
   int64_t rows = 0, tiles = 0;
   bool negative = false, unpadded = false;
-  for (int e = 0; e < E; ++e) {
-    const int64_t size = group_sizes[e] < 0 ? 0 : group_sizes[e];
-    negative |= group_sizes[e] < 0, unpadded |= size % kBlockM != 0;
-    s->table.row_start[e] = int32_t(rows), s->table.tile_start[e] = int32_t(tiles);
-    rows += size, tiles += (size + kBlockM - 1) / kBlockM;
-  }
-  const bool valid = !negative && rows <= M;
   for (int e = 0; e <= E; ++e) {
-    if (!valid) s->table.row_start[e] = 0, s->table.tile_start[e] = 0;
+    s->table.row_start[e] = int32_t(rows), s->table.tile_start[e] = int32_t(tiles);
+    if (e == E) break;
+    const int64_t size = std::max(group_sizes[e], 0);
+    negative |= group_sizes[e] < 0, unpadded |= group_sizes[e] % gemm::kGroupAlign != 0;
+    rows += size, tiles += ceil_div<int64_t>(size, kBlockM);
   }
-  if (valid) s->table.row_start[E] = int32_t(rows), s->table.tile_start[E] = int32_t(tiles);
-  s->unpadded = unpadded, s->bad = unpadded || !valid;
+  if (negative || rows > M) {
+    std::fill_n(s->table.row_start, E + 1, 0);
+    std::fill_n(s->table.tile_start, E + 1, 0);
+  }
+  s->unpadded = unpadded, s->bad = unpadded || negative || rows > M;
   const Shape h = make_shape(p, *s);
   const int32_t n = h.begin[kKinds];
   for (int32_t i = 0; i < n && i < capacity; ++i) {

@@ -100,7 +100,7 @@ def item_list(group_sizes, *, rows: int, hidden: int, inter: int, shared_inter: 
     args = (sizes.ctypes.data, sizes.size, rows, hidden, inter, shared_inter, shared_rows, ep, int(kept), share_items)
     n = int(lib.mok_experts_backward_item_list(*args, None, 0))
     if n < 0:
-        raise ValueError(f"group_sizes: {sizes.size} experts, the kernel takes at most 1024")
+        raise ValueError(f"group_sizes: {sizes.size} experts, the kernel takes at most {EXPERTS_BACKWARD_MAX_EXPERTS}")
     out = np.zeros((n, len(ITEM_FIELDS)), np.int32)
     lib.mok_experts_backward_item_list(*args, out.ctypes.data, n)
     return out
