@@ -1,7 +1,8 @@
 """The backward kernel's list of work items, decoded on the host by the native library's own `make_shape` and `decode`
 (`ops.moe_backward.item_list`; no GPU): every kind's items cover their m-blocks or tiles exactly once, in the kinds'
-order, and the row items go m-block by m-block. The GPU tests check what the items compute; these check which items
-there are, for group sizes no GPU test reaches (hundreds of experts, skewed, empty, bad tables)."""
+order, and GATHER goes in rounds over the experts (m-block b of every expert before b + 1, for as many rounds as the
+smallest expert has m-blocks), then expert by expert. The GPU tests check what the items compute; these check which
+items there are, for group sizes no GPU test reaches (hundreds of experts, skewed, empty, bad tables)."""
 import numpy as np
 import pytest
 
@@ -46,13 +47,20 @@ def _check(sizes: np.ndarray, *, hidden: int = 512, inter: int = 384, kept: bool
     nmb = int(tile_start[-1])
     group_of = np.repeat(np.arange(E), blocks)  # each m-block's expert
 
-    # GATHER: one item per m-block, in order, each with its expert's rows
+    # GATHER: a bijection onto the m-blocks, each with its expert's rows, in rounds then expert by expert
     gather = items[kinds == KIND["gather"]]
+    assert len(gather) == nmb
     mb, group = gather[:, F["mb"]], gather[:, F["group"]]
-    assert (mb == np.arange(nmb)).all(), "GATHER misses, repeats or reorders an m-block"
+    assert sorted(mb.tolist()) == list(range(nmb)), "GATHER misses or repeats an m-block"
     assert (group == group_of[mb]).all()
     assert (gather[:, F["row0"]] == row_start[group] + (mb - tile_start[group]) * BLOCK).all()
     assert (gather[:, F["row_end"]] == np.minimum(gather[:, F["row0"]] + BLOCK, row_start[group + 1])).all()
+    r = int(blocks.min()) if E else 0
+    i = np.arange(E * r)
+    assert (group[: E * r] == i % E).all() and (mb[: E * r] == tile_start[i % E] + i // E).all(), "not in rounds"
+    rest = mb[E * r:]
+    assert (np.diff(rest) > 0).all(), "the blocks past the rounds are not expert by expert"
+    assert all(mb_ - tile_start[g] >= r for mb_, g in zip(rest, group[E * r:]))
 
     # DWSUM: one item per m-block, in order
     assert (items[kinds == KIND["router-weight sum"]][:, F["mb"]] == np.arange(nmb)).all()
@@ -80,7 +88,7 @@ def _check(sizes: np.ndarray, *, hidden: int = 512, inter: int = 384, kept: bool
 
 @pytest.mark.parametrize("E,how", [(1, "uniform"), (4, "skewed"), (16, "uniform"), (16, "skewed"), (33, "empty"),
                                    (200, "small"), (384, "uniform"), (1024, "small")])
-def test_every_item_once(E, how):
+def test_every_item_once_and_gather_in_rounds(E, how):
     rng = np.random.default_rng(E * 7 + len(how))
     _check(_sizes(rng, E, how))
 
@@ -90,10 +98,20 @@ def test_rows_past_the_groups_and_kept_g_u():
     _check(_sizes(rng, 8, "skewed"), extra_rows=3 * BLOCK, kept=True, hidden=7168, inter=2048)
 
 
-def test_an_empty_expert_has_no_items():
+def test_gather_rounds_skip_nothing_when_an_expert_is_empty():
+    """One empty expert: no rounds (r = 0), GATHER expert by expert, the old order."""
     sizes = np.array([4, 0, 3, 2], np.int32) * BLOCK
     items = _check(sizes)
-    assert 1 not in items[:, F["group"]][np.isin(items[:, F["kind"]], [KIND["gather"], KIND["router-weight sum"]])]
+    gather = items[items[:, F["kind"]] == KIND["gather"]]
+    assert gather[:, F["mb"]].tolist() == list(range(9))
+
+
+def test_the_qwen3_30b_shape_gathers_in_rounds():
+    """16 experts of 4096 rows (T = 8192, k = 8, uniform): all 32 m-blocks of every expert go in rounds."""
+    items = _check(np.full(16, 4096, np.int32), hidden=2048, inter=768, kept=True)
+    gather = items[items[:, F["kind"]] == KIND["gather"]]
+    assert gather[:20, F["group"]].tolist() == list(range(16)) + [0, 1, 2, 3]
+    assert gather[:20, F["mb"]].tolist() == [32 * e for e in range(16)] + [1, 33, 65, 97]
 
 
 @pytest.mark.parametrize("sizes,rows", [([256, 256], 256), ([256, -128], 512)])

@@ -101,12 +101,16 @@ def _rows(a) -> np.ndarray:
 def _op_problem(tag: str, T: int, E: int, k: int, H: int, I: int, routing: str = "uniform"):
     """bf16 tokens, dy and weights, f32 router weights, and the padded layout of a random routing: ``uniform``
     (k distinct experts of all E per token), ``masked_empty`` (experts from a random half only, so some get
-    nothing; 30% of the slots masked and the first tokens with every slot masked). Returns the op's args and
-    topk_idx."""
+    nothing; 30% of the slots masked and the first tokens with every slot masked), ``skewed`` (expert e drawn with
+    weight 1 / (e + 1)). Returns the op's args and topk_idx."""
     ks = jax.random.split(_key(tag), 5)
     rng = np.random.default_rng(zlib.crc32(f"{_SEED}{tag}".encode()))
-    pool = np.arange(E) if routing == "uniform" else rng.permutation(E)[:max(k, E // 2)]
-    idx = np.stack([rng.permutation(pool)[:k] for _ in range(T)]).astype(np.int32)
+    pool = np.arange(E) if routing in ("uniform", "skewed") else rng.permutation(E)[:max(k, E // 2)]
+    if routing == "skewed":  # expert e with weight 1 / (e + 1): every expert has rows, few or many m-blocks
+        odds = 1.0 / np.arange(1, E + 1)
+        idx = np.stack([rng.choice(pool, k, replace=False, p=odds / odds.sum()) for _ in range(T)]).astype(np.int32)
+    else:
+        idx = np.stack([rng.permutation(pool)[:k] for _ in range(T)]).astype(np.int32)
     if routing == "masked_empty":
         idx[rng.random(idx.shape) < 0.3] = -1
         idx[: min(4, T)] = -1
@@ -189,6 +193,7 @@ def _check_op(case, args, got, want, idx, no_row=None):
     (200, 8, 2, 320, 384, "masked_empty"),  # empty experts, masked slots; I not a multiple of 256; H = 2.5 x 128
     (1000, 1, 1, 256, 512, "uniform"),  # one expert: one group of 1024 rows, 24 of them padding
     (64, 16, 10, 256, 256, "uniform"),  # k = 10
+    (1000, 4, 2, 256, 256, "skewed"),  # GATHER's rounds over every expert's first m-blocks, then the rest
 ])
 def test_op_matches_reference(T, E, k, H, I, routing):
     case = f"op:{T}x{E}x{k}x{H}x{I}:{routing}"

@@ -119,7 +119,9 @@ struct BackwardKernel {
     if (warp == 1) {
       gemm::build_group_table(s.table, p.group_sizes, p.E, p.M, kBlockM, 1, lane);
       const bool unpadded = gemm::any_unpadded_group(p.group_sizes, p.E, lane);
-      if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0;
+      int fewest = fewest_blocks(p.group_sizes, p.E, lane, 32);
+      for (int d = 16; d > 0; d /= 2) fewest = min(fewest, __shfl_xor_sync(0xffffffffu, fewest, d));
+      if (lane == 0) s.unpadded = unpadded, s.bad = unpadded || s.table.status != 0, s.fewest_blocks = fewest;
     }
   }
   // The table's status bits (CTA 0), and the list's shape for every role.
@@ -223,6 +225,7 @@ int32_t experts_backward_item_list(const int32_t* group_sizes, int32_t E, int32_
     std::fill_n(s->table.tile_start, E + 1, 0);
   }
   s->unpadded = unpadded, s->bad = unpadded || negative || rows > M;
+  s->fewest_blocks = fewest_blocks(group_sizes, E, 0, 1);
   const Shape h = make_shape(p, *s);
   const int32_t n = h.begin[kKinds];
   for (int32_t i = 0; i < n && i < capacity; ++i) {

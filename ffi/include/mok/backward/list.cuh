@@ -6,6 +6,7 @@
 // Included by experts_backward.cu only: its definitions live in that translation unit's unnamed namespace.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "mok/backward/params.cuh"
@@ -26,6 +27,7 @@ struct Shape {
   int32_t s_nb_gu, s_nb_dh;           // the shared expert's column blocks of 2Is and Is
   int32_t s_mb_wd, s_nb_wg;           // its weight-gradient tiles: d_shared_down [Is, H], d_shared_gate_up [H, 2Is]
   int32_t s_mb, s_mb0;                // its m-blocks (of Ts rows), and the first one's index in the counters
+  int32_t gather_rounds;              // GATHER's rounds over every expert (decode): its fewest m-blocks
   int32_t shared[kKinds];             // the shared expert's items of each kind, first in the kind's range
   int32_t begin[kKinds + 1];           // the list: kind q holds items [begin[q], begin[q + 1])
 };
@@ -40,6 +42,7 @@ struct SharedStorage {
   int32_t peer_ok;  // ... of a wait for the peers (its own word: an item may wait for both, one after the other,
                     // and a slow warp may still be reading the first verdict when the second is written)
   int32_t last;     // this CTA is the rank's last to exit
+  int32_t fewest_blocks;  // the fewest m-blocks of any expert (0 for a bad table): Shape::gather_rounds
   Shape shape;      // the item list (from the table)
   WorkQueue<int32_t, kWorkSlots> work;  // tickets (item indices; -1: no more) from the producer to the consumers
 };
@@ -86,7 +89,15 @@ __device__ bool wait_count(const int32_t* ctr, int32_t target, int32_t* status,
   }
 }
 
-// __host__ as well, with decode: mok_experts_backward_item_list gives the list on the host, for tests.
+// The fewest m-blocks of experts first, first + step, ... of E (0 when E is 0): GATHER's rounds (Shape). Warp 1
+// takes it over its lanes at the kernel's start; mok_experts_backward_item_list over all of them on the host.
+__host__ __device__ inline int fewest_blocks(const int32_t* group_sizes, int E, int first, int step) {
+  int fewest = E > 0 ? INT_MAX : 0;
+  for (int e = first; e < E; e += step) fewest = min(fewest, ceil_div(max(group_sizes[e], 0), kBlockM));
+  return fewest;
+}
+
+// (__host__ as well, with decode: mok_experts_backward_item_list gives the list on the host, for tests.)
 __host__ __device__ Shape make_shape(const KernelParams& p, const SharedStorage& s) {
   Shape h;
   h.nb_gu = ceil_div(2 * p.I, kBlockN), h.nb_dh = ceil_div(p.I, kBlockN), h.nb_dx = ceil_div(p.H, kBlockN);
@@ -97,6 +108,7 @@ __host__ __device__ Shape make_shape(const KernelParams& p, const SharedStorage&
   h.s_nb_gu = ceil_div(2 * p.Is, kBlockN), h.s_nb_dh = ceil_div(p.Is, kBlockN);
   h.s_mb_wd = ceil_div(p.Is, kBlockM), h.s_nb_wg = ceil_div(2 * p.Is, kBlockN);
   h.s_mb = ceil_div(p.Ts, kBlockM), h.s_mb0 = ceil_div(p.M, kBlockM) + p.E;
+  h.gather_rounds = s.bad ? 0 : s.fewest_blocks;
   const bool ep = p.ep > 1;  // SHARE: comm_items + the stamp; SEND: one per m-block + the stamp
   const int shared[kKinds] = {0, 0, h.s_mb * h.s_nb_gu, h.s_mb * h.s_nb_dh, h.s_mb * h.nb_dx, 0, 0,
                               sh ? h.s_mb_wd * h.nb_wd : 0, sh ? h.mb_wg * h.s_nb_wg : 0, 0};
@@ -150,8 +162,18 @@ __host__ __device__ Item decode(const KernelParams& p, const SharedStorage& s, c
       [[fallthrough]];
     case kGather:
     case kDwSum: {
-      const int mb = it.index;
-      const int g = gemm::last_group_at([&](int e) { return tb.tile_start[e]; }, p.E, mb);
+      int mb = it.index, g;
+      const int r = q == kGather ? h.gather_rounds : 0;
+      // GATHER's first E r items go round by round, m-block b of every expert before b + 1: an expert's rows are in
+      // token order, so the CTAs gathering at once read the same tokens' x and dy rows, which L2 then serves to
+      // the k - 1 other experts of each token (expert by expert, every token's rows were read k times from HBM).
+      if (it.index < p.E * r) {
+        g = it.index % p.E, mb = tb.tile_start[g] + it.index / p.E;
+      } else {  // the rest of each expert's m-blocks, expert by expert (all of them when r is 0)
+        const int j = it.index - p.E * r;
+        g = gemm::last_group_at([&](int e) { return tb.tile_start[e] - e * r; }, p.E, j);
+        mb = j + g * r + r;
+      }
       it.group = g, it.mb = mb;
       it.row0 = tb.row_start[g] + (mb - tb.tile_start[g]) * kBlockM;
       it.row_end = min(it.row0 + kBlockM, tb.row_start[g + 1]);
