@@ -59,3 +59,16 @@ def test_item_times_lie_in_the_sync_region_of_the_scratch(ep, tokens, granularit
     at = item_times_offset(kernel=kernel, **shape)
     assert sync_end - terms["sync"] <= at and at + len(ITEM_TIME_KINDS) * len(ITEM_TIME_FIELDS) * 8 <= sync_end
     assert at % 8 == 0  # u64 words
+
+
+def test_kernel_periods_from_launch_to_launch():
+    """The trace's forward kernels, out of order and among other events: their durations and the ms from one launch
+    to the next, in time order (what a call spends beside the kernel is the period less the duration)."""
+    from mok_jax.bench.breakdown import _kernel_periods, _kernel_times
+
+    events = [{"ph": "X", "name": "void mok::moe::forward_kernel<false, false>", "ts": ts, "dur": 2400.0}
+              for ts in (5600.0, 0.0, 2800.0)]
+    events += [{"ph": "X", "name": "Memset", "ts": 2500.0, "dur": 5.0}, {"ph": "i", "name": "forward_kernel", "ts": 1.0}]
+    assert _kernel_times(events, "forward_kernel") == [2.4, 2.4, 2.4]
+    assert _kernel_periods(events, "forward_kernel") == [2.8, 2.8]
+    assert _kernel_periods(events[:1], "forward_kernel") == []

@@ -18,10 +18,11 @@ config), in one process, median ms of back-to-back calls (mok_jax.bench.timing):
   pre-summed partials left out), which is what choice (b)'s owner side costs.
 Beside them: a dense bf16 GEMM of 8192^3 (the compute floor's reference) timed the same way, and the SM
 clock and power that nvidia-smi reports while each variant runs. ``--trace DIR`` also records 40 calls of
-``mok`` with jax.profiler and prints the kernel's device time of the first and last calls. ``--items`` also runs
-the kernel's "item times" form (the same work; ``mok, item times`` is its time) and prints, per kind of work
-item, the consumers' busy and waiting ms per CTA and when the kind's first item started and its last ended
-(item_times; the median of 5 calls).
+``mok`` with jax.profiler (with ``--only-comm-items`` too) and prints the kernel's device time of the first and
+last calls, and the median time from one launch of it to the next: what a call spends outside the kernel.
+``--items`` also runs the kernel's "item times" form (the same work; ``mok, item times`` is its time) and prints,
+per kind of work item, the consumers' busy and waiting ms per CTA and when the kind's first item started and its
+last ended (item_times; the median of 5 calls).
 """
 
 from __future__ import annotations
@@ -143,8 +144,12 @@ def _kernel_times(events: list[dict], name: str) -> list[float]:
     return [e["dur"] / 1e3 for e in ks]
 
 
-def _kernel_times_from_trace(trace_dir: str, name: str) -> list[float]:
-    return _kernel_times(_trace_events(trace_dir), name)
+def _kernel_periods(events: list[dict], name: str) -> list[float]:
+    """ms from each start of a complete event whose name contains ``name`` to the next one's, in time order: beside
+    the kernel's own durations, what back-to-back calls spend between two of its launches (the other kernels of
+    the call, the launch gaps)."""
+    ts = sorted(e["ts"] for e in events if e.get("ph") == "X" and name in e.get("name", ""))
+    return [(b - a) / 1e3 for a, b in zip(ts, ts[1:])]
 
 
 def _problem(model_name: str, tokens: int, seed: int, experts: int | None = None):
@@ -228,6 +233,8 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
         timed = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=TIMING_MODES["item times"]))
         rows["mok, item times"] = _timed(jax.jit(lambda *a: timed(*a)[0]), args, timing_kw)
         out["item times"] = item_times([np.asarray(timed(*args)[2][0]) for _ in range(5)])
+    if trace:
+        _trace_case(layer(), args, trace, model_name, out)
     if only_sweep:
         out["rows"] = rows
         return out
@@ -253,18 +260,24 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
         rows["ep2 mok"] = _timed(layer(ep=2), args, timing_kw)
         rows["ep2 no send rows"] = _timed(layer(ep=2, timing_mode=TIMING_MODES["no send rows"]), args, timing_kw)
 
-    if trace:
-        fn = layer()
-        jax.block_until_ready(fn(*args))
-        d = os.path.join(trace, model_name)
-        with jax.profiler.trace(d):
-            for _ in range(40):
-                y = fn(*args)
-            jax.block_until_ready(y)
-        ks = _kernel_times_from_trace(d, "forward_kernel")
-        out["trace_kernel_ms"] = ks
     out["rows"] = rows
     return out
+
+
+def _trace_case(fn, args, trace: str, model_name: str, out: dict) -> None:
+    """40 back-to-back calls of fn under jax.profiler: the forward kernel's device ms per call and the ms from one
+    launch of it to the next (trace_kernel_ms, trace_period_ms)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    d = os.path.join(trace, model_name)
+    with jax.profiler.trace(d):
+        for _ in range(40):
+            y = fn(*args)
+        jax.block_until_ready(y)
+    events = _trace_events(d)
+    out["trace_kernel_ms"] = _kernel_times(events, "forward_kernel")
+    out["trace_period_ms"] = _kernel_periods(events, "forward_kernel")
 
 
 def _dense(timing_kw) -> dict:
@@ -321,8 +334,10 @@ def table(res: dict, header: bool = True) -> str:
                              f"| {r['first start us']:.1f} | {r['last end us']:.1f} |")
         ks = c.get("trace_kernel_ms")
         if ks:
+            ps = c.get("trace_period_ms") or [float("nan")]
             lines.append(f"profiler: {len(ks)} kernels, first 3 {[round(v, 3) for v in ks[:3]]}, last 3 "
-                         f"{[round(v, 3) for v in ks[-3:]]}, median {statistics.median(ks):.3f} ms")
+                         f"{[round(v, 3) for v in ks[-3:]]}, median {statistics.median(ks):.3f} ms; from one launch "
+                         f"to the next, median {statistics.median(ps):.3f} ms")
     return "\n".join(lines)
 
 
