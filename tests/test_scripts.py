@@ -28,3 +28,15 @@ def test_ab_scripts_warn_when_xla_autotuning_is_off():
                              text=True, timeout=120)
         assert run.returncode == 0, run.stderr
         assert f"{script}: warning: XLA_FLAGS has --xla_gpu_autotune_level=0" in run.stderr, run.stderr
+
+
+def test_ab_tree_refuses_a_bad_name_or_revision_before_building():
+    """scripts/ab_tree.sh NAME REV builds a tree for gpu_backward_ab.sh under ab/NAME: a NAME that is a path or a REV
+    this repository lacks is refused at once (exit 2, naming it), before a worktree or a build exists."""
+    script = str(REPO / "scripts" / "ab_tree.sh")
+    for args, said in ((["x/y", "HEAD"], "NAME must be a plain directory name, got 'x/y'"),
+                       (["t", "no-such-rev-of-mok"], "not a revision of this repository: no-such-rev-of-mok"),
+                       (["t"], "usage: bash scripts/ab_tree.sh NAME REV")):
+        run = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and said in run.stderr, (args, run.returncode, run.stderr)
+    assert not (REPO / "ab" / "t").exists()
