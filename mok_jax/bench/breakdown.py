@@ -138,18 +138,22 @@ def _trace_events(trace_dir: str) -> list[dict]:
     return ev["traceEvents"] if isinstance(ev, dict) else ev
 
 
+def _kernel_events(events: list[dict], name: str) -> list[dict]:
+    """The complete events whose name contains ``name``, in time order."""
+    return sorted((e for e in events if e.get("ph") == "X" and name in e.get("name", "")), key=lambda e: e["ts"])
+
+
 def _kernel_times(events: list[dict], name: str) -> list[float]:
     """ms of each complete event whose name contains ``name``, in time order."""
-    ks = sorted((e for e in events if e.get("ph") == "X" and name in e.get("name", "")), key=lambda e: e["ts"])
-    return [e["dur"] / 1e3 for e in ks]
+    return [e["dur"] / 1e3 for e in _kernel_events(events, name)]
 
 
 def _kernel_periods(events: list[dict], name: str) -> list[float]:
     """ms from each start of a complete event whose name contains ``name`` to the next one's, in time order: beside
     the kernel's own durations, what back-to-back calls spend between two of its launches (the other kernels of
     the call, the launch gaps)."""
-    ts = sorted(e["ts"] for e in events if e.get("ph") == "X" and name in e.get("name", ""))
-    return [(b - a) / 1e3 for a, b in zip(ts, ts[1:])]
+    ks = _kernel_events(events, name)
+    return [(b["ts"] - a["ts"]) / 1e3 for a, b in zip(ks, ks[1:])]
 
 
 def _problem(model_name: str, tokens: int, seed: int, experts: int | None = None):
