@@ -72,3 +72,19 @@ def test_kernel_periods_from_launch_to_launch():
     assert _kernel_times(events, "forward_kernel") == [2.4, 2.4, 2.4]
     assert _kernel_periods(events, "forward_kernel") == [2.8, 2.8]
     assert _kernel_periods(events[:1], "forward_kernel") == []
+
+
+def test_kernel_events_are_the_devices():
+    """A jax.profiler trace also names the host's launches after the kernel (a few us each, at the host's pace, ahead
+    of the device): with the trace's process names, only the "/device:..." processes' events count."""
+    from mok_jax.bench.breakdown import _kernel_periods, _kernel_times
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}}]
+    kernel = "void mok::moe::forward_kernel<false, false>"
+    device = [{"ph": "X", "pid": 1, "name": kernel, "ts": 100.0 + 2406.0 * i, "dur": 2400.0} for i in range(3)]
+    host = [{"ph": "X", "pid": 7, "name": kernel, "ts": 500.0 * i, "dur": 10.0} for i in range(3)]
+    events = meta + host + device
+    assert _kernel_times(events, "forward_kernel") == [2.4, 2.4, 2.4]
+    assert [round(p, 3) for p in _kernel_periods(events, "forward_kernel")] == [2.406, 2.406]
+    assert len(_kernel_times(host + device, "forward_kernel")) == 6  # no process names: every event
