@@ -20,8 +20,8 @@ from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights
 from mok_jax.validation import KEPT_GU_DTYPE, check_fp8_expert_weights, check_workspace_call
 
-__all__ = ["ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "item_times_offset",
-           "moe_forward", "resolve_kernel", "scratch_bytes"]
+__all__ = ["ITEM_FIELDS", "ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "item_list",
+           "item_times_offset", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
 # Ranks one emulated call carries: kMaxEmulatedRanks in ffi/include/mok/moe/forward.cuh (above kMaxVirtualRanks, 8,
 # each rank's kernel parameters travel in its row of the scratch: forward_params.cuh, ManyParams).
@@ -66,6 +66,40 @@ def item_times_offset(*, tokens: int, hidden: int, inter: int, shared_inter: int
     if at < 0:
         raise ValueError("implementation='mok' does not support this call (scratch_bytes says why)")
     return at
+
+
+# The words of one item of item_list (mok/moe/forward.cuh, kForwardItemWords): its kind (an index of
+# ITEM_TIME_KINDS), microbatch, index and count within its communication phase, and a tile's expert, rows [row0,
+# row_end) of the ring slot (of the T tokens for the shared expert's), column block and m-block counter.
+ITEM_FIELDS = ("kind", "mb", "idx", "count", "group", "row0", "row_end", "n_block", "mblock")
+
+
+def item_list(rows, *, tokens: int, hidden: int, inter: int, shared_inter: int, top_k: int, local_experts: int,
+              ep: int, kernel: KernelConfig, ctas: int, timing_mode: int = 0) -> np.ndarray:
+    """The forward kernel's work items of one rank in ticket order, as its CTAs decode them, computed on the host by
+    the native library with the kernel's own plan, segment writer and decoder (mok_moe_item_list; no GPU):
+    int32[n, len(ITEM_FIELDS)]. For tests and reading of the order. ``rows``: int32[microbatches, local_experts],
+    the rows each microbatch brings each local expert (KernelConfig.microbatches); ``ctas``: the rank's CTAs;
+    ``timing_mode``: the lab's bits that change the order. Raises ValueError for a call the kernel does not
+    support, RuntimeError when the dynamic part's segments would overflow the table the plan sizes for them."""
+    _, microbatches, _ = kernel.microbatches(int(tokens))
+    counts = np.ascontiguousarray(rows, np.int32)
+    if counts.shape != (microbatches, int(local_experts)):
+        raise ValueError(f"rows must be [microbatches, local_experts] = [{microbatches}, {local_experts}], got "
+                         f"{counts.shape}")
+    if (counts < 0).any():
+        raise ValueError("rows must be counts, >= 0")
+    args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
+            kernel.granularity, kernel.comm_items_fwd, kernel.ring_slots, int(timing_mode), int(ctas)]
+    lib = _lib()
+    n = int(lib.mok_moe_item_list(*args, counts.ctypes.data, None, 0))
+    if n == -1:
+        raise ValueError("implementation='mok' does not support this call (scratch_bytes says why), or ctas < 1")
+    if n == -2:
+        raise RuntimeError("the forward's segment table would overflow its bound (Plan::max_segments)")
+    out = np.zeros((n, len(ITEM_FIELDS)), np.int32)
+    lib.mok_moe_item_list(*args, counts.ctypes.data, out.ctypes.data, n)
+    return out
 
 
 def resolve_kernel(ws, kernel: KernelConfig | None, *, tokens: int, hidden: int, inter: int, top_k: int,
