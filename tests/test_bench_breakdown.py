@@ -72,3 +72,23 @@ def test_kernel_periods_from_launch_to_launch():
     assert _kernel_times(events, "forward_kernel") == [2.4, 2.4, 2.4]
     assert _kernel_periods(events, "forward_kernel") == [2.8, 2.8]
     assert _kernel_periods(events[:1], "forward_kernel") == []
+
+
+def test_table_prints_the_item_times_of_both_orders():
+    """--items on a model with a shared expert times both orders of the shared expert's down tiles (timing mode 32,
+    and 32 + 64 "shared down late"): the table prints each one's rows under its own header."""
+    from mok_jax.bench.breakdown import table
+
+    row = {"ms": 2.5, "sm_mhz": 1980.0, "sm_mhz_min": 1980.0, "watts": 300.0}
+    early = {"shared down": {"items": 448, "busy ms per CTA": 0.088, "waited ms per CTA": 0.066,
+                             "first start us": 260.3, "last end us": 390.3}}
+    late = {"shared down": {**early["shared down"], "waited ms per CTA": 0.001}}
+    case = {"model": "kimi-k2", "experts": 12, "tokens": 2048, "flops": 1.6e12, "kernel": "KernelConfig()",
+            "rows": {"mok": row, "mok, item times": row, "mok, item times, shared down late": {**row, "ms": 2.45}},
+            "item times": early, "item times, shared down late": late}
+    lines = table({"cases": [case]}, header=False).splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("| item kind")]
+    assert [lines[i].split(")")[0] for i in heads] == ["| item kind (item times", "| item kind (item times, shared down late"]
+    assert lines[heads[0] + 2].startswith("| shared down | 448 | 0.088 | 0.066 |")
+    assert lines[heads[1] + 2].startswith("| shared down | 448 | 0.088 | 0.001 |")
+    assert any(line.startswith("| mok, item times, shared down late | 2.450 | -0.050 |") for line in lines)

@@ -128,7 +128,7 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
 
 # Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
-                "reduce rows twice": 16, "item times": 32}
+                "reduce rows twice": 16, "item times": 32, "shared down late": 64}
 # The "item times" bit changes no work: each rank's consumers time their items into words of the sync region
 # (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns them: uint32[R, 12, 5, 2], the u64 fields
 # of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words, in globaltimer ns.
@@ -155,7 +155,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
     still runs, so that differences of timings say what a phase costs the call; with the "item times" bit (which
     changes no work) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the u64 fields of
-    ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times). A call with
+    ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times); the "shared
+    down late" bit changes only the order of the work (the same bits): the shared expert's down tiles run after the
+    first microbatch's gate/up tiles instead of before them (ffi/include/mok/moe/plan.cuh). A call with
     skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16
     only); every other call runs a production form without it. kernel None: the tuned table of the workspace's
     device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.

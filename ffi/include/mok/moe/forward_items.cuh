@@ -141,6 +141,7 @@ __host__ __device__ __forceinline__ Item decode_dynamic(const Plan& p, const int
   const int kind = sync[p.o_seg_kind + lo], m = sync[p.o_seg_mb + lo];
   const int local = t - begin[lo];
   if (kind == kGu || kind == kDn) return routed_tile(p, sync, kind, m, local);
+  if (kind == kSharedDn) return shared_tile(p, kSharedDn, local);  // Plan::shared_dn_late
   return comm_item(kind, m, local, begin[lo + 1] - begin[lo]);
 }
 

@@ -45,6 +45,7 @@ __host__ __device__ __forceinline__ void write_segments(const Plan& p, int32_t* 
     if (g >= 0 && g < p.M) {
       const int32_t mblocks = sync[p.o_mblock + int64_t(g) * (L + 1) + L];
       add(kGu, g, mblocks * p.nb_gu);
+      if (g == 0 && p.shared_dn_late) add(kSharedDn, 0, p.n_shared_dn);
       add(kDn, g, mblocks * p.nb_dn);
     }
   }
