@@ -76,19 +76,19 @@ def test_kernel_periods_from_launch_to_launch():
 
 def test_table_prints_the_item_times_of_both_orders():
     """--items on a model with a shared expert times both orders of the shared expert's down tiles (timing mode 32,
-    and 32 + 64 "shared down late"): the table prints each one's rows under its own header."""
+    and 32 + 64 "shared down early"): the table prints each one's rows under its own header."""
     from mok_jax.bench.breakdown import table
 
     row = {"ms": 2.5, "sm_mhz": 1980.0, "sm_mhz_min": 1980.0, "watts": 300.0}
-    early = {"shared down": {"items": 448, "busy ms per CTA": 0.088, "waited ms per CTA": 0.066,
-                             "first start us": 260.3, "last end us": 390.3}}
-    late = {"shared down": {**early["shared down"], "waited ms per CTA": 0.001}}
+    late = {"shared down": {"items": 448, "busy ms per CTA": 0.088, "waited ms per CTA": 0.001,
+                            "first start us": 1465.9, "last end us": 1600.3}}
+    early = {"shared down": {**late["shared down"], "waited ms per CTA": 0.066}}
     case = {"model": "kimi-k2", "experts": 12, "tokens": 2048, "flops": 1.6e12, "kernel": "KernelConfig()",
-            "rows": {"mok": row, "mok, item times": row, "mok, item times, shared down late": {**row, "ms": 2.45}},
-            "item times": early, "item times, shared down late": late}
+            "rows": {"mok": row, "mok, item times": row, "mok, item times, shared down early": {**row, "ms": 2.55}},
+            "item times": late, "item times, shared down early": early}
     lines = table({"cases": [case]}, header=False).splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("| item kind")]
-    assert [lines[i].split(")")[0] for i in heads] == ["| item kind (item times", "| item kind (item times, shared down late"]
-    assert lines[heads[0] + 2].startswith("| shared down | 448 | 0.088 | 0.066 |")
-    assert lines[heads[1] + 2].startswith("| shared down | 448 | 0.088 | 0.001 |")
-    assert any(line.startswith("| mok, item times, shared down late | 2.450 | -0.050 |") for line in lines)
+    assert [lines[i].split(")")[0] for i in heads] == ["| item kind (item times", "| item kind (item times, shared down early"]
+    assert lines[heads[0] + 2].startswith("| shared down | 448 | 0.088 | 0.001 |")
+    assert lines[heads[1] + 2].startswith("| shared down | 448 | 0.088 | 0.066 |")
+    assert any(line.startswith("| mok, item times, shared down early | 2.550 | +0.050 |") for line in lines)

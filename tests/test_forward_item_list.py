@@ -55,7 +55,7 @@ def _check(*, T, H, I, Is, k, L, ep, G, S, D, ctas, how, seed=0, timing_mode=0):
     d0 = ctas if Is == 0 and ctas > D else D
     s_mb = math.ceil(T / TILE_M)
     n_sgu, n_sdn = (s_mb * math.ceil(Is / GU_COLS), s_mb * math.ceil(H / DN_COLS)) if Is else (0, 0)
-    late = bool(timing_mode & 64) and n_sdn > 0
+    late = not timing_mode & 64 and n_sdn > 0  # the production order; 64: "shared down early"
     prefix = (["post"] * n_post + ["count"] * n_count + ["scan"] + ["place"] * n_count + ["dispatch"] * d0
               + ["shared gate/up"] * n_sgu + ["shared down"] * (0 if late else n_sdn))
     assert [ITEM_TIME_KINDS[q] for q in kind[:len(prefix)]] == prefix
@@ -75,7 +75,7 @@ def _check(*, T, H, I, Is, k, L, ep, G, S, D, ctas, how, seed=0, timing_mode=0):
     for b in range(s_mb if Is else 0):
         last_gu = t[where("shared gate/up") & (items[:, F["mblock"]] == b)].max()
         assert t[where("shared down") & (items[:, F["mblock"]] == b)].min() > last_gu
-    if late:  # "shared down late": one segment between GU(0) and DN(0)
+    if late:  # one segment between GU(0) and DN(0)
         sdn = t[where("shared down")]
         assert (np.diff(sdn) == 1).all()
         assert sdn.min() > t[where("gate/up", 0)].max(initial=-1) and sdn.max() < t[where("down", 0)].min(initial=len(t))
@@ -159,11 +159,11 @@ def test_a_phase_never_has_more_items_than_the_rank_has_ctas():
 
 
 @pytest.mark.parametrize("ep,G,S", [(1, 2048, 2), (1, 512, 1), (2, 512, 2), (4, 512, 3)])
-def test_shared_down_late_runs_between_gu0_and_dn0(ep, G, S):
-    """The lab's timing bit "shared down late" (64) moves the SHARED_DN tiles out of the static prefix, as one
-    segment between GU(0) and DN(0): the same items, and each still after what it waits for (and REDUCE after it)."""
+def test_shared_down_runs_between_gu0_and_dn0(ep, G, S):
+    """The SHARED_DN tiles run as one segment between GU(0) and DN(0); the lab's timing bit "shared down early" (64)
+    keeps them in the static prefix: the same items, and each still after what it waits for (and REDUCE after it)."""
     kw = dict(T=2048, H=512, I=256, Is=384, k=4, L=4, ep=ep, G=G, S=S, D=3, ctas=24, how="balanced")
-    early, late = _check(**kw), _check(**kw, timing_mode=64)
+    late, early = _check(**kw), _check(**kw, timing_mode=64)
     assert sorted(map(tuple, early.tolist())) == sorted(map(tuple, late.tolist()))
     assert not (early == late).all()
 

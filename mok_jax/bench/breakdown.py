@@ -23,8 +23,9 @@ last calls, and the median time from one launch of it to the next: what a call s
 ``--items`` also runs the kernel's "item times" form (the same work; ``mok, item times`` is its time) and prints,
 per kind of work item, the consumers' busy and waiting ms per CTA and when the kind's first item started and its
 last ended (item_times; the median of 5 calls). With a shared expert, ``--items`` also times the "shared down
-late" order (the shared expert's down tiles after the first microbatch's gate/up tiles: the same work and bits)
-in the same form, ``mok, item times, shared down late``, and prints its item times beside.
+early" order (the shared expert's down tiles before the first microbatch's gate/up tiles, where the production
+order runs them after: the same work and bits) in the same form, ``mok, item times, shared down early``, and prints
+its item times beside.
 """
 
 from __future__ import annotations
@@ -236,12 +237,12 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
         rows["mok, item times"] = _timed(jax.jit(lambda *a: timed(*a)[0]), args, timing_kw)
         out["item times"] = item_times([np.asarray(timed(*args)[2][0]) for _ in range(5)])
         if W.shared_gate_up is not None:  # the other order of the shared expert's down tiles, in the same form
-            late = TIMING_MODES["item times"] | TIMING_MODES["shared down late"]
-            timed_late = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=late))
-            rows["mok, item times, shared down late"] = _timed(jax.jit(lambda *a: timed_late(*a)[0]), args,
-                                                               timing_kw)
-            out["item times, shared down late"] = item_times([np.asarray(timed_late(*args)[2][0])
-                                                              for _ in range(5)])
+            early = TIMING_MODES["item times"] | TIMING_MODES["shared down early"]
+            timed_early = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=early))
+            rows["mok, item times, shared down early"] = _timed(jax.jit(lambda *a: timed_early(*a)[0]), args,
+                                                                timing_kw)
+            out["item times, shared down early"] = item_times([np.asarray(timed_early(*args)[2][0])
+                                                               for _ in range(5)])
     if trace:
         _trace_case(layer(), args, trace, model_name, out)
     if only_sweep:
@@ -335,7 +336,7 @@ def table(res: dict, header: bool = True) -> str:
         for name, r in c["rows"].items():
             lines.append(f"| {name} | {r['ms']:.3f} | {r['ms'] - base:+.3f} | {r['sm_mhz']} ({r.get('sm_mhz_min')}) "
                          f"| {r['watts']} |")
-        for key in ("item times", "item times, shared down late"):
+        for key in ("item times", "item times, shared down early"):
             if not c.get(key):
                 continue
             lines.append(f"| item kind ({key}) | items | busy ms per CTA | waited ms per CTA | first start us "

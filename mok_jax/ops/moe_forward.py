@@ -128,7 +128,7 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
 
 # Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
-                "reduce rows twice": 16, "item times": 32, "shared down late": 64}
+                "reduce rows twice": 16, "item times": 32, "shared down early": 64}
 # The "item times" bit changes no work: each rank's consumers time their items into words of the sync region
 # (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns them: uint32[R, 12, 5, 2], the u64 fields
 # of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words, in globaltimer ns.

@@ -80,7 +80,7 @@ enum TimingMode : int32_t {
   kTimingTwiceDispatchRows = 8,  // DISPATCH copies every row twice (the same bytes to the same place)
   kTimingTwiceReduceRows = 16,   // REDUCE computes and writes every y row twice
   kTimingItemTimes = 32,         // no change to the work: each CTA's consumers time their items (ItemTimes)
-  kTimingSharedDownLate = 64,    // the same work in another order: SHARED_DN's tiles after GU(0)'s (plan.cuh)
+  kTimingSharedDownEarly = 64,   // the same work in another order: SHARED_DN's tiles in the static prefix (plan.cuh)
 };
 
 struct ForwardRank {
