@@ -55,7 +55,8 @@ def _check(*, T, H, I, Is, k, L, ep, G, S, D, ctas, how, seed=0, timing_mode=0):
     d0 = ctas if Is == 0 and ctas > D else D
     s_mb = math.ceil(T / TILE_M)
     n_sgu, n_sdn = (s_mb * math.ceil(Is / GU_COLS), s_mb * math.ceil(H / DN_COLS)) if Is else (0, 0)
-    late = not timing_mode & 64 and n_sdn > 0  # the production order; 64: "shared down early"
+    # the production order: late at EP 1, early above; the lab's bits 64 ("shared down early") and 128 (late)
+    late = n_sdn > 0 and (bool(timing_mode & 128) or (ep == 1 and not timing_mode & 64))
     prefix = (["post"] * n_post + ["count"] * n_count + ["scan"] + ["place"] * n_count + ["dispatch"] * d0
               + ["shared gate/up"] * n_sgu + ["shared down"] * (0 if late else n_sdn))
     assert [ITEM_TIME_KINDS[q] for q in kind[:len(prefix)]] == prefix
@@ -160,10 +161,12 @@ def test_a_phase_never_has_more_items_than_the_rank_has_ctas():
 
 @pytest.mark.parametrize("ep,G,S", [(1, 2048, 2), (1, 512, 1), (2, 512, 2), (4, 512, 3)])
 def test_shared_down_runs_between_gu0_and_dn0(ep, G, S):
-    """The SHARED_DN tiles run as one segment between GU(0) and DN(0); the lab's timing bit "shared down early" (64)
-    keeps them in the static prefix: the same items, and each still after what it waits for (and REDUCE after it)."""
+    """At EP 1 the SHARED_DN tiles run as one segment between GU(0) and DN(0), at EP > 1 in the static prefix; the
+    lab's timing bits "shared down early" (64) and "shared down late" (128) choose either order at any EP size: the
+    same items, and each still after what it waits for (and REDUCE after it)."""
     kw = dict(T=2048, H=512, I=256, Is=384, k=4, L=4, ep=ep, G=G, S=S, D=3, ctas=24, how="balanced")
-    late, early = _check(**kw), _check(**kw, timing_mode=64)
+    production, early, late = _check(**kw), _check(**kw, timing_mode=64), _check(**kw, timing_mode=128 + 32)
+    assert (production == (late if ep == 1 else early)).all()
     assert sorted(map(tuple, early.tolist())) == sorted(map(tuple, late.tolist()))
     assert not (early == late).all()
 
@@ -177,3 +180,5 @@ def test_bad_rows_and_calls():
         item_list(-np.ones((2, 3)), **kw)
     with pytest.raises(ValueError, match="does not support this call"):
         item_list(np.zeros((2, 3)), **{**kw, "ctas": 0})
+    with pytest.raises(ValueError, match="item_list: timing_mode 192 asks for both orders"):
+        item_list(np.zeros((2, 3)), **kw, timing_mode=192)

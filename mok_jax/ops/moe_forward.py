@@ -89,6 +89,7 @@ def item_list(rows, *, tokens: int, hidden: int, inter: int, shared_inter: int, 
                          f"{counts.shape}")
     if (counts < 0).any():
         raise ValueError("rows must be counts, >= 0")
+    _one_shared_down_order(int(timing_mode), "item_list")
     args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
             kernel.granularity, kernel.comm_items_fwd, kernel.ring_slots, int(timing_mode), int(ctas)]
     lib = _lib()
@@ -128,7 +129,17 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
 
 # Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
-                "reduce rows twice": 16, "item times": 32, "shared down early": 64}
+                "reduce rows twice": 16, "item times": 32, "shared down early": 64,
+                "shared down late": 128}
+
+
+def _one_shared_down_order(timing_mode: int, where: str) -> None:
+    both = TIMING_MODES["shared down early"] | TIMING_MODES["shared down late"]
+    if timing_mode & both == both:
+        raise ValueError(f"{where}: timing_mode {timing_mode} asks for both orders of the shared expert's down tiles "
+                         f"(\"shared down early\" 64 and \"shared down late\" 128); give one")
+
+
 # The "item times" bit changes no work: each rank's consumers time their items into words of the sync region
 # (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns them: uint32[R, 12, 5, 2], the u64 fields
 # of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words, in globaltimer ns.
@@ -212,6 +223,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                          f"{shared_gate_up.shape} and {shared_down.shape}")
     if not isinstance(timing_mode, (int, np.integer)) or not 0 <= timing_mode <= sum(TIMING_MODES.values()):
         raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
+    _one_shared_down_order(timing_mode, "mok_jax.ops.moe_forward")
     if keep_pos is None:
         keep_pos, keep_rows = jnp.zeros((R, 0), jnp.int32), 0
     elif identity_experts:

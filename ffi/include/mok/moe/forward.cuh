@@ -81,6 +81,7 @@ enum TimingMode : int32_t {
   kTimingTwiceReduceRows = 16,   // REDUCE computes and writes every y row twice
   kTimingItemTimes = 32,         // no change to the work: each CTA's consumers time their items (ItemTimes)
   kTimingSharedDownEarly = 64,   // the same work in another order: SHARED_DN's tiles in the static prefix (plan.cuh)
+  kTimingSharedDownLate = 128,   // the same work in another order: SHARED_DN's tiles after GU(0)'s (plan.cuh)
 };
 
 struct ForwardRank {
