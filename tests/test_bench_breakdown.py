@@ -88,3 +88,23 @@ def test_kernel_events_are_the_devices():
     assert _kernel_times(events, "forward_kernel") == [2.4, 2.4, 2.4]
     assert [round(p, 3) for p in _kernel_periods(events, "forward_kernel")] == [2.406, 2.406]
     assert len(_kernel_times(host + device, "forward_kernel")) == 6  # no process names: every event
+
+
+def test_table_prints_the_item_times_of_both_orders():
+    """--items on a model with a shared expert times both orders of the shared expert's down tiles (timing mode 32,
+    and 32 + 64 "shared down early"): the table prints each one's rows under its own header."""
+    from mok_jax.bench.breakdown import table
+
+    row = {"ms": 2.5, "sm_mhz": 1980.0, "sm_mhz_min": 1980.0, "watts": 300.0}
+    late = {"shared down": {"items": 448, "busy ms per CTA": 0.088, "waited ms per CTA": 0.001,
+                            "first start us": 1465.9, "last end us": 1600.3}}
+    early = {"shared down": {**late["shared down"], "waited ms per CTA": 0.066}}
+    case = {"model": "kimi-k2", "experts": 12, "tokens": 2048, "flops": 1.6e12, "kernel": "KernelConfig()",
+            "rows": {"mok": row, "mok, item times": row, "mok, item times, shared down early": {**row, "ms": 2.55}},
+            "item times": late, "item times, shared down early": early}
+    lines = table({"cases": [case]}, header=False).splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("| item kind")]
+    assert [lines[i].split(")")[0] for i in heads] == ["| item kind (item times", "| item kind (item times, shared down early"]
+    assert lines[heads[0] + 2].startswith("| shared down | 448 | 0.088 | 0.001 |")
+    assert lines[heads[1] + 2].startswith("| shared down | 448 | 0.088 | 0.066 |")
+    assert any(line.startswith("| mok, item times, shared down early | 2.550 | +0.050 |") for line in lines)

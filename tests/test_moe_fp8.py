@@ -108,6 +108,8 @@ def test_ops_fp8_argument_errors(monkeypatch):
         mf.moe_forward(ws, *args, None, None, keep_shared=True)
     with pytest.raises(TypeError, match="keep_shared must be a bool, got int"):
         mf.moe_forward(ws, *args, *shared, keep_shared=1)
+    with pytest.raises(ValueError, match="timing_mode 192 asks for both orders of the shared expert's down tiles"):
+        mf.moe_forward(ws, *args, *shared, timing_mode=64 + 128)
     for lab in (dict(timing_mode=8), dict(skip_rank=0)):  # compiled into the bf16 lab form of the kernel only
         with pytest.raises(ValueError, match=f"{next(iter(lab))} with fp8_weights: .* bf16 lab form only"):
             mf.moe_forward(ws, *args, None, None, fp8_weights=w8, **lab)

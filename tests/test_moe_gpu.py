@@ -307,27 +307,32 @@ def test_timing_mode_reaches_the_kernel():
 @pytest.mark.parametrize("ep", [1, 2])
 def test_lab_form_has_the_production_bits(ep):
     """A call with a timing mode runs the kernel's lab form (ffi/src/moe_forward.cu), every other call the production
-    form, compiled without the mode checks: with the "twice" variants, whose outputs stay right, the lab form gives
-    the production form's bits on real experts with a shared expert."""
+    form, compiled without the mode checks: with the "twice" variants, whose outputs stay right, and with "shared down
+    early" and "shared down late" (the two orders of the same tiles), the lab form gives the production form's bits on real experts with a
+    shared expert."""
     shape = _shape(16, 512, 256, 4)
     args = _problem(f"lab{ep}", shape, 600, "zipf", ranks=ep)
     cfg = KernelConfig(granularity=512, comm_items_fwd=3)
     y0, status = emulated_moe(*args, ep=ep, kernel=cfg)  # the production form
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     _check_math(f"lab{ep}", y0, *args)
-    for mode in (8, 16, 24):  # the lab form
+    for mode in (8, 16, 24, 64, 88, 128, 152):  # the lab form
         y1, status = emulated_moe(*args, ep=ep, kernel=cfg, timing_mode=mode)
         assert not np.asarray(status).any(), f"timing_mode {mode}: status {np.asarray(status)}"
         np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16),
                                       err_msg=f"timing_mode {mode}")
 
 
+@pytest.mark.parametrize("order", [0, 64, 128])
 @pytest.mark.parametrize("ep", [1, 2])
-def test_item_times_keep_the_bits_and_count_every_item(ep):
+def test_item_times_keep_the_bits_and_count_every_item(ep, order):
     """The "item times" timing mode (mok_jax.bench.breakdown --items) changes no work: y has the production form's
     bits, and each rank's times count the items the plan has (ffi/include/mok/moe/plan.cuh): 5 m-blocks of 600 tokens
     x 2 column blocks of the shared expert's tiles, DISPATCH over D = 3 items in each of the 2 microbatches (D0 = D
-    with a shared expert), REDUCE over 3 items and then over every CTA of the rank for the last microbatch."""
+    with a shared expert), REDUCE over 3 items and then over every CTA of the rank for the last microbatch. At EP 1
+    the production order takes the shared expert's down tiles from the dynamic part's segment table (a count off
+    there would show here, or REDUCE would wait for them in vain); "shared down early" (64) and "shared down late"
+    (128) run the same items in either order at either EP size."""
     from mok_jax.bench.breakdown import item_times
 
     shape = _shape(16, 512, 256, 4)
@@ -335,7 +340,7 @@ def test_item_times_keep_the_bits_and_count_every_item(ep):
     cfg = KernelConfig(granularity=512, comm_items_fwd=3)
     y0, status = emulated_moe(*args, ep=ep, kernel=cfg)
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
-    y1, status, words = emulated_moe(*args, ep=ep, kernel=cfg, timing_mode=32)
+    y1, status, words = emulated_moe(*args, ep=ep, kernel=cfg, timing_mode=32 + order)
     assert not np.asarray(status).any(), f"status {np.asarray(status)}"
     np.testing.assert_array_equal(np.asarray(y1).view(np.uint16), np.asarray(y0).view(np.uint16))
     assert words.shape == (ep, 12, 5, 2)

@@ -385,6 +385,21 @@ extern "C" __attribute__((visibility("default"))) int64_t mok_moe_item_times_off
                        ring_slots, routed_fp8, identity_experts, &l) ? int64_t(l.item_times) : -1;
 }
 
+// The forward kernel's work items of one rank, decoded on the host (mok/moe/forward.cuh, forward_item_list), for the
+// tests of its order: the arguments of mok_moe_scratch_bytes (without the test modes) and the lab's timing_mode,
+// the rank's CTAs, and rows: int32[microbatches][local_experts].
+extern "C" __attribute__((visibility("default"))) int32_t mok_moe_item_list(
+    int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,
+    int32_t ep, int32_t granularity, int32_t comm_items, int32_t ring_slots, int32_t timing_mode, int32_t ctas,
+    const int32_t* rows, int32_t* out, int32_t capacity) {
+  mok::moe::ForwardShape shape;
+  mok::moe::ForwardKnobs knobs;
+  sizing_problem(tokens, hidden, inter, shared_inter, top_k, local_experts, ep, granularity, comm_items, ring_slots,
+                 0, 0, &shape, &knobs);
+  knobs.timing_mode = timing_mode;
+  return mok::moe::forward_item_list(shape, knobs, ctas, rows, out, capacity);
+}
+
 // Why a call is unsupported ("" when it is): the same checks as the handler's, for Python's trace-time errors.
 extern "C" __attribute__((visibility("default"))) int32_t mok_moe_unsupported(
     int32_t tokens, int32_t hidden, int32_t inter, int32_t shared_inter, int32_t top_k, int32_t local_experts,

@@ -2,6 +2,7 @@
 // scratch layout, the TMA descriptors of every rank, and the launch.
 #include <algorithm>
 #include <climits>
+#include <vector>
 
 #include "mok/common.cuh"
 #include "mok/moe/forward.cuh"
@@ -233,6 +234,42 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
                  : lab_modes(knobs) ? &forward_kernel<false, true>
                                     : &forward_kernel<false, false>;
   return launch_sm90a(kernel, grid, kThreads, kSmemBytes, stream, params);
+}
+
+int32_t forward_item_list(const ForwardShape& s, const ForwardKnobs& k, int32_t ctas, const int32_t* rows,
+                          int32_t* out, int32_t capacity) {
+  if (forward_unsupported(s, k) || ctas < 1) return -1;
+  ForwardKnobs kn = k;
+  kn.comm_items = std::min(kn.comm_items, ctas);  // as launch_forward: a phase's items never exceed a rank's CTAs
+  const Plan p = make_plan(s, kn, ctas);
+  // The sync region as SCAN leaves it, with slack past its end so that a segment table past its bound is seen here
+  // (the kernel would write those words into the next table).
+  std::vector<int32_t> sync(size_t(p.sync_words) + 64 * (size_t(p.M) + 2), 0);
+  for (int m = 0; m < p.M; ++m) {  // SCAN's tables: each expert's first row in the slot (capped) and m-block prefix
+    int32_t* row_start = sync.data() + p.o_row_start + int64_t(m) * (p.L + 1);
+    int32_t* mblock = sync.data() + p.o_mblock + int64_t(m) * (p.L + 1);
+    int64_t carry = 0;
+    for (int e = 0; e < p.L; ++e) {
+      row_start[e] = int32_t(std::min<int64_t>(carry, p.slot_rows));
+      carry += rows[int64_t(m) * p.L + e];
+    }
+    row_start[p.L] = int32_t(std::min<int64_t>(carry, p.slot_rows));
+    mblock[0] = 0;
+    for (int e = 0; e < p.L; ++e) mblock[e + 1] = mblock[e] + (row_start[e + 1] - row_start[e] + kTileM - 1) / kTileM;
+  }
+  write_segments(p, sync.data(), ctas);
+  if (sync[kCtlSegments] > p.max_segments) return -2;
+  int32_t n = 0;
+  for (int32_t t = 0;; ++t) {
+    const Item it = t < p.t_dynamic ? decode_static(p, t) : decode_dynamic(p, sync.data(), t);
+    if (it.kind == kEnd) return n;
+    if (n < capacity) {
+      const int32_t words[kForwardItemWords] = {it.kind, it.mb, it.idx, it.count, it.group, it.row0, it.row_end,
+                                                it.n_block, it.mblock};
+      std::copy(words, words + kForwardItemWords, out + int64_t(n) * kForwardItemWords);
+    }
+    ++n;
+  }
 }
 
 cudaError_t preload_forward_kernel() {

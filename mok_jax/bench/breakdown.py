@@ -22,7 +22,10 @@ clock and power that nvidia-smi reports while each variant runs. ``--trace DIR``
 last calls, and the median time from one launch of it to the next: what a call spends outside the kernel.
 ``--items`` also runs the kernel's "item times" form (the same work; ``mok, item times`` is its time) and prints,
 per kind of work item, the consumers' busy and waiting ms per CTA and when the kind's first item started and its
-last ended (item_times; the median of 5 calls).
+last ended (item_times; the median of 5 calls). With a shared expert, ``--items`` also times the "shared down
+early" order (the shared expert's down tiles before the first microbatch's gate/up tiles, where the production
+order runs them after: the same work and bits) in the same form, ``mok, item times, shared down early``, and prints
+its item times beside.
 """
 
 from __future__ import annotations
@@ -243,6 +246,13 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
         timed = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=TIMING_MODES["item times"]))
         rows["mok, item times"] = _timed(jax.jit(lambda *a: timed(*a)[0]), args, timing_kw)
         out["item times"] = item_times([np.asarray(timed(*args)[2][0]) for _ in range(5)])
+        if W.shared_gate_up is not None:  # the other order of the shared expert's down tiles, in the same form
+            early = TIMING_MODES["item times"] | TIMING_MODES["shared down early"]
+            timed_early = jax.jit(lambda x, i, w, W: emulated_moe(x, i, w, W, ep=1, timing_mode=early))
+            rows["mok, item times, shared down early"] = _timed(jax.jit(lambda *a: timed_early(*a)[0]), args,
+                                                                timing_kw)
+            out["item times, shared down early"] = item_times([np.asarray(timed_early(*args)[2][0])
+                                                               for _ in range(5)])
     if trace:
         _trace_case(layer(), args, trace, model_name, out)
     if only_sweep:
@@ -336,10 +346,13 @@ def table(res: dict, header: bool = True) -> str:
         for name, r in c["rows"].items():
             lines.append(f"| {name} | {r['ms']:.3f} | {r['ms'] - base:+.3f} | {r['sm_mhz']} ({r.get('sm_mhz_min')}) "
                          f"| {r['watts']} |")
-        if c.get("item times"):
-            lines.append("| item kind | items | busy ms per CTA | waited ms per CTA | first start us | last end us |")
+        for key in ("item times", "item times, shared down early"):
+            if not c.get(key):
+                continue
+            lines.append(f"| item kind ({key}) | items | busy ms per CTA | waited ms per CTA | first start us "
+                         "| last end us |")
             lines.append("| --- | --: | --: | --: | --: | --: |")
-            for kind, r in c["item times"].items():
+            for kind, r in c[key].items():
                 lines.append(f"| {kind} | {r['items']:.0f} | {r['busy ms per CTA']:.3f} | {r['waited ms per CTA']:.3f} "
                              f"| {r['first start us']:.1f} | {r['last end us']:.1f} |")
         ks = c.get("trace_kernel_ms")

@@ -20,8 +20,8 @@ from mok_jax.config import KernelConfig
 from mok_jax.fp8 import Fp8ExpertWeights
 from mok_jax.validation import KEPT_GU_DTYPE, check_fp8_expert_weights, check_workspace_call
 
-__all__ = ["ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "item_times_offset",
-           "moe_forward", "resolve_kernel", "scratch_bytes"]
+__all__ = ["ITEM_FIELDS", "ITEM_TIME_FIELDS", "ITEM_TIME_KINDS", "TIMING_MODES", "first_ring_token", "item_list",
+           "item_times_offset", "moe_forward", "resolve_kernel", "scratch_bytes"]
 
 # Ranks one emulated call carries: kMaxEmulatedRanks in ffi/include/mok/moe/forward.cuh (above kMaxVirtualRanks, 8,
 # each rank's kernel parameters travel in its row of the scratch: forward_params.cuh, ManyParams).
@@ -68,6 +68,41 @@ def item_times_offset(*, tokens: int, hidden: int, inter: int, shared_inter: int
     return at
 
 
+# The words of one item of item_list (mok/moe/forward.cuh, kForwardItemWords): its kind (an index of
+# ITEM_TIME_KINDS), microbatch, index and count within its communication phase, and a tile's expert, rows [row0,
+# row_end) of the ring slot (of the T tokens for the shared expert's), column block and m-block counter.
+ITEM_FIELDS = ("kind", "mb", "idx", "count", "group", "row0", "row_end", "n_block", "mblock")
+
+
+def item_list(rows, *, tokens: int, hidden: int, inter: int, shared_inter: int, top_k: int, local_experts: int,
+              ep: int, kernel: KernelConfig, ctas: int, timing_mode: int = 0) -> np.ndarray:
+    """The forward kernel's work items of one rank in ticket order, as its CTAs decode them, computed on the host by
+    the native library with the kernel's own plan, segment writer and decoder (mok_moe_item_list; no GPU):
+    int32[n, len(ITEM_FIELDS)]. For tests and reading of the order. ``rows``: int32[microbatches, local_experts],
+    the rows each microbatch brings each local expert (KernelConfig.microbatches); ``ctas``: the rank's CTAs;
+    ``timing_mode``: the lab's bits that change the order. Raises ValueError for a call the kernel does not
+    support, RuntimeError when the dynamic part's segments would overflow the table the plan sizes for them."""
+    _, microbatches, _ = kernel.microbatches(int(tokens))
+    counts = np.ascontiguousarray(rows, np.int32)
+    if counts.shape != (microbatches, int(local_experts)):
+        raise ValueError(f"rows must be [microbatches, local_experts] = [{microbatches}, {local_experts}], got "
+                         f"{counts.shape}")
+    if (counts < 0).any():
+        raise ValueError("rows must be counts, >= 0")
+    _one_shared_down_order(int(timing_mode), "item_list")
+    args = [int(tokens), int(hidden), int(inter), int(shared_inter), int(top_k), int(local_experts), int(ep),
+            kernel.granularity, kernel.comm_items_fwd, kernel.ring_slots, int(timing_mode), int(ctas)]
+    lib = _lib()
+    n = int(lib.mok_moe_item_list(*args, counts.ctypes.data, None, 0))
+    if n == -1:
+        raise ValueError("implementation='mok' does not support this call (scratch_bytes says why), or ctas < 1")
+    if n == -2:
+        raise RuntimeError("the forward's segment table would overflow its bound (Plan::max_segments)")
+    out = np.zeros((n, len(ITEM_FIELDS)), np.int32)
+    lib.mok_moe_item_list(*args, counts.ctypes.data, out.ctypes.data, n)
+    return out
+
+
 def resolve_kernel(ws, kernel: KernelConfig | None, *, tokens: int, hidden: int, inter: int, top_k: int,
                    local_experts: int) -> KernelConfig:
     """The knobs a call of ``moe_forward`` on workspace ``ws`` with this per-rank problem runs with: ``kernel``, else
@@ -94,7 +129,17 @@ def _require_push_combine(kernel: KernelConfig | None, where: str) -> None:
 
 # Timing variants (mok/moe/forward.cuh, TimingMode): a phase's row moves left out of the call, or done twice.
 TIMING_MODES = {"no dispatch rows": 1, "no send rows": 2, "no reduce rows": 4, "dispatch rows twice": 8,
-                "reduce rows twice": 16, "item times": 32}
+                "reduce rows twice": 16, "item times": 32, "shared down early": 64,
+                "shared down late": 128}
+
+
+def _one_shared_down_order(timing_mode: int, where: str) -> None:
+    both = TIMING_MODES["shared down early"] | TIMING_MODES["shared down late"]
+    if timing_mode & both == both:
+        raise ValueError(f"{where}: timing_mode {timing_mode} asks for both orders of the shared expert's down tiles "
+                         f"(\"shared down early\" 64 and \"shared down late\" 128); give one")
+
+
 # The "item times" bit changes no work: each rank's consumers time their items into words of the sync region
 # (ffi/include/mok/moe/plan.cuh, kItemTimeWords), and the call also returns them: uint32[R, 12, 5, 2], the u64 fields
 # of ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words, in globaltimer ns.
@@ -121,7 +166,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     a sum of TIMING_MODES's bits: those phases move no rows (wrong outputs) or move them twice, every stamp
     still runs, so that differences of timings say what a phase costs the call; with the "item times" bit (which
     changes no work) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the u64 fields of
-    ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times). A call with
+    ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times); the "shared
+    down late" bit changes only the order of the work (the same bits): the shared expert's down tiles run after the
+    first microbatch's gate/up tiles instead of before them (ffi/include/mok/moe/plan.cuh). A call with
     skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16
     only); every other call runs a production form without it. kernel None: the tuned table of the workspace's
     device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
@@ -176,6 +223,7 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
                          f"{shared_gate_up.shape} and {shared_down.shape}")
     if not isinstance(timing_mode, (int, np.integer)) or not 0 <= timing_mode <= sum(TIMING_MODES.values()):
         raise ValueError(f"mok_jax.ops.moe_forward: timing_mode must be a sum of {TIMING_MODES}, got {timing_mode!r}")
+    _one_shared_down_order(timing_mode, "mok_jax.ops.moe_forward")
     if keep_pos is None:
         keep_pos, keep_rows = jnp.zeros((R, 0), jnp.int32), 0
     elif identity_experts:

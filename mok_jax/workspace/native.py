@@ -58,6 +58,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.mok_moe_item_times_offset.restype = i64
         lib.mok_moe_unsupported.argtypes = [i32] * 11 + [p, i32]
         lib.mok_moe_unsupported.restype = i32
+        lib.mok_moe_item_list.argtypes = [i32] * 12 + [p, p, i32]
+        lib.mok_moe_item_list.restype = i32
         lib.mok_experts_backward_ep_counter_words.argtypes = [i64] * 3
         lib.mok_experts_backward_ep_counter_words.restype = i64
         lib.mok_experts_backward_item_list.argtypes = [ctypes.c_void_p] + [i32] * 9 + [ctypes.c_void_p, i32]

@@ -80,6 +80,8 @@ enum TimingMode : int32_t {
   kTimingTwiceDispatchRows = 8,  // DISPATCH copies every row twice (the same bytes to the same place)
   kTimingTwiceReduceRows = 16,   // REDUCE computes and writes every y row twice
   kTimingItemTimes = 32,         // no change to the work: each CTA's consumers time their items (ItemTimes)
+  kTimingSharedDownEarly = 64,   // the same work in another order: SHARED_DN's tiles in the static prefix (plan.cuh)
+  kTimingSharedDownLate = 128,   // the same work in another order: SHARED_DN's tiles after GU(0)'s (plan.cuh)
 };
 
 struct ForwardRank {
@@ -125,6 +127,16 @@ struct ScratchLayout {
 const char* forward_unsupported(const ForwardShape& shape, const ForwardKnobs& knobs);
 
 ScratchLayout forward_scratch_layout(const ForwardShape& shape, const ForwardKnobs& knobs);
+
+// The kernel's work items of one rank in ticket order, decoded on the host with the kernel's own plan, segment
+// writer and decoder, for the tests of its order. rows: int32[M][L], the rows each microbatch brings each local
+// expert (M = ceil(T / G')); ctas: the rank's CTAs (launch_forward's grid / ranks: the ranks with the fewest).
+// Writes up to `capacity` items of kForwardItemWords words to out (kind, mb, idx, count, group, row0, row_end,
+// n_block, mblock: mok/moe/forward_params.cuh's Item) and returns how many there are; -1 for an unsupported call,
+// -2 when SCAN's segments would pass the plan's bound (max_segments).
+constexpr int kForwardItemWords = 9;
+int32_t forward_item_list(const ForwardShape& shape, const ForwardKnobs& knobs, int32_t ctas, const int32_t* rows,
+                          int32_t* out, int32_t capacity);
 
 // Enqueue one call on `stream`: num_ranks == 1 (the caller's rank) or == shape.ep (an emulated group, at most
 // kMaxEmulatedRanks; above kMaxVirtualRanks the ranks' scratch buffers one stride apart). No host synchronisation.

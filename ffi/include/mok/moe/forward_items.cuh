@@ -75,7 +75,7 @@ struct Tables {  // one microbatch's rows and m-blocks per local expert (written
   const int32_t* row_start;  // [L + 1], rows inside the microbatch's ring slot
   const int32_t* mblock;     // [L + 1], prefix of m-blocks
 };
-__device__ __forceinline__ Tables tables(const Plan& p, const int32_t* sync, int m) {
+__host__ __device__ __forceinline__ Tables tables(const Plan& p, const int32_t* sync, int m) {
   const int64_t off = int64_t(m) * (p.L + 1);
   return Tables{sync + p.o_row_start + off, sync + p.o_mblock + off};
 }
@@ -86,19 +86,20 @@ __device__ __forceinline__ int32_t local_expert(const Plan& p, int rank, int32_t
   return (le >= 0 && le < p.L) ? le : -1;
 }
 
-__device__ __forceinline__ void band_tile(int local, int rows, int nb, int* m_block, int* n_block) {
+__host__ __device__ __forceinline__ void band_tile(int local, int rows, int nb, int* m_block, int* n_block) {
   gemm::band_tile<kTileM, kGroupM>(local, rows, nb, m_block, n_block);
 }
 
 // ================================================================================ the ticket decoder
 
-__device__ inline Item comm_item(int kind, int mb, int idx, int count) {
+// (The decoder's pieces are __host__ as well: forward_item_list gives the list on the host, for tests.)
+__host__ __device__ inline Item comm_item(int kind, int mb, int idx, int count) {
   Item it{};
   it.kind = kind, it.mb = mb, it.idx = idx, it.count = count;
   return it;
 }
 
-__device__ inline Item shared_tile(const Plan& p, int kind, int local) {
+__host__ __device__ inline Item shared_tile(const Plan& p, int kind, int local) {
   Item it{};
   it.kind = kind;
   const int nb = kind == kSharedGu ? p.nb_shared_gu : p.nb_shared_dn;
@@ -109,7 +110,7 @@ __device__ inline Item shared_tile(const Plan& p, int kind, int local) {
 }
 
 // A routed tile of microbatch m: expert by binary search over the m-block prefix, then the band raster.
-__device__ inline Item routed_tile(const Plan& p, const int32_t* sync, int kind, int m, int local) {
+__host__ __device__ inline Item routed_tile(const Plan& p, const int32_t* sync, int kind, int m, int local) {
   const Tables tb = tables(p, sync, m);
   const int nb = kind == kGu ? p.nb_gu : p.nb_dn;
   const int e = gemm::last_group_at([&](int g) { return tb.mblock[g] * nb; }, p.L, local);
@@ -125,29 +126,42 @@ __device__ inline Item routed_tile(const Plan& p, const int32_t* sync, int kind,
   return it;
 }
 
-__device__ inline Item decode(const Plan& p, const RankParams& R, int32_t t, uint64_t epoch) {
-  if (t < p.t_count) return comm_item(kPost, 0, t, p.n_post);
-  if (t < p.t_scan) return comm_item(kCount, 0, t - p.t_count, p.n_count);
-  if (t < p.t_place) return comm_item(kScan, 0, 0, 1);
-  if (t < p.t_disp0) return comm_item(kPlace, 0, t - p.t_place, p.n_place);
-  if (t < p.t_sgu) return comm_item(kDispatch, 0, t - p.t_disp0, p.D0);
-  if (t < p.t_sdn) return shared_tile(p, kSharedGu, t - p.t_sgu);
-  if (t < p.t_dynamic) return shared_tile(p, kSharedDn, t - p.t_sdn);
+// A ticket of the dynamic part (t >= p.t_dynamic), from SCAN's segment table in sync; kEnd past its last segment.
+__host__ __device__ __forceinline__ Item decode_dynamic(const Plan& p, const int32_t* sync, int32_t t) {
   Item end{};
   end.kind = kEnd;
-  if (!wait_count(R.view, R.sync + kCtlScan, 1, epoch)) return end;
-  const int32_t nseg = R.sync[kCtlSegments];
-  const int32_t* begin = R.sync + p.o_seg_begin;
+  const int32_t nseg = sync[kCtlSegments];
+  const int32_t* begin = sync + p.o_seg_begin;
   if (t >= begin[nseg]) return end;
   int lo = 0, hi = nseg;  // last segment with begin <= t (segments are never empty)
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
     if (begin[mid] <= t) lo = mid; else hi = mid;
   }
-  const int kind = R.sync[p.o_seg_kind + lo], m = R.sync[p.o_seg_mb + lo];
+  const int kind = sync[p.o_seg_kind + lo], m = sync[p.o_seg_mb + lo];
   const int local = t - begin[lo];
-  if (kind == kGu || kind == kDn) return routed_tile(p, R.sync, kind, m, local);
+  if (kind == kGu || kind == kDn) return routed_tile(p, sync, kind, m, local);
+  if (kind == kSharedDn) return shared_tile(p, kSharedDn, local);  // Plan::shared_dn_late
   return comm_item(kind, m, local, begin[lo + 1] - begin[lo]);
+}
+
+// A ticket of the static prefix (t < p.t_dynamic), from the plan alone.
+__host__ __device__ __forceinline__ Item decode_static(const Plan& p, int32_t t) {
+  if (t < p.t_count) return comm_item(kPost, 0, t, p.n_post);
+  if (t < p.t_scan) return comm_item(kCount, 0, t - p.t_count, p.n_count);
+  if (t < p.t_place) return comm_item(kScan, 0, 0, 1);
+  if (t < p.t_disp0) return comm_item(kPlace, 0, t - p.t_place, p.n_place);
+  if (t < p.t_sgu) return comm_item(kDispatch, 0, t - p.t_disp0, p.D0);
+  if (t < p.t_sdn) return shared_tile(p, kSharedGu, t - p.t_sgu);
+  return shared_tile(p, kSharedDn, t - p.t_sdn);
+}
+
+__device__ inline Item decode(const Plan& p, const RankParams& R, int32_t t, uint64_t epoch) {
+  if (t < p.t_dynamic) return decode_static(p, t);
+  Item end{};
+  end.kind = kEnd;
+  if (!wait_count(R.view, R.sync + kCtlScan, 1, epoch)) return end;
+  return decode_dynamic(p, R.sync, t);
 }
 
 __device__ inline int32_t dn_tiles(const Plan& p, const int32_t* sync, int m) {

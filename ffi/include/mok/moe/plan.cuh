@@ -5,9 +5,15 @@
 // only ever waits for items of smaller tickets, which running CTAs hold: no deadlock whatever the number
 // of resident CTAs; the results do not depend on which CTA runs which item):
 //
-//   static prefix   POST x P | COUNT x C | SCAN | PLACE x C | DISPATCH(0) x D0 | SHARED_GU tiles | SHARED_DN tiles
+//   static prefix   POST x P | COUNT x C | SCAN | PLACE x C | DISPATCH(0) x D0 | SHARED_GU tiles | SHARED_DN (EP > 1)
 //   dynamic part    for step i = 0 .. M + g:   COMBINE(i-g-1) = SEND x D' + REDUCE x D'  |  DISPATCH(i) x D
-//                                              |  GU(i-g) tiles  |  DN(i-g) tiles
+//                                              |  GU(i-g) tiles  |  SHARED_DN (i-g = 0, EP 1)  |  DN(i-g) tiles
+//   At EP 1, SHARED_DN's tiles are not in the static prefix but one segment of the dynamic part, between GU(0)'s
+//   and DN(0)'s (Plan::shared_dn_late): in the prefix, the first SHARED_DN tiles would wait for SHARED_GU's last
+//   wave (both go m fastest, so every m-block's last gate/up tile is in it), where GU(0) runs instead. At EP > 1
+//   they stay in the prefix: there they fill the wait for DISPATCH(0), whose rows come from the peers (emulated
+//   EP 8 measured the late order 2-3% slower). The lab's timing bits kTimingSharedDownEarly and
+//   kTimingSharedDownLate choose either order at any EP size, to price it.
 //   g = 1 when the ring has two or more slots (dispatch runs one microbatch ahead of compute), else 0;
 //   the last microbatch's SEND and REDUCE are split over every CTA of the rank (D' = CTAs), the others over
 //   D = comm_items. So is the first microbatch's DISPATCH when the layer has no shared expert (D0 = CTAs, else
@@ -70,6 +76,8 @@ struct Plan {
   int32_t g;                        // compute lag behind dispatch (0 or 1)
   int32_t identity;                 // test mode: no GEMMs
   int32_t timing_mode;                // timing mode: TimingMode bits
+  int32_t shared_dn_late;           // SHARED_DN's tiles in the dynamic part, after GU(0)'s (else in the static
+                                    // prefix): at EP 1, or with the lab's kTimingSharedDownLate
   int32_t fp8;                      // routed experts in FP8 E4M3 (ForwardShape::routed_fp8)
   int32_t scale_ld;                 // FP8: floats per K block of the ring's scales (S * slot_rows, rounded up to 4)
   // ticket bounds of the static prefix
@@ -114,8 +122,12 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   p.n_shared_dn = p.shared_mblocks * p.nb_shared_dn;
   p.D0 = p.n_shared_gu == 0 && rank_ctas > p.D ? rank_ctas : p.D;
   p.mb_cap = cdiv(p.slot_rows, kTileM) + s.local_experts;
+  const bool late = kn.timing_mode & kTimingSharedDownLate ? true
+                    : kn.timing_mode & kTimingSharedDownEarly ? false
+                                                              : s.ep == 1;
+  p.shared_dn_late = p.n_shared_dn > 0 && late ? 1 : 0;
   // The dynamic part's segments (scan.cuh writes them): SEND (ep > 1) and REDUCE of each microbatch, DISPATCH of
-  // each but the first, GU and DN of each.
+  // each but the first, GU and DN of each: (ep > 1 ? 5 : 4) M - 1; one more, SHARED_DN, when it runs late.
   p.max_segments = (s.ep > 1 ? 5 : 4) * p.M;
   p.t_count = p.n_post;
   p.t_scan = p.t_count + p.n_count;
@@ -123,7 +135,7 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   p.t_disp0 = p.t_place + p.n_place;
   p.t_sgu = p.t_disp0 + p.D0;
   p.t_sdn = p.t_sgu + p.n_shared_gu;
-  p.t_dynamic = p.t_sdn + p.n_shared_dn;
+  p.t_dynamic = p.t_sdn + (p.shared_dn_late ? 0 : p.n_shared_dn);
   int64_t o = kCtlWords;
   auto take = [&](int64_t words) {
     const int64_t at = o;

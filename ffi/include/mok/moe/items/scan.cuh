@@ -19,6 +19,40 @@ struct ScanItem {
   __device__ static void complete(const ItemContext& c, const Item& it);
 };
 
+// The dynamic part of the ticket order, in the order of plan.cuh, from the m-block tables of every microbatch:
+// its segments (first ticket, kind, microbatch; empty ones left out) and their count, in the sync region. One
+// thread of SCAN; forward_item_list on the host, from tables made there.
+__host__ __device__ __forceinline__ void write_segments(const Plan& p, int32_t* sync, int ctas) {
+  const int L = p.L;
+  int32_t* seg_begin = sync + p.o_seg_begin;
+  int32_t* seg_kind = sync + p.o_seg_kind;
+  int32_t* seg_mb = sync + p.o_seg_mb;
+  int32_t n = 0, t = p.t_dynamic;
+  auto add = [&](int kind, int m, int32_t count) {
+    if (count <= 0) return;
+    seg_begin[n] = t, seg_kind[n] = kind, seg_mb[n] = m;
+    t += count;
+    ++n;
+  };
+  for (int i = 0; i <= p.M + p.g; ++i) {
+    const int c = i - p.g - 1;
+    if (c >= 0 && c < p.M) {
+      add(kSend, c, n_send(p, c, ctas));
+      add(kReduce, c, n_reduce(p, c, ctas));
+    }
+    if (i >= 1 && i < p.M) add(kDispatch, i, p.D);
+    const int g = i - p.g;
+    if (g >= 0 && g < p.M) {
+      const int32_t mblocks = sync[p.o_mblock + int64_t(g) * (L + 1) + L];
+      add(kGu, g, mblocks * p.nb_gu);
+      if (g == 0 && p.shared_dn_late) add(kSharedDn, 0, p.n_shared_dn);
+      add(kDn, g, mblocks * p.nb_dn);
+    }
+  }
+  seg_begin[n] = t;
+  sync[kCtlSegments] = n;
+}
+
 // Exclusive scan of one value per consumer thread; *total = the sum of all 256.
 __device__ inline int32_t block_scan(int32_t val, int32_t* warp_sums, int ct, int32_t* total) {
   const int lane = ct % 32, warp = ct / 32;
@@ -108,33 +142,7 @@ __device__ inline void ScanItem::run(const Plan& p, const RankParams& R, SharedS
   }
   gemm::named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
   if (ct != 0) return;
-  // the dynamic segments, in the order of plan.cuh
-  int32_t* seg_begin = sync + p.o_seg_begin;
-  int32_t* seg_kind = sync + p.o_seg_kind;
-  int32_t* seg_mb = sync + p.o_seg_mb;
-  int32_t n = 0, t = p.t_dynamic;
-  auto add = [&](int kind, int m, int32_t count) {
-    if (count <= 0) return;
-    seg_begin[n] = t, seg_kind[n] = kind, seg_mb[n] = m;
-    t += count;
-    ++n;
-  };
-  for (int i = 0; i <= p.M + p.g; ++i) {
-    const int c = i - p.g - 1;
-    if (c >= 0 && c < p.M) {
-      add(kSend, c, n_send(p, c, ctas));
-      add(kReduce, c, n_reduce(p, c, ctas));
-    }
-    if (i >= 1 && i < p.M) add(kDispatch, i, p.D);
-    const int g = i - p.g;
-    if (g >= 0 && g < p.M) {
-      const int32_t mblocks = sync[p.o_mblock + int64_t(g) * (L + 1) + L];
-      add(kGu, g, mblocks * p.nb_gu);
-      add(kDn, g, mblocks * p.nb_dn);
-    }
-  }
-  seg_begin[n] = t;
-  sync[kCtlSegments] = n;
+  write_segments(p, sync, ctas);
 }
 
 __device__ __forceinline__ void ScanItem::complete(const ItemContext& c, const Item& it) {
