@@ -41,6 +41,8 @@ import json
 import statistics
 import sys
 
+from mok_jax.bench.breakdown import _device_events
+
 __all__ = ["grad_of", "item_bytes", "item_ms", "layer_config", "main", "op_args", "run"]
 
 MODELS = ("kimi-k2", "glm-5", "qwen3.5-397b-a17b", "deepseek-v4-pro")  # at 2048 tokens, E/32 experts
@@ -221,17 +223,11 @@ def _case(model_name: str, tokens: int, timing_kw, seed: int, trace: str | None,
     return res
 
 
-def _gpu_events(events: list[dict]) -> list[dict]:
-    pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-            and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
-
-
 def _timeline(events: list[dict], calls: int, top: int = 8) -> dict:
     """Where a traced run of ``calls`` back-to-back calls leaves the GPU idle: per call the span (first launch's
     start to last one's end), the busy time (the union of the device events) and the idle rest, and the
     largest idle gaps summed by the pair of events around them (µs per call)."""
-    ev = sorted(_gpu_events(events), key=lambda e: e["ts"])
+    ev = sorted(_device_events(events), key=lambda e: e["ts"])
     if not ev:
         return {}
     busy, gaps, end, last = 0.0, {}, ev[0]["ts"], ev[0]["name"]
@@ -255,7 +251,7 @@ def _top_kernels(events: list[dict], calls: int, top: int = 14) -> list[tuple[st
     """(name, ms per call, launches per call) of the GPU kernels with the most device time in a trace's events,
     over ``calls`` calls."""
     tot: dict[str, list[float]] = {}
-    for e in _gpu_events(events):
+    for e in _device_events(events):
         tot.setdefault(e["name"], []).append(e["dur"] / 1e3)
     rows = sorted(((n[:160], sum(d) / calls, round(len(d) / calls)) for n, d in tot.items()), key=lambda r: -r[1])
     return rows[:top]

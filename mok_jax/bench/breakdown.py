@@ -141,15 +141,19 @@ def _trace_events(trace_dir: str) -> list[dict]:
     return ev["traceEvents"] if isinstance(ev, dict) else ev
 
 
-def _kernel_events(events: list[dict], name: str) -> list[dict]:
-    """The device's complete events whose name contains ``name``, in time order. The trace also names the host's
-    launch of a kernel after it (a few us each, one per call, at the host's pace): only the processes that the
-    trace's metadata names "/device:..." hold kernels (every process when it names none)."""
+def _device_events(events: list[dict]) -> list[dict]:
+    """The trace's complete events on the processes that its metadata names "/device:..." (every process's when it
+    names none). The trace also names the host's launch of a kernel after the kernel (a few us each, one per call,
+    at the host's pace): those are not the kernel's."""
     names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    devices = {pid for pid, n in names.items() if n.startswith("/device:")}
-    return sorted((e for e in events if e.get("ph") == "X" and name in e.get("name", "")
-                   and (not devices or e.get("pid") in devices)), key=lambda e: e["ts"])
+    devices = {pid for pid, n in names.items() if str(n).startswith("/device:")}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and (not devices or e.get("pid") in devices)]
+
+
+def _kernel_events(events: list[dict], name: str) -> list[dict]:
+    """The device's complete events whose name contains ``name``, in time order."""
+    return sorted((e for e in _device_events(events) if name in e.get("name", "")), key=lambda e: e["ts"])
 
 
 def _kernel_times(events: list[dict], name: str) -> list[float]:
