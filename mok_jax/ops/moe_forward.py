@@ -167,8 +167,9 @@ def moe_forward(ws, x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, g
     still runs, so that differences of timings say what a phase costs the call; with the "item times" bit (which
     changes no work) the call also returns, last, each rank's item times: uint32[R, 12, 5, 2], the u64 fields of
     ITEM_TIME_FIELDS per ITEM_TIME_KINDS as (low, high) words (mok_jax.bench.breakdown.item_times); the "shared
-    down late" bit changes only the order of the work (the same bits): the shared expert's down tiles run after the
-    first microbatch's gate/up tiles instead of before them (ffi/include/mok/moe/plan.cuh). A call with
+    down early" and "shared down late" bits (one at most) change only the order of the work (the same bits): the
+    shared expert's down tiles before the first microbatch's gate/up tiles, or after them, at any EP size (without
+    either, late at EP 1 and early above: ffi/include/mok/moe/plan.cuh). A call with
     skip_rank >= 0 or timing_mode != 0 runs the kernel's lab form, the only one compiled with their code (bf16
     only); every other call runs a production form without it. kernel None: the tuned table of the workspace's
     device, else the heuristic (mok_jax.tuning), for this call's per-rank problem.
