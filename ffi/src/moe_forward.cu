@@ -50,6 +50,13 @@ size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 // A call that needs the lab form: one of the modes that are not for users (identity_experts needs none: a plan).
 bool lab_modes(const ForwardKnobs& k) { return k.timing_mode != 0 || k.skip_rank >= 0; }
 
+// The knobs of a rank with rank_ctas CTAs: a phase's items never exceed them (launch_forward, forward_item_list).
+ForwardKnobs rank_knobs(const ForwardKnobs& k, int rank_ctas) {
+  ForwardKnobs kn = k;
+  kn.comm_items = std::min(kn.comm_items, rank_ctas);
+  return kn;
+}
+
 }  // namespace
 
 const char* forward_unsupported(const ForwardShape& s, const ForwardKnobs& k) {
@@ -218,8 +225,7 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
   MOK_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   const int grid = knobs.num_sms > 0 && knobs.num_sms < sm_count ? knobs.num_sms : sm_count;
   if (grid < num_ranks) return cudaErrorInvalidValue;  // every rank needs a CTA
-  ForwardKnobs kn = knobs;
-  kn.comm_items = std::min(kn.comm_items, grid / num_ranks);  // items of a phase never exceed a rank's CTAs
+  const ForwardKnobs kn = rank_knobs(knobs, grid / num_ranks);
 
   const ScratchLayout sl = forward_scratch_layout(shape, kn);
   for (int r = 0; r < num_ranks; ++r)
@@ -239,9 +245,7 @@ cudaError_t launch_forward(const ForwardShape& shape, const ForwardKnobs& knobs,
 int32_t forward_item_list(const ForwardShape& s, const ForwardKnobs& k, int32_t ctas, const int32_t* rows,
                           int32_t* out, int32_t capacity) {
   if (forward_unsupported(s, k) || ctas < 1) return -1;
-  ForwardKnobs kn = k;
-  kn.comm_items = std::min(kn.comm_items, ctas);  // as launch_forward: a phase's items never exceed a rank's CTAs
-  const Plan p = make_plan(s, kn, ctas);
+  const Plan p = make_plan(s, rank_knobs(k, ctas), ctas);
   // The sync region as SCAN leaves it, with slack past its end so that a segment table past its bound is seen here
   // (the kernel would write those words into the next table).
   std::vector<int32_t> sync(size_t(p.sync_words) + 64 * (size_t(p.M) + 2), 0);
