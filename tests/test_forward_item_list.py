@@ -35,6 +35,19 @@ def _rows(rng, microbatches: int, local: int, slot_rows: int, how: str) -> np.nd
     return r.astype(np.int32)
 
 
+def _d0(*, T, g, H, k, L, Is, ep, ctas, D):
+    """DISPATCH(0)'s items (plan.cuh, Plan::D0): every CTA without a shared expert; at EP 1 with one, the share of
+    the CTAs that ends it with the SHARED_GU tiles beside it (135 FLOP per byte), at least D; else D."""
+    if ctas <= D:
+        return D
+    if Is == 0:
+        return ctas
+    if ep > 1:
+        return D
+    dispatch = min(g, T) * min(k, L) * H * 2 * 135.0
+    return max(D, int(ctas * dispatch / (dispatch + 2.0 * T * H * 2 * Is) + 0.5))
+
+
 def _check(*, T, H, I, Is, k, L, ep, G, S, D, ctas, how, seed=0, timing_mode=0):
     cfg = KernelConfig(granularity=G, comm_items_fwd=D, ring_slots=S)
     g, M, slots = cfg.microbatches(T)
@@ -52,7 +65,7 @@ def _check(*, T, H, I, Is, k, L, ep, G, S, D, ctas, how, seed=0, timing_mode=0):
     # the static prefix, in the plan's order
     n_post = D if ep > 1 else 0
     n_count = math.ceil(ep * math.ceil(T / 64) / 8)
-    d0 = ctas if Is == 0 and ctas > D else D
+    d0 = _d0(T=T, g=g, H=H, k=k, L=L, Is=Is, ep=ep, ctas=ctas, D=D)
     s_mb = math.ceil(T / TILE_M)
     n_sgu, n_sdn = (s_mb * math.ceil(Is / GU_COLS), s_mb * math.ceil(H / DN_COLS)) if Is else (0, 0)
     # the production order: late at EP 1, early above; the lab's bits 64 ("shared down early") and 128 (late)
@@ -157,6 +170,21 @@ def test_a_phase_never_has_more_items_than_the_rank_has_ctas():
                       local_experts=3, ep=1, kernel=cfg, ctas=10)
     kind = items[:, F["kind"]]
     assert (kind == K["dispatch"]).sum() == 2 * 10 and (items[kind == K["dispatch"], F["count"]] == 10).all()
+
+
+@pytest.mark.parametrize("model,k,L,H,Is,d0", [("kimi-k2", 8, 12, 7168, 2048, 32), ("glm-5", 8, 8, 6144, 2048, 32),
+                                                ("deepseek-v4-pro", 6, 12, 7168, 3072, 32),
+                                                ("qwen3.5-397b-a17b", 10, 16, 4096, 1024, 52)])
+def test_first_dispatch_ends_with_the_shared_gate_up(model, k, L, H, Is, d0):
+    """At EP 1 with a shared expert DISPATCH(0) takes the share of the CTAs that ends it with the SHARED_GU tiles
+    beside it, at least D: on one H100's 132 CTAs, T = 2048 and E/32 experts, qwen3.5's 52 CTAs (it ended 110 us
+    after SHARED_GU with 32); the three with a larger shared expert keep D = 32. At EP 2 it is D."""
+    cfg = KernelConfig(granularity=2048, comm_items_fwd=32, ring_slots=2)
+    kw = dict(tokens=2048, hidden=H, inter=1024, shared_inter=Is, top_k=k, local_experts=L, kernel=cfg, ctas=132)
+    for ep, want in ((1, d0), (2, 32)):
+        items = item_list(np.full((1, L), 2048 * ep * k // L, np.int32), ep=ep, **kw)
+        first = items[(items[:, F["kind"]] == K["dispatch"]) & (items[:, F["mb"]] == 0)]
+        assert len(first) == want and (first[:, F["count"]] == want).all(), (model, ep)
 
 
 @pytest.mark.parametrize("ep,G,S", [(1, 2048, 2), (1, 512, 1), (2, 512, 2), (4, 512, 3)])

@@ -67,7 +67,8 @@ struct Plan {
   int32_t G, M, S, slot_rows;
   int32_t nchunks, chunks_per_mb;
   int32_t D;                        // items per communication phase
-  int32_t D0;                       // items of DISPATCH(0): D, or the rank's CTAs without a shared expert
+  int32_t D0;                       // items of DISPATCH(0): D; the rank's CTAs without a shared expert; at EP 1
+                                    // with one, dispatch_share of them (at least D)
   int32_t n_post, n_count, n_place, n_shared_gu, n_shared_dn;
   int32_t nb_gu, nb_dn, nb_shared_gu, nb_shared_dn;   // output column blocks of each GEMM
   int32_t shared_mblocks;           // ceil(T / 128)
@@ -92,6 +93,20 @@ __host__ __device__ inline int32_t cdiv(int64_t a, int64_t b) { return int32_t((
 
 // rank_ctas: the CTAs that serve one rank (the fewest of any rank of the launch); 0 when the plan only sizes the
 // scratch (its layout does not depend on it; its ticket bounds then assume D0 = D).
+// At EP 1 with a shared expert, the share of the rank's CTAs that DISPATCH(0) takes (Plan::D0, at least D): the
+// share that makes it end when the SHARED_GU tiles beside it do, GU(0) waiting for both. Their costs per CTA, from
+// the forward's item times on one H100 (thirty-eighth session, kimi-k2, glm-5, qwen3.5, deepseek-v4-pro): a CTA
+// dispatches 37-46 GB/s of rows and runs shared gate/up tiles at 5.3-5.7 TFLOP/s, about 135 FLOP per byte. At
+// T = 2048 (E/32 experts) kimi-k2, glm-5 and deepseek-v4-pro come to 15-28 CTAs, below D = 32 (no change); qwen3.5
+// (Is 1024 beside k = 10 rows of H 4096 per token) to 52, where 32 CTAs ended DISPATCH(0) 110 us after SHARED_GU.
+constexpr double kDispatchFlopPerByte = 135.0;
+__host__ inline double dispatch_share(int32_t mb_tokens, int32_t tokens, int32_t hidden, int32_t per_token,
+                                      int32_t shared_inter) {
+  const double bytes = double(mb_tokens) * per_token * hidden * 2;    // the rows DISPATCH(0) writes (bf16)
+  const double flops = 2.0 * tokens * hidden * (2.0 * shared_inter);  // the SHARED_GU tiles (every token)
+  return bytes * kDispatchFlopPerByte / (bytes * kDispatchFlopPerByte + flops);
+}
+
 __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, int32_t rank_ctas = 0) {
   Plan p{};
   p.T = s.tokens, p.H = s.hidden, p.I = s.inter, p.Is = kn.identity_experts ? 0 : s.shared_inter;
@@ -120,7 +135,13 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   p.nb_shared_dn = p.Is ? cdiv(s.hidden, kDnCols) : 0;
   p.n_shared_gu = p.shared_mblocks * p.nb_shared_gu;
   p.n_shared_dn = p.shared_mblocks * p.nb_shared_dn;
-  p.D0 = p.n_shared_gu == 0 && rank_ctas > p.D ? rank_ctas : p.D;
+  p.D0 = p.D;
+  if (rank_ctas > p.D && p.n_shared_gu == 0) {
+    p.D0 = rank_ctas;
+  } else if (rank_ctas > p.D && s.ep == 1) {  // (dispatch_share)
+    const int32_t d0 = int32_t(rank_ctas * dispatch_share(p.G < s.tokens ? p.G : s.tokens, s.tokens, s.hidden, per_token, p.Is) + 0.5);
+    p.D0 = d0 > p.D ? d0 : p.D;
+  }
   p.mb_cap = cdiv(p.slot_rows, kTileM) + s.local_experts;
   const bool late = kn.timing_mode & kTimingSharedDownLate ? true
                     : kn.timing_mode & kTimingSharedDownEarly ? false
