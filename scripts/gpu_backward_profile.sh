@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Where a megakernel waits (issue 33), on a lent H200: Nsight Compute (clocks left alone) on one launch of the
 # backward (ops.experts_backward, kept g, u as the default keep hands them) or of the forward (the layer's forward)
-# at a model's one-GPU problem (E/32 experts, T = 2048): every section, and its warp-stall samples per SASS
-# instruction (bwd_sass.csv.gz / fwd_sass.csv.gz, for scripts/lab/sass_regions.py). Logs under $OUT.
-# Usage there: [MODEL=kimi-k2] [WHICH=bwd|fwd] bash scripts/gpu_backward_profile.sh
+# at a model's one-GPU problem (E/32 experts unless EXPERTS, T = 2048 unless TOKENS): every section, and its
+# warp-stall samples per SASS instruction (bwd_sass.csv.gz / fwd_sass.csv.gz, for scripts/lab/sass_regions.py).
+# Logs under $OUT.
+# Usage there: [MODEL=kimi-k2] [WHICH=bwd|fwd] [TOKENS=2048] [EXPERTS=E/32] bash scripts/gpu_backward_profile.sh
+# (qwen3-30b-a3b's problem: MODEL=qwen3-30b-a3b TOKENS=8192 EXPERTS=16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -17,9 +19,10 @@ from mok_jax import ops
 from mok_jax.bench.backward import layer_config, op_args
 from mok_jax.bench.breakdown import _problem
 from mok_jax.layer import moe
-m, x, idx, w, W, _ = _problem(sys.argv[1], 2048, 0)
+T, E = int(sys.argv[3]), (int(sys.argv[4]) if sys.argv[4] else None)
+m, x, idx, w, W, _ = _problem(sys.argv[1], T, 0, E)
 if sys.argv[2] == "fwd":
-    cfg = layer_config(m, W, 2048)
+    cfg = layer_config(m, W, T)
     fwd = jax.jit(lambda x, i, w, W: moe(x, i, w, W, config=cfg))
     for _ in range(4):
         y = fwd(x, idx, w, W)
@@ -39,7 +42,7 @@ WHICH=${WHICH:-bwd}
 # bwd launches: the return_gu call, then three kept calls (the third profiled); fwd: four calls (the third)
 timeout ${NCU_LIMIT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:$KERNEL" \
   --launch-skip ${LAUNCH_SKIP:-2} --launch-count 1 --set full --import-source yes -o "$LOGS/${WHICH}_full" -f \
-  python3 /tmp/mok_profile_once.py "$MODEL" "$WHICH" > "$LOGS/ncu_run.log" 2>&1
+  python3 /tmp/mok_profile_once.py "$MODEL" "$WHICH" "${TOKENS:-2048}" "${EXPERTS:-}" > "$LOGS/ncu_run.log" 2>&1
 echo "ncu exit $?"; tail -4 "$LOGS/ncu_run.log"
 ncu --import "$LOGS/${WHICH}_full.ncu-rep" --page source --csv --print-source sass > "$LOGS/${WHICH}_sass.csv" 2>&1
 ncu --import "$LOGS/${WHICH}_full.ncu-rep" --page details > "$LOGS/${WHICH}_details.txt" 2>&1
