@@ -139,7 +139,8 @@ __host__ inline Plan make_plan(const ForwardShape& s, const ForwardKnobs& kn, in
   if (rank_ctas > p.D && p.n_shared_gu == 0) {
     p.D0 = rank_ctas;
   } else if (rank_ctas > p.D && s.ep == 1) {  // (dispatch_share)
-    const int32_t d0 = int32_t(rank_ctas * dispatch_share(p.G < s.tokens ? p.G : s.tokens, s.tokens, s.hidden, per_token, p.Is) + 0.5);
+    const int32_t mb_tokens = p.G < s.tokens ? p.G : s.tokens;
+    const int32_t d0 = int32_t(rank_ctas * dispatch_share(mb_tokens, s.tokens, s.hidden, per_token, p.Is) + 0.5);
     p.D0 = d0 > p.D ? d0 : p.D;
   }
   p.mb_cap = cdiv(p.slot_rows, kTileM) + s.local_experts;
