@@ -104,7 +104,8 @@ def test_table_prints_the_item_times_of_both_orders():
             "item times": late, "item times, shared down early": early}
     lines = table({"cases": [case]}, header=False).splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("| item kind")]
-    assert [lines[i].split(")")[0] for i in heads] == ["| item kind (item times", "| item kind (item times, shared down early"]
+    assert [lines[i].split(")")[0] for i in heads] == ["| item kind (item times",
+                                                       "| item kind (item times, shared down early"]
     assert lines[heads[0] + 2].startswith("| shared down | 448 | 0.088 | 0.001 |")
     assert lines[heads[1] + 2].startswith("| shared down | 448 | 0.088 | 0.066 |")
     assert any(line.startswith("| mok, item times, shared down early | 2.550 | +0.050 |") for line in lines)

@@ -92,7 +92,8 @@ def _check(*, T, H, I, Is, k, L, ep, G, S, D, ctas, how, seed=0, timing_mode=0):
     if late:  # one segment between GU(0) and DN(0)
         sdn = t[where("shared down")]
         assert (np.diff(sdn) == 1).all()
-        assert sdn.min() > t[where("gate/up", 0)].max(initial=-1) and sdn.max() < t[where("down", 0)].min(initial=len(t))
+        assert sdn.min() > t[where("gate/up", 0)].max(initial=-1)
+        assert sdn.max() < t[where("down", 0)].min(initial=len(t))
 
     # each microbatch's items, and what each waits for before it in ticket order
     capped = np.minimum(np.cumsum(rows, 1), slot_rows)

@@ -308,8 +308,8 @@ def test_timing_mode_reaches_the_kernel():
 def test_lab_form_has_the_production_bits(ep):
     """A call with a timing mode runs the kernel's lab form (ffi/src/moe_forward.cu), every other call the production
     form, compiled without the mode checks: with the "twice" variants, whose outputs stay right, and with "shared down
-    early" and "shared down late" (the two orders of the same tiles), the lab form gives the production form's bits on real experts with a
-    shared expert."""
+    early" and "shared down late" (the two orders of the same tiles), the lab form gives the production form's bits
+    on real experts with a shared expert."""
     shape = _shape(16, 512, 256, 4)
     args = _problem(f"lab{ep}", shape, 600, "zipf", ranks=ep)
     cfg = KernelConfig(granularity=512, comm_items_fwd=3)
@@ -329,10 +329,10 @@ def test_item_times_keep_the_bits_and_count_every_item(ep, order):
     """The "item times" timing mode (mok_jax.bench.breakdown --items) changes no work: y has the production form's
     bits, and each rank's times count the items the plan has (ffi/include/mok/moe/plan.cuh): 5 m-blocks of 600 tokens
     x 2 column blocks of the shared expert's tiles, DISPATCH over D = 3 items in each of the 2 microbatches but the
-    first at EP 1 (D0: as many as the host's item list of the same plan has), REDUCE over 3 items and then over every CTA of the rank for the last microbatch. At EP 1
-    the production order takes the shared expert's down tiles from the dynamic part's segment table (a count off
-    there would show here, or REDUCE would wait for them in vain); "shared down early" (64) and "shared down late"
-    (128) run the same items in either order at either EP size."""
+    first at EP 1 (D0: as many as the host's item list of the same plan has), REDUCE over 3 items and then over every
+    CTA of the rank for the last microbatch. At EP 1 the production order takes the shared expert's down tiles from
+    the dynamic part's segment table (a count off there would show here, or REDUCE would wait for them in vain);
+    "shared down early" (64) and "shared down late" (128) run the same items in either order at either EP size."""
     from mok_jax.bench.breakdown import item_times
     from mok_jax.ops.moe_forward import ITEM_FIELDS, ITEM_TIME_KINDS, item_list
 
