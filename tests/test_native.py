@@ -55,3 +55,14 @@ def test_missing_library_is_reported_once_and_xla_still_works(tmp_path):
     assert "WARNINGS 1" in out.stdout
     assert "RAISED" in out.stdout and "absent.so (missing)" in out.stdout
     assert "XLA (2, 4)" in out.stdout
+
+
+@pytest.mark.skipif(_native.library() is None, reason="the check is the native library's")
+def test_row_gather_offsets_are_cutes_layouts():
+    """The row-gathering loader (mok/gemm/sm90_row_gather.cuh) writes each 16-byte chunk where a TMA box with the
+    128-byte swizzle puts it: its hand-written offsets against CuTe's layouts of the same stages, every place."""
+    import ctypes
+
+    fn = _native.library().mok_row_gather_offset_mismatches
+    fn.restype, fn.argtypes = ctypes.c_int64, []
+    assert fn() == 0

@@ -12,6 +12,7 @@
 #include "mok/experts_backward.cuh"
 #include "mok/gemm/group_scheduler.cuh"
 #include "mok/gemm/sm90_grouped_gemm.cuh"
+#include "mok/gemm/sm90_row_gather.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 #include "mok/gemm/sm90_weight_grad.cuh"
@@ -434,3 +435,29 @@ cudaError_t launch_experts_backward(const ExpertsBackwardParams& p, cudaStream_t
 }
 
 }  // namespace mok
+
+// Host only, for the tests: where the byte offsets of mok/gemm/sm90_row_gather.cuh (the stages the row-gathering
+// loader fills) differ from CuTe's layouts of the same stages, whose swizzle acts on byte addresses: the number of
+// (row, column) places that differ in a K-major 128 x 64 A stage, an MN-major 128 x 64 one and the MN-major ring of
+// 256 x 64 B stages. 0 when they agree.
+extern "C" __attribute__((visibility("default"))) int64_t mok_row_gather_offset_mismatches() {
+  namespace rg = mok::gemm::row_gather;
+  using E = cutlass::bfloat16_t;
+  auto bytes = [](const auto& layout, auto... coord) {
+    return uint32_t(layout.layout_a()(2 * int(layout.layout_b()(coord...))));
+  };
+  int64_t bad = 0;
+  const mok::gemm::detail::StageTile<E, true, 128, 64> k_major{};
+  const mok::gemm::detail::StageTile<E, false, 128, 64> mn_major{};
+  const mok::gemm::detail::StageRing<E, false, 256, 64, mok::gemm::StageRing::kStages> mn_ring{};
+  for (int r = 0; r < 128; ++r)
+    for (int k = 0; k < 64; ++k) {
+      bad += bytes(k_major, r, k) != rg::k_major_offset(r, k / 8) + 2 * (k % 8);
+      bad += bytes(mn_major, r, k) != rg::mn_major_offset(k, r / 8) + 2 * (r % 8);
+    }
+  for (int s = 0; s < mok::gemm::StageRing::kStages; ++s)
+    for (int n = 0; n < 256; ++n)
+      for (int k = 0; k < 64; ++k)
+        bad += bytes(mn_ring, n, k, s) != s * 256 * 64 * 2 + rg::mn_major_offset(k, n / 8) + 2 * (n % 8);
+  return bad;
+}

@@ -39,6 +39,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "mok/gemm/sm90_row_gather.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 
 #define CHECK(x)                                                                            \
@@ -86,7 +87,7 @@ __device__ __forceinline__ Tile::TileLoad tile_load(const Params& p, int mb, int
 __device__ bool load_gathered(const Params& p, Smem& s, Tile::StagePos& pos, const Tile::TileLoad& t, int pt) {
   using namespace cute;
   const Element* src[8];
-  const int chunk = pt % 8, r0 = pt / 8;
+  const int r0 = pt / 8;
   CUTE_UNROLL
   for (int i = 0; i < 8; ++i) {
     const int32_t at = p.index[t.a_row0 + r0 + 16 * i];
@@ -117,20 +118,10 @@ __device__ bool load_gathered(const Params& p, Smem& s, Tile::StagePos& pos, con
         copy(p.tma_b.with(s.ring.full[pos.stage]), tB1g, tB1s);
       }
     }
-    // K-major, 128-byte swizzle: row r at r * 128 bytes of the 1024-byte-aligned stage, its 16-byte chunk c at
-    // (c ^ r % 8) * 16 (row_gather_loads.cu checked these bytes against a TMA box's)
+    // K-major, 128-byte swizzle (mok/gemm/sm90_row_gather.cuh: the offsets of a TMA box's bytes)
     const uint32_t a_stage = cute::cast_smem_ptr_to_uint(s.ring.a + pos.stage * Tile::kStageElemsA);
-    const int col = k * Tile::kBlockK + chunk * 8;
-    CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      const int r = r0 + 16 * i;
-      const uint32_t dst = a_stage + uint32_t(r * 128 + ((chunk ^ (r & 7)) << 4));
-      const uint32_t bytes = src[i] != nullptr ? 16u : 0u;  // 0: sixteen zero bytes (a padding row)
-      const Element* from = src[i] != nullptr ? src[i] + col : p.rows;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from), "r"(bytes) : "memory");
-    }
-    const uint32_t full = cute::cast_smem_ptr_to_uint(&s.ring.full[pos.stage]);
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+    row_gather::load_k_major(a_stage, src, k * Tile::kBlockK, pt, p.rows);
+    row_gather::arrive_when_landed(&s.ring.full[pos.stage]);
     pos.advance();
   }
   return true;
