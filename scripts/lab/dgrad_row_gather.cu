@@ -120,7 +120,7 @@ __device__ bool load_gathered(const Params& p, Smem& s, Tile::StagePos& pos, con
     }
     // K-major, 128-byte swizzle (mok/gemm/sm90_row_gather.cuh: the offsets of a TMA box's bytes)
     const uint32_t a_stage = cute::cast_smem_ptr_to_uint(s.ring.a + pos.stage * Tile::kStageElemsA);
-    row_gather::load_k_major(a_stage, src, k * Tile::kBlockK, pt, p.rows);
+    row_gather::load_k_major(a_stage, src, k * Tile::kBlockK, p.hidden, pt, p.rows);
     row_gather::arrive_when_landed(&s.ring.full[pos.stage]);
     pos.advance();
   }

@@ -46,33 +46,35 @@ __device__ __forceinline__ void arrive_when_landed(uint64_t* full) {
 }
 
 // K-major A, 128 rows x 64 k, of a stage at shared address `stage`: thread pt copies chunk pt % 8 of rows
-// pt / 8 + 16 i (i < 8); row[i] is that row's first element (nullptr: a padding row), col the k-tile's first column.
-// Each row's 128 bytes are read by 8 neighbouring threads.
+// pt / 8 + 16 i (i < 8); row[i] is that row's first element (nullptr: a padding row), col the k-tile's first column,
+// k_end the row's length (a multiple of 8; chunks past it are zeros, as TMA fills past a matrix). Each row's 128
+// bytes are read by 8 neighbouring threads.
 __device__ __forceinline__ void load_k_major(uint32_t stage, const cutlass::bfloat16_t* const (&row)[8], int col,
-                                             int pt, const cutlass::bfloat16_t* any_valid) {
+                                             int k_end, int pt, const cutlass::bfloat16_t* any_valid) {
   const int c = pt % 8, r0 = pt / 8;
+  const bool in = col + c * kChunkElems < k_end;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = r0 + 16 * i;
-    copy_chunk(stage + k_major_offset(r, c), row[i] != nullptr ? row[i] + col + c * kChunkElems : nullptr, any_valid);
+    copy_chunk(stage + k_major_offset(r, c), in && row[i] != nullptr ? row[i] + col + c * kChunkElems : nullptr,
+               any_valid);
   }
 }
 
 // MN-major, kN x 64 k (kN 128 or 256: an A tile of a weight gradient, or its B), of a stage at shared address
 // `stage`: k index pt / 2 of the k-tile is one gathered row, of which thread pt copies chunks [h, h + kN / 16) with
-// h = pt % 2 * kN / 16; row is its element col0 (nullptr: a padding row), halves the chunks to copy of each 128-column
-// half (16, or 0 for a half past the matrix's last column: left unwritten, as TMA skips such a half).
+// h = pt % 2 * kN / 16, columns col0 + 8 c of the row; row is its first element (nullptr: a padding row) and n_end
+// its length (a multiple of 8; chunks past it are zeros: columns a tile computes and never stores).
 template <int kN>
-__device__ __forceinline__ void load_mn_major(uint32_t stage, const cutlass::bfloat16_t* row, int pt,
-                                              const cutlass::bfloat16_t* any_valid, bool second_half = true) {
+__device__ __forceinline__ void load_mn_major(uint32_t stage, const cutlass::bfloat16_t* row, int col0, int n_end,
+                                              int pt, const cutlass::bfloat16_t* any_valid) {
   static_assert(kN == 128 || kN == 256, "a stage's MN extent");
   constexpr int kPerThread = kN / 16;
   const int kk = pt / 2, c0 = pt % 2 * kPerThread;
-  if (kN == 256 && !second_half && c0 >= 16) return;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
-    const int c = c0 + j;
-    copy_chunk(stage + mn_major_offset(kk, c), row != nullptr ? row + c * kChunkElems : nullptr, any_valid);
+    const int c = c0 + j, col = col0 + c * kChunkElems;
+    copy_chunk(stage + mn_major_offset(kk, c), row != nullptr && col < n_end ? row + col : nullptr, any_valid);
   }
 }
 #endif
