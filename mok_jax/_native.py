@@ -23,7 +23,7 @@ LIBRARY_NAME = "libmok_ffi.so"
 
 # FFI target name -> exported handler symbol. One entry per handler in ffi/src/ffi_*.cu.
 FFI_TARGETS: dict[str, str] = {
-    "mok_expert_counts": "MokExpertCounts",
+    "mok_expert_counts": "MokExpertCounts", "mok_expert_layout": "MokExpertLayout",  # ffi_routing.cu
     "mok_grouped_ffn": "MokGroupedFfn", "mok_fp8_grouped_ffn": "MokFp8GroupedFfn",  # ffi_grouped_ffn.cu
     "mok_comm_dispatch": "MokCommDispatch", "mok_comm_combine": "MokCommCombine",  # ffi_comm.cu
     "mok_moe_forward": "MokMoeForward", "mok_moe_forward_fp8": "MokMoeForwardFp8",  # ffi_moe.cu
