@@ -95,6 +95,8 @@ def test_missing_library_is_reported_once_and_xla_still_works(tmp_path):
         "from mok_jax import _native\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
+        "    assert not _native.loaded()\n"
+        "    print('QUIET', len(caught))\n"
         "    for _ in range(3): assert _native.library() is None\n"
         "    try:\n"
         "        mok_jax.ops.expert_counts(jnp.zeros((2, 1), jnp.int32), 4)\n"
@@ -106,6 +108,7 @@ def test_missing_library_is_reported_once_and_xla_still_works(tmp_path):
     env = dict(os.environ, MOK_JAX_LIB=str(tmp_path / "absent.so"), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert "QUIET 0" in out.stdout  # loaded() (mok_jax.layer.op_layout's question) says nothing
     assert "WARNINGS 1" in out.stdout
     assert "RAISED" in out.stdout and "absent.so (missing)" in out.stdout
     assert "XLA (2, 4)" in out.stdout

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mok_jax import _native
+from mok_jax import _native, layer
 from mok_jax.expert_layout import padded_layout, rank_layout
 from mok_jax.ops import expert_counts, expert_layout
 from mok_jax.ops.routing import MAX_LAYOUT_EXPERTS
@@ -95,12 +95,15 @@ def test_expert_layout_is_the_bits_of_padded_layout(case, tokens, k, experts, bl
 @pytest.mark.parametrize("case", ["random", "masked_invalid", "zipf", "one_expert"])
 @pytest.mark.parametrize("ep,local,tokens,k", [(2, 8, 512, 4), (8, 16, 256, 8), (64, 6, 64, 8), (4, 1024, 128, 8)])
 def test_expert_layout_per_rank_is_the_bits_of_rank_layout(case, ep, local, tokens, k, seed):
-    """first_expert = rank * L, traced (as jax.lax.axis_index gives it): every rank's layout of the EP group's
-    slots."""
+    """first_expert = rank * L, traced (as jax.lax.axis_index gives it): every rank's layout of the EP group's slots,
+    and the layer's op_layout, which lowers the op for CUDA."""
     rng = np.random.default_rng(seed(ep * 1000 + local))
     idx = jnp.asarray(_routing(rng, case, ep * tokens, k, ep * local))
     native = jax.jit(lambda i, r: expert_layout(i, local, 128, first_expert=r * local))
+    picked = jax.jit(lambda i, r: layer.op_layout(i, local, r))
     reference = jax.jit(lambda i, r: rank_layout(i, local, r))
+    assert "custom_call @mok_expert_layout(" in picked.lower(idx, jnp.int32(0)).as_text()
     for r in sorted({0, 1, ep // 2, ep - 1}):
         want = reference(idx, jnp.int32(r))
         _assert_same_layout(native(idx, jnp.int32(r)), want, f"{case} EP {ep} rank {r}: ops.expert_layout")
+        _assert_same_layout(picked(idx, jnp.int32(r)), want, f"{case} EP {ep} rank {r}: layer.op_layout")
