@@ -17,13 +17,13 @@ import warnings
 
 import jax
 
-__all__ = ["FFI_TARGETS", "NativeLibraryUnavailable", "library", "native_status", "require_native"]
+__all__ = ["FFI_TARGETS", "NativeLibraryUnavailable", "library", "loaded", "native_status", "require_native"]
 
 LIBRARY_NAME = "libmok_ffi.so"
 
 # FFI target name -> exported handler symbol. One entry per handler in ffi/src/ffi_*.cu.
 FFI_TARGETS: dict[str, str] = {
-    "mok_expert_counts": "MokExpertCounts",
+    "mok_expert_counts": "MokExpertCounts", "mok_expert_layout": "MokExpertLayout",  # ffi_routing.cu
     "mok_grouped_ffn": "MokGroupedFfn", "mok_fp8_grouped_ffn": "MokFp8GroupedFfn",  # ffi_grouped_ffn.cu
     "mok_comm_dispatch": "MokCommDispatch", "mok_comm_combine": "MokCommCombine",  # ffi_comm.cu
     "mok_moe_forward": "MokMoeForward", "mok_moe_forward_fp8": "MokMoeForwardFp8",  # ffi_moe.cu
@@ -76,20 +76,37 @@ def _load() -> None:
         "the mok CUDA library (" + LIBRARY_NAME + ") is not available: it is built by `pip install -e .` "
         "when nvcc is present, or by scripts/build_native.sh. Looked in: " + "; ".join(tried)
     )
-    warnings.warn("mok_jax: " + str(_state["error"]) + ". implementation='xla' still works.", stacklevel=3)
+
+
+def _warn_once() -> None:
+    """The one warning that the library is unavailable (stacklevel: the caller of library() or native_status())."""
+    if "error" in _state and not _state.get("warned"):
+        _state["warned"] = True
+        warnings.warn("mok_jax: " + str(_state["error"]) + ". implementation='xla' still works.", stacklevel=3)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded native library, or None (after one warning) when it is unavailable."""
     with _lock:
         _load()
+        _warn_once()
     return _state.get("lib")  # type: ignore[return-value]
+
+
+def loaded() -> bool:
+    """Whether the native library is loaded (loading it on the first call), without library()'s warning: for code
+    that uses a kernel only where there is one and is correct without it (mok_jax.layer.op_layout), so that a caller
+    who never asked for the kernels is not told they are missing."""
+    with _lock:
+        _load()
+    return "lib" in _state
 
 
 def native_status() -> str:
     """One line saying where the native library was loaded from, or why it is unavailable."""
     with _lock:
         _load()
+        _warn_once()
     if "lib" in _state:
         return f"loaded from {_state['path']}"
     return str(_state["error"])

@@ -147,9 +147,9 @@ def emulated_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, weig
         raise ValueError("emulated_moe: keep and the \"item times\" timing mode cannot be asked together")
     layouts, kept = None, {}
     if keep:
-        from mok_jax.layer import rank_layout
+        from mok_jax.layer import op_layout
 
-        layouts = [rank_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
+        layouts = [op_layout(topk_idx, num_experts // ep, r) for r in range(ep)]
         kept = dict(keep_pos=jnp.stack([lay.pos.reshape(-1) for lay in layouts]), keep_rows=layouts[0].num_rows,
                     keep_shared=weights.has_shared)
     y, status, *gu = ops.moe_forward(
@@ -194,7 +194,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
     ``emulated_moe(..., keep=True)`` (MoEConfig(keep="everything")), or None.
     """
     from mok_jax import layer
-    from mok_jax.layer import drop_invalid_tokens, finish_backward, rank_layout, routed_backward_rank, slot_sum
+    from mok_jax.layer import drop_invalid_tokens, finish_backward, op_layout, routed_backward_rank, slot_sum
 
     if fused and experts_fn is not None:
         raise ValueError("fused=True runs the fused op; experts_fn replaces the op of the collectives path")
@@ -222,7 +222,7 @@ def emulated_moe_backward(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Ar
         raise ValueError(f"kept must hold the kept g, u of each of the {ep} ranks, got {len(kept)}")
     if fused:
         ws = _emulated_workspace(workspace, device, ep, x, topk_idx, num_experts, timeout_s)
-        layouts = [rank_layout(topk_idx, local, r) for r in range(ep)] if kept is None else [c.layout for c in kept]
+        layouts = [op_layout(topk_idx, local, r) for r in range(ep)] if kept is None else [c.layout for c in kept]
         gu = {}
         if kept is not None:
             args = [c.op_args() for c in kept]

@@ -6,12 +6,12 @@
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
 (``mok_jax.ops.moe_forward``), which also keeps the gate/up accumulators g | u of the slots MoEConfig.keep names
 (bf16; by default those a balanced routing fills). Its backward works on a padded expert-major layout of the slots
-(``mok_jax.expert_layout``) in one native op (``mok_jax.ops.experts_backward``), which gathers the slots' rows,
-recomputes the g | u that were not kept, gives the routed experts' gradients and sums each token's slot rows of
-dx in f32 in slot order; the shared expert's backward is bf16 matmuls (f32 accumulation) in XLA, its dx added in
-f32. At EP size > 1 the fused op (``mok_jax.ops.experts_backward_ep``) moves the rows over NVLink inside its
-kernel (``_backward_mok``); its routed gradients are the bits of EP size 1. mok never falls back to another
-implementation.
+(``mok_jax.expert_layout``; ``op_layout``, on the GPU a native op with MOK_JAX_NATIVE_LAYOUT=1) in one native op
+(``mok_jax.ops.experts_backward``), which gathers the slots' rows, recomputes the g | u that were not kept, gives
+the routed experts' gradients and sums each token's slot rows of dx in f32 in slot order; the shared expert's
+backward is bf16 matmuls (f32 accumulation) in XLA, its dx added in f32. At EP size > 1 the fused op
+(``mok_jax.ops.experts_backward_ep``) moves the rows over NVLink inside its kernel (``_backward_mok``); its routed
+gradients are the bits of EP size 1. mok never falls back to another implementation.
 
 Dtypes (checked at trace time, errors name the argument, the expected and the given dtype):
 
@@ -38,6 +38,7 @@ Any other id outside [0, E) is invalid:
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -46,13 +47,15 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mok_jax import reference
+from mok_jax import _native, reference
 from mok_jax._native import require_native
+from mok_jax.backward_types import EXPERTS_BACKWARD_GROUP_ALIGN
 from mok_jax.config import MoEConfig
 from mok_jax.expert_layout import PaddedLayout, rank_layout  # rank_layout: a public piece of the backward here too
 from mok_jax.fp8 import BLOCK as FP8_BLOCK, Fp8ExpertWeights, quantize_expert_weights
 from mok_jax.memory import kept_rows  # the rows of the kept g | u: one formula for the layer and its memory terms
 from mok_jax.ops.moe_forward import first_ring_token, resolve_kernel
+from mok_jax.ops.routing import MAX_LAYOUT_EXPERTS, expert_layout_call
 from mok_jax.validation import check_fp8_weights, check_moe_args, check_routing_values
 from mok_jax.weights import MoEWeights
 
@@ -229,7 +232,7 @@ def _moe(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
     return _forward(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace)
 
 
-# rank_layout, routed_backward_rank, slot_sum, drop_invalid_tokens, finish_backward and FUSED_EP_BACKWARD: the
+# op_layout, routed_backward_rank, slot_sum, drop_invalid_tokens, finish_backward and FUSED_EP_BACKWARD: the
 # pieces of the backward that mok_jax.emulation runs rank by rank, shared so that the emulation is the layer's
 # backward and not a copy of it.
 def _keep_plan(config: MoEConfig, x, topk_idx, weights: MoEWeights, layout: PaddedLayout, workspace=None):
@@ -270,10 +273,10 @@ def _moe_fwd(x, topk_idx, topk_weight, weights, fp8_weights, config, workspace):
     if config.implementation == "mok" and config.keep != "nothing":  # bf16 only (MoEConfig checks)
         ep, num_local = _ep_size(config), weights.num_local_experts
         if ep == 1:
-            layout = rank_layout(topk_idx, num_local, 0)
+            layout = op_layout(topk_idx, num_local, 0)
         else:
-            layout = rank_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
-                                  jax.lax.axis_index(config.ep_axis))
+            layout = op_layout(jax.lax.all_gather(topk_idx, config.ep_axis, tiled=True), num_local,
+                               jax.lax.axis_index(config.ep_axis))
         keep_pos, rows, row = _keep_plan(config, x, topk_idx, weights, layout, workspace)
         y, gu, shared_gu = _forward_mok(x, topk_idx, topk_weight, weights, config, keep=(keep_pos, rows),
                                         workspace=workspace)
@@ -318,8 +321,8 @@ def _shared_backward(x: jax.Array, weights: MoEWeights, dy: jax.Array, gu: jax.A
 
 
 def _manual_axes(a) -> frozenset:
-    """The manual mesh axes a value varies over (inside shard_map); empty outside it."""
-    t = jax.typeof(a)
+    """The manual mesh axes a value (or a jax.ShapeDtypeStruct) varies over (inside shard_map); empty outside it."""
+    t = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
     axis_type = getattr(t, "manual_axis_type", None)  # jax 0.11
     return frozenset(axis_type.varying) if axis_type is not None else frozenset(getattr(t, "vma", ()))
 
@@ -341,6 +344,46 @@ def _to_varying(a: jax.Array, axes: tuple) -> jax.Array:
     return a
 
 
+NATIVE_LAYOUT_ENV = "MOK_JAX_NATIVE_LAYOUT"
+
+
+def native_layout_on() -> bool:
+    """Whether op_layout may use the native op: MOK_JAX_NATIVE_LAYOUT=1 (read at trace time). Off by default until a
+    GPU run has shown the layer's bits and speed with it (docs/performance_history.md, the native layout); its own
+    GPU tests turn it on."""
+    return os.environ.get(NATIVE_LAYOUT_ENV, "0") == "1"
+
+
+def op_layout(topk_idx: jax.Array, num_local: int, rank) -> PaddedLayout:
+    """rank_layout(topk_idx, num_local, rank), the same four arrays bit for bit, from the native op on CUDA
+    (mok_jax.ops.expert_layout: three small kernels in place of XLA's sort, searches and scatter, ~0.05 ms of launches
+    a fwd+bwd). ``jax.lax.platform_dependent`` lowers the op for CUDA and rank_layout for every other platform; where
+    the op is off (native_layout_on, the default), the native library is not loaded, or the op cannot take the call
+    (ids not int32, more than MAX_LAYOUT_EXPERTS local experts), this is rank_layout itself. ``rank`` may be traced
+    (jax.lax.axis_index).
+
+    Inside shard_map the two branches must have one type, manual axes included, and rank_layout's is the one: the
+    op's operands are marked varying over the axes of topk_idx and rank together (an ffi_call takes operands that
+    vary alike), and each of its results, which vary over none, over the axes of rank_layout's array."""
+    if not native_layout_on() or not _native.loaded() or topk_idx.dtype != jnp.int32 or \
+            num_local > MAX_LAYOUT_EXPERTS:
+        return rank_layout(topk_idx, num_local, rank)
+    rank = jnp.asarray(rank, jnp.int32)
+    operand_axes = tuple(sorted(_manual_axes(topk_idx) | _manual_axes(rank)))
+    want = jax.eval_shape(lambda i, r: rank_layout(i, num_local, r), topk_idx, rank)
+    result_axes = [tuple(sorted(_manual_axes(a))) for a in want]  # operand_axes, or none for constants (no slots)
+
+    def native(idx, r):
+        idx, first = _to_varying(idx, operand_axes), _to_varying(r * num_local, operand_axes)
+        layout = expert_layout_call(idx, num_local, EXPERTS_BACKWARD_GROUP_ALIGN, first)
+        return PaddedLayout(*(_to_varying(a, axes) for a, axes in zip(layout, result_axes)))
+
+    def reference(idx, r):
+        return rank_layout(idx, num_local, r)
+
+    return jax.lax.platform_dependent(topk_idx, rank, cuda=native, default=reference)
+
+
 class RoutedBackwardPart(NamedTuple):
     """One EP rank's share of the routed experts' backward over every rank's tokens (``routed_backward_rank``):
     dx_slots: bf16[N, k, H], the dx row of each slot its local experts own (zeros for the others' slots); dw:
@@ -357,10 +400,10 @@ def routed_backward_rank(x, dy, topk_idx, topk_weight, gate_up, down, rank, expe
                           kept: KeptGateUp | None = None) -> RoutedBackwardPart:
     """EP rank ``rank``'s routed backward: x, dy: [N, H], topk_idx (global ids): [N, k], topk_weight: f32[N, k]
     of every rank's tokens (N = ep * T, rank-major: the global token order); gate_up, down: its L local experts
-    [rank * L, (rank + 1) * L). Its layout (``rank_layout``, or the kept one with its g, u) keeps its experts'
+    [rank * L, (rank + 1) * L). Its layout (``op_layout``, or the kept one with its g, u) keeps its experts'
     slots in global (t, j) order, as the EP-1 layout does, so each slot's dx row and dw and each expert's weight
     gradient are the bits of EP size 1."""
-    layout = rank_layout(topk_idx, gate_up.shape[0], rank) if kept is None else kept.layout
+    layout = op_layout(topk_idx, gate_up.shape[0], rank) if kept is None else kept.layout
     gu = {} if kept is None else kept.op_args()
     out = experts_fn(x, dy, topk_weight, layout.pos, layout.src_slot, layout.group_sizes, gate_up, down, **gu)
     # pos is M (one past the rows) for the other ranks' slots: they pick the appended zero row
@@ -379,7 +422,7 @@ def _routed_backward_fused(ws, config: MoEConfig, x, dy, topk_idx, w32, weights:
     axis = config.ep_axis
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)  # noqa: E731
     layout = kept.layout if kept is not None else \
-        rank_layout(gather(topk_idx), weights.num_local_experts, jax.lax.axis_index(axis))
+        op_layout(gather(topk_idx), weights.num_local_experts, jax.lax.axis_index(axis))
     gu = {} if kept is None else {name: a[None] for name, a in kept.op_args().items()}
     kernel = resolve_kernel(ws, config.kernel, tokens=x.shape[0], hidden=x.shape[1], inter=weights.intermediate_size,
                             top_k=topk_idx.shape[1], local_experts=weights.num_local_experts)
@@ -473,7 +516,7 @@ def _backward_mok(config: MoEConfig, residuals: MoEResiduals, dy: jax.Array, exp
     w32 = topk_weight.astype(jnp.float32)
     if ep == 1:
         # Masked slots and invalid ids get no row (pos = M): the op gives them dw = 0 and adds nothing to dx.
-        layout = rank_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
+        layout = op_layout(topk_idx, weights.num_local_experts, 0) if kept is None else kept.layout
         extra = {} if kept is None else kept.op_args()
         fused_shared = weights.has_shared and _SHARED_IN_OP
         if fused_shared:

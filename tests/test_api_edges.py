@@ -69,12 +69,12 @@ def test_every_ffi_call_declares_a_vmap_method():
                 calls += 1
                 kw = {k.arg for k in node.keywords}
                 assert "vmap_method" in kw, f"{path.name}:{node.lineno}: ffi_call without vmap_method"
-    # grouped_ffn, fp8_grouped_ffn, expert_counts, dispatch, combine, moe_forward (bf16 and fp8), experts_backward,
-    # experts_backward_ep
-    assert calls == 9
+    # grouped_ffn, fp8_grouped_ffn, expert_counts, expert_layout, dispatch, combine, moe_forward (bf16 and fp8),
+    # experts_backward, experts_backward_ep
+    assert calls == 10
 
 
-def test_vmap_grouped_ffn_and_expert_counts_lower_as_loops_of_unbatched_calls(monkeypatch):
+def test_vmap_grouped_ffn_and_routing_ops_lower_as_loops_of_unbatched_calls(monkeypatch):
     gf = importlib.import_module("mok_jax.ops.grouped_ffn")
     rt = importlib.import_module("mok_jax.ops.routing")
     monkeypatch.setattr(gf, "require_native", lambda what: None)
@@ -99,6 +99,14 @@ def test_vmap_grouped_ffn_and_expert_counts_lower_as_loops_of_unbatched_calls(mo
     assert inside == ("scan",) and eqn.params["vmap_method"] == "sequential"
     [call] = _custom_calls(jax.jit(g).lower(idx).as_text(), "mok_expert_counts")
     assert "(tensor<8x4xi32>)" in call
+
+    # the layout: a batch of routings and of first experts, one unbatched call each
+    h = jax.vmap(lambda i, f: tuple(rt.expert_layout(i, 16, first_expert=f)))
+    first = jax.ShapeDtypeStruct((B,), jnp.int32)
+    [(inside, eqn)] = _ffi_calls(jax.make_jaxpr(h)(idx, first).jaxpr)
+    assert inside == ("scan",) and eqn.params["vmap_method"] == "sequential"
+    [call] = _custom_calls(jax.jit(h).lower(idx, first).as_text(), "mok_expert_layout")
+    assert "(tensor<8x4xi32>, tensor<i32>)" in call
 
 
 def test_vmap_comm_ops_lower_as_whole_calls_in_order(cpu_devices, monkeypatch):

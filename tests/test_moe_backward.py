@@ -152,6 +152,83 @@ def test_padded_layout_lowers_without_a_loop():
     assert "stablehlo.while" not in text
 
 
+def _ffi_targets(jaxpr) -> list[str]:
+    """The target of every ffi_call in ``jaxpr``, nested jaxprs (the branches of a cond, a shard_map's body)
+    included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ffi_call":
+            found.append(eqn.params["target_name"])
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _ffi_targets(sub)
+    return found
+
+
+def test_op_layout_is_rank_layout_while_the_native_layout_is_off(monkeypatch):
+    """MOK_JAX_NATIVE_LAYOUT unset (the default): op_layout is rank_layout itself, no ffi_call traced."""
+    monkeypatch.delenv(moe_mod.NATIVE_LAYOUT_ENV, raising=False)
+    idx = jnp.asarray(np.random.default_rng(12).integers(-1, 9, size=(64, 2)), jnp.int32)
+    assert _ffi_targets(jax.make_jaxpr(lambda i, r: moe_mod.op_layout(i, 3, r))(idx, jnp.int32(1)).jaxpr) == []
+    monkeypatch.setenv(moe_mod.NATIVE_LAYOUT_ENV, "1")
+    want = ["mok_expert_layout"] if _native.loaded() else []
+    assert _ffi_targets(jax.make_jaxpr(lambda i, r: moe_mod.op_layout(i, 3, r))(idx, jnp.int32(1)).jaxpr) == want
+
+
+def test_op_layout_on_cpu_is_rank_layout(monkeypatch):
+    """The layer's layout (op_layout, MOK_JAX_NATIVE_LAYOUT=1: the native op on CUDA, rank_layout elsewhere) gives
+    rank_layout's arrays on this CPU, with the rank given as an int or traced; where the native library is loaded the
+    op's branch is traced too, but only rank_layout is lowered for the CPU (no custom call), so nothing here needs the
+    handler."""
+    monkeypatch.setenv(moe_mod.NATIVE_LAYOUT_ENV, "1")
+    rng = np.random.default_rng(11)
+    ep, L = 4, 5
+    idx = jnp.asarray(rng.integers(-1, ep * L + 2, size=(4 * 37, 3)), jnp.int32)
+    for r in range(ep):
+        want = moe_mod.rank_layout(idx, L, r)
+        for got in (moe_mod.op_layout(idx, L, r), jax.jit(moe_mod.op_layout, static_argnums=1)(idx, L, jnp.int32(r))):
+            for name, a, b in zip(want._fields, got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"rank {r}: {name}")
+    jaxpr = jax.make_jaxpr(lambda i, r: moe_mod.op_layout(i, L, r))(idx, jnp.int32(1)).jaxpr
+    assert _ffi_targets(jaxpr) == (["mok_expert_layout"] if _native.loaded() else [])
+    text = jax.jit(lambda i, r: moe_mod.op_layout(i, L, r)).lower(idx, jnp.int32(1)).as_text()
+    assert "custom_call" not in text
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("k", [4, 0])
+def test_op_layout_under_shard_map_varies_as_rank_layout(cpu_devices, check_vma, k, monkeypatch):
+    """Inside shard_map over 8 ranks, each rank's op_layout of the all-gathered ids (rank = axis_index) and of its
+    own ids (rank 0, a constant, as at EP 1) traces, has rank_layout's types, manual axes included (an ffi_call's
+    results vary over none: the op's branch marks them as rank_layout's, and its operands varying alike), and gives
+    rank_layout's arrays; with no slots too (k = 0: rank_layout's arrays are then constants, varying over none)."""
+    monkeypatch.setenv(moe_mod.NATIVE_LAYOUT_ENV, "1")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    ep, L, tokens = 8, 3, 16
+    mesh = jax.make_mesh((ep,), ("ep",), devices=cpu_devices[:ep])
+    rng = np.random.default_rng(k + 5)
+    idx = jax.device_put(jnp.asarray(rng.integers(-1, ep * L + 1, size=(ep * tokens, k)), jnp.int32),
+                         NamedSharding(mesh, P("ep")))
+
+    def body(i):
+        gathered, me = jax.lax.all_gather(i, "ep", tiled=True), jax.lax.axis_index("ep")
+        pairs = ((moe_mod.op_layout(gathered, L, me), moe_mod.rank_layout(gathered, L, me)),
+                 (moe_mod.op_layout(i, L, 0), moe_mod.rank_layout(i, L, 0)))
+        for got, want in pairs:
+            assert [jax.typeof(a) for a in got] == [jax.typeof(a) for a in want]
+        return tuple(a[None] for got, want in pairs for a in (*got, *want))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=check_vma))
+    assert _ffi_targets(jax.make_jaxpr(f)(idx).jaxpr) == (["mok_expert_layout"] * 2 if _native.loaded() else [])
+    out = [np.asarray(a) for a in f(idx)]
+    for got, want in ((out[0:4], out[4:8]), (out[8:12], out[12:16])):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_gather_rows_zero_fills():
     vals = jnp.arange(12.0).reshape(4, 3)
     out = gather_rows(vals, jnp.array([2, -1, 0], jnp.int32))

@@ -10,8 +10,8 @@ from mok_jax.ops.grouped_ffn import Fp8GroupedFfnOutput, fp8_grouped_ffn, groupe
 from mok_jax.ops.moe_backward import (ExpertsBackwardEpOutput, ExpertsBackwardOutput, experts_backward,
                                       experts_backward_ep)
 from mok_jax.ops.moe_forward import moe_forward
-from mok_jax.ops.routing import expert_counts
+from mok_jax.ops.routing import expert_counts, expert_layout
 
 __all__ = ["DispatchLayout", "ExpertsBackwardEpOutput", "ExpertsBackwardOutput", "Fp8GroupedFfnOutput", "combine",
-           "dispatch", "expert_counts", "experts_backward", "experts_backward_ep", "fp8_grouped_ffn", "grouped_ffn",
-           "moe_forward"]
+           "dispatch", "expert_counts", "expert_layout", "experts_backward", "experts_backward_ep", "fp8_grouped_ffn",
+           "grouped_ffn", "moe_forward"]
