@@ -101,7 +101,6 @@ MOK_FFI_HANDLER(MokExpertCounts, expert_counts_impl,
                     .Ret<ffi::Buffer<ffi::S32>>()
                     .Ret<ffi::Buffer<ffi::S32>>());
 
-
 MOK_FFI_HANDLER(MokExpertLayout, expert_layout_impl,
                 ffi::Ffi::Bind()
                     .Ctx<ffi::PlatformStream<cudaStream_t>>()

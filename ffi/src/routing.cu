@@ -1,6 +1,8 @@
 // Kernels of mok/routing.cuh.
 #include "mok/routing.cuh"
 
+#include "mok/comm/ptx.cuh"
+
 namespace mok {
 namespace {
 
@@ -32,12 +34,6 @@ __global__ void expert_counts_kernel(ExpertCountParams p) {
   if (threadIdx.x == 0 && hist[p.num_experts]) atomicAdd(p.num_invalid, hist[p.num_experts]);
 }
 
-__device__ __forceinline__ uint32_t lane_mask_lt() {
-  uint32_t m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
-
 // The local expert of a slot whose id is `id`, or -1 for a slot that gets no row (masked, invalid, another rank's
 // expert). In 64 bits: rank_layout's (id >= first) & (id < first + E) and then id - first, without a wrap.
 __device__ __forceinline__ int32_t local_expert(int32_t id, int64_t first, int32_t num_experts) {
@@ -59,7 +55,7 @@ __global__ void __launch_bounds__(kLayoutCountThreads) expert_layout_count_kerne
     const int64_t n = n0 + threadIdx.x;
     const int32_t e = n < end ? local_expert(p.topk_idx[n], first, E) : -1;
     const uint32_t same = __match_any_sync(kFullMask, e);
-    if (e >= 0 && (same & lane_mask_lt()) == 0) atomicAdd(&hist[e], __popc(same));
+    if (e >= 0 && (same & comm::lanemask_lt()) == 0) atomicAdd(&hist[e], __popc(same));
   }
   __syncthreads();
   const int64_t nc = gridDim.x;
@@ -154,7 +150,7 @@ __global__ void __launch_bounds__(32) expert_layout_place_kernel(ExpertLayoutPar
   const int64_t first = *p.first_expert;
   const int64_t begin = int64_t(blockIdx.x) * p.chunk;
   const int64_t end = min(p.num_slots, begin + p.chunk);
-  const uint32_t lower = lane_mask_lt();
+  const uint32_t lower = comm::lanemask_lt();
   for (int64_t b0 = begin; b0 < end; b0 += 32 * kLayoutPlaceBatch) {
     int32_t ids[kLayoutPlaceBatch];
 #pragma unroll
@@ -196,10 +192,6 @@ cudaError_t launch_expert_counts(const ExpertCountParams& p, cudaStream_t stream
   expert_counts_kernel<<<blocks, kCountThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
-
-}  // namespace mok
-
-namespace mok {
 
 cudaError_t launch_expert_layout(const ExpertLayoutParams& p, cudaStream_t stream) {
   const int E = p.num_experts;

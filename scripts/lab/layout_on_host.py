@@ -3,8 +3,8 @@ thread a host thread, against mok_jax.expert_layout's padded_layout and rank_lay
 
 A check of the kernels' logic where no GPU is lent, not of the GPU: the source is compiled by g++ (C++20) with a shim
 of the few CUDA features it uses (__syncthreads and __syncwarp as barriers, __match_any_sync and __shfl_up_sync
-through a warp's shared slots, shared-memory atomics), after three textual rewrites (shared arrays, the lanemask
-register, the launches). It says nothing of the memory model, of timing or of the compiled SASS;
+through a warp's shared slots, shared-memory atomics), after textual rewrites (shared arrays, the launches) and a
+shim of mok/comm/ptx.cuh's lanemask register. It says nothing of the memory model, of timing or of the compiled SASS;
 tests/test_native_gpu.py is the test on the GPU. Run from the repository root:
 
     python scripts/lab/layout_on_host.py [seed]
@@ -113,6 +113,13 @@ template <typename T> constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 #define MOK_CUDA_RETURN_IF_ERROR(expr) do { cudaError_t e_ = (expr); if (e_) return e_; } while (0)
 """
 
+PTX_SHIM = r"""
+#pragma once
+namespace mok::comm {
+inline uint32_t lanemask_lt() { return shim_lanemask_lt(); }  // the lanemask register
+}  // namespace mok::comm
+"""
+
 HARNESS = r"""
 #include "routing_host.cc"
 extern "C" int run_layout(const int32_t* idx, int32_t first, int64_t slots, int32_t k, int32_t E, int32_t block,
@@ -131,11 +138,12 @@ def build(tmp: pathlib.Path) -> ctypes.CDLL:
     src = (ROOT / "ffi/src/routing.cu").read_text()
     src = re.sub(r"extern __shared__ int32_t (\w+)\[\];", r"int32_t* \1 = shim_dyn_smem();", src)
     src = re.sub(r"__shared__ int32_t (\w+)\[[^\]]*\];", r"int32_t* \1 = shim_static_smem();", src)
-    src = src.replace('asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));', "m = shim_lanemask_lt();")
     src = re.sub(r"(\w+)<<<([^,]+), ([^,]+), ([^,]+), stream>>>\(", r"shim_launch(\1, \2, \3, \4, ", src)
     assert "<<<" not in src and "asm(" not in src and "__shared__" not in src, "routing.cu changed: update the rewrites"
     (tmp / "mok").mkdir()
     (tmp / "mok/common.cuh").write_text(SHIM)  # found before ffi/include's: -I order
+    (tmp / "mok/comm").mkdir()
+    (tmp / "mok/comm/ptx.cuh").write_text(PTX_SHIM)
     (tmp / "routing_host.cc").write_text(src.replace('#include "mok/routing.cuh"', '#include "routing.cuh"'))
     (tmp / "routing.cuh").write_text((ROOT / "ffi/include/mok/routing.cuh").read_text())
     (tmp / "harness.cc").write_text(HARNESS)
