@@ -27,6 +27,8 @@ def test_ops_reject_bad_arguments_before_needing_a_gpu():
         expert_counts(jnp.zeros((4, 2), jnp.float32), 8)
     with pytest.raises(ValueError, match="num_experts must be a positive int"):
         expert_counts(jnp.zeros((4, 2), jnp.int32), 0)
+    with pytest.raises(ValueError, match="num_experts must be a positive int, at most 12288, got 12289"):
+        expert_counts(jnp.zeros((4, 2), jnp.int32), 12 * 1024 + 1)
 
 
 @pytest.mark.parametrize("args,exc,match", [

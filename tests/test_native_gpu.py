@@ -14,7 +14,8 @@ from mok_jax.ops.routing import MAX_LAYOUT_EXPERTS
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,k,experts", [(1, 1, 1), (4097, 8, 384), (2048, 10, 512), (333, 6, 7)])
+@pytest.mark.parametrize("tokens,k,experts", [(1, 1, 1), (4097, 8, 384), (2048, 10, 512), (333, 6, 7),
+                                              (2048, 8, MAX_LAYOUT_EXPERTS)])
 def test_expert_counts_exact_on_gpu(tokens, k, experts, seed):
     assert _native.library() is not None, _native.native_status()
     rng = np.random.default_rng(seed(tokens))

@@ -19,19 +19,25 @@ static_assert(kMaxExpertsForCount * sizeof(int32_t) <= 48 * 1024,
               "COUNT's and PLACE's per-expert words must fit the default shared-memory carve-out");
 
 __global__ void expert_counts_kernel(ExpertCountParams p) {
-  extern __shared__ int32_t hist[];  // [num_experts + 1]: the last slot counts invalid indices
-  for (int e = threadIdx.x; e <= p.num_experts; e += blockDim.x) hist[e] = 0;
+  // [num_experts]: at most kMaxExpertsForCount words, the 48 KB a launch gets without opting in. Invalid indices
+  // are counted in registers, added over the warp, and added to num_invalid by lane 0 (integers: any order).
+  extern __shared__ int32_t hist[];
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
+  int32_t invalid = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.num_assignments; i += stride) {
     const int32_t e = p.topk_idx[i];
-    const bool valid = e >= 0 && e < p.num_experts;
-    atomicAdd(&hist[valid ? e : p.num_experts], 1);
+    if (e >= 0 && e < p.num_experts)
+      atomicAdd(&hist[e], 1);
+    else
+      ++invalid;
   }
+  invalid = __reduce_add_sync(0xffffffffu, invalid);  // every lane reaches here: the loop has no early exit
   __syncthreads();
   for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x)
     if (hist[e]) atomicAdd(&p.counts[e], hist[e]);
-  if (threadIdx.x == 0 && hist[p.num_experts]) atomicAdd(p.num_invalid, hist[p.num_experts]);
+  if ((threadIdx.x & 31) == 0 && invalid) atomicAdd(p.num_invalid, invalid);
 }
 
 // The local expert of a slot whose id is `id`, or -1 for a slot that gets no row (masked, invalid, another rank's
@@ -188,7 +194,7 @@ cudaError_t launch_expert_counts(const ExpertCountParams& p, cudaStream_t stream
   if (p.num_assignments == 0) return cudaSuccess;
   const int64_t want = ceil_div<int64_t>(p.num_assignments, kCountThreads);
   const int blocks = int(want < 1024 ? want : 1024);
-  const size_t smem = sizeof(int32_t) * (p.num_experts + 1);
+  const size_t smem = sizeof(int32_t) * p.num_experts;
   expert_counts_kernel<<<blocks, kCountThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

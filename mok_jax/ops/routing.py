@@ -28,8 +28,8 @@ def expert_counts(topk_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     topk_idx: int32[T, k] -> (counts: int32[num_experts], num_invalid: int32[]) where num_invalid
     counts indices outside [0, num_experts) (they are not counted for any expert).
     """
-    if not isinstance(num_experts, int) or num_experts <= 0:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_LAYOUT_EXPERTS:
+        raise ValueError(f"num_experts must be a positive int, at most {MAX_LAYOUT_EXPERTS}, got {num_experts!r}")
     if topk_idx.ndim != 2:
         raise ValueError(f"topk_idx must be rank 2 [tokens, top_k], got shape {topk_idx.shape}")
     if topk_idx.dtype != jnp.int32:
