@@ -6,7 +6,7 @@
 reference's VJP. ``implementation="mok"`` runs the forward as one CUDA megakernel per rank and call
 (``mok_jax.ops.moe_forward``), which also keeps the gate/up accumulators g | u of the slots MoEConfig.keep names
 (bf16; by default those a balanced routing fills). Its backward works on a padded expert-major layout of the slots
-(``mok_jax.expert_layout``; ``op_layout``, on the GPU a native op with MOK_JAX_NATIVE_LAYOUT=1) in one native op
+(``mok_jax.expert_layout``; ``op_layout``, on the GPU a native op unless MOK_JAX_NATIVE_LAYOUT=0) in one native op
 (``mok_jax.ops.experts_backward``), which gathers the slots' rows, recomputes the g | u that were not kept, gives
 the routed experts' gradients and sums each token's slot rows of dx in f32 in slot order; the shared expert's
 backward is bf16 matmuls (f32 accumulation) in XLA, its dx added in f32. At EP size > 1 the fused op
@@ -348,17 +348,17 @@ NATIVE_LAYOUT_ENV = "MOK_JAX_NATIVE_LAYOUT"
 
 
 def native_layout_on() -> bool:
-    """Whether op_layout may use the native op: MOK_JAX_NATIVE_LAYOUT=1 (read at trace time). Off by default until a
-    GPU run has shown the layer's bits and speed with it (docs/performance_history.md, the native layout); its own
-    GPU tests turn it on."""
-    return os.environ.get(NATIVE_LAYOUT_ENV, "0") == "1"
+    """Whether op_layout may use the native op: on unless MOK_JAX_NATIVE_LAYOUT=0 (read at trace time), the switch
+    for an A/B against XLA's layout. On one H100 it gives the layer's gradients bit for bit and takes fwd+bwd from
+    4.24 / 4.16 ms to 4.05 / 4.09 on qwen3-30b-a3b (docs/performance_history.md, the native layout)."""
+    return os.environ.get(NATIVE_LAYOUT_ENV, "1") != "0"
 
 
 def op_layout(topk_idx: jax.Array, num_local: int, rank) -> PaddedLayout:
     """rank_layout(topk_idx, num_local, rank), the same four arrays bit for bit, from the native op on CUDA
     (mok_jax.ops.expert_layout: three small kernels in place of XLA's sort, searches and scatter, ~0.05 ms of launches
     a fwd+bwd). ``jax.lax.platform_dependent`` lowers the op for CUDA and rank_layout for every other platform; where
-    the op is off (native_layout_on, the default), the native library is not loaded, or the op cannot take the call
+    the op is switched off (native_layout_on), the native library is not loaded, or the op cannot take the call
     (ids not int32, more than MAX_LAYOUT_EXPERTS local experts), this is rank_layout itself. ``rank`` may be traced
     (jax.lax.axis_index).
 

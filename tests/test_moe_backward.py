@@ -167,18 +167,22 @@ def _ffi_targets(jaxpr) -> list[str]:
     return found
 
 
-def test_op_layout_is_rank_layout_while_the_native_layout_is_off(monkeypatch):
-    """MOK_JAX_NATIVE_LAYOUT unset (the default): op_layout is rank_layout itself, no ffi_call traced."""
-    monkeypatch.delenv(moe_mod.NATIVE_LAYOUT_ENV, raising=False)
+def test_op_layout_is_rank_layout_when_the_native_layout_is_switched_off(monkeypatch):
+    """MOK_JAX_NATIVE_LAYOUT=0: op_layout is rank_layout itself, no ffi_call traced; unset (the default) or 1, the
+    native op's branch is traced wherever the library is loaded."""
     idx = jnp.asarray(np.random.default_rng(12).integers(-1, 9, size=(64, 2)), jnp.int32)
-    assert _ffi_targets(jax.make_jaxpr(lambda i, r: moe_mod.op_layout(i, 3, r))(idx, jnp.int32(1)).jaxpr) == []
-    monkeypatch.setenv(moe_mod.NATIVE_LAYOUT_ENV, "1")
     want = ["mok_expert_layout"] if _native.loaded() else []
-    assert _ffi_targets(jax.make_jaxpr(lambda i, r: moe_mod.op_layout(i, 3, r))(idx, jnp.int32(1)).jaxpr) == want
+    for value, targets in ((None, want), ("1", want), ("0", [])):
+        if value is None:
+            monkeypatch.delenv(moe_mod.NATIVE_LAYOUT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(moe_mod.NATIVE_LAYOUT_ENV, value)
+        jaxpr = jax.make_jaxpr(lambda i, r: moe_mod.op_layout(i, 3, r))(idx, jnp.int32(1)).jaxpr
+        assert _ffi_targets(jaxpr) == targets, value
 
 
 def test_op_layout_on_cpu_is_rank_layout(monkeypatch):
-    """The layer's layout (op_layout, MOK_JAX_NATIVE_LAYOUT=1: the native op on CUDA, rank_layout elsewhere) gives
+    """The layer's layout (op_layout, the default: the native op on CUDA, rank_layout elsewhere) gives
     rank_layout's arrays on this CPU, with the rank given as an int or traced; where the native library is loaded the
     op's branch is traced too, but only rank_layout is lowered for the CPU (no custom call), so nothing here needs the
     handler."""
