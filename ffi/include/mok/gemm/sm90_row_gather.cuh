@@ -62,19 +62,28 @@ __device__ __forceinline__ void load_k_major(uint32_t stage, const cutlass::bflo
 }
 
 // MN-major, kN x 64 k (kN 128 or 256: an A tile of a weight gradient, or its B), of a stage at shared address
-// `stage`: k index pt / 2 of the k-tile is one gathered row, of which thread pt copies chunks [h, h + kN / 16) with
-// h = pt % 2 * kN / 16, columns col0 + 8 c of the row; row is its first element (nullptr: a padding row) and n_end
-// its length (a multiple of 8; chunks past it are zeros: columns a tile computes and never stores).
+// `stage`: the k-tile's 64 k indices are 64 gathered rows, columns col0 + 8 c of each (n_end: the row's length, a
+// multiple of 8; chunks past it are zeros, columns a tile computes and never stores). Lane l of each warp holds the
+// first elements of rows l and l + 32 (lo, hi; nullptr: a padding row), and the warp hands them round by shuffles.
+// Thread pt copies chunk pt % (kN / 8) of rows pt / (kN / 8) + (128 / (kN / 8)) i: each row's kN * 2 bytes are read
+// by neighbouring threads in whole 128-byte lines, as in load_k_major (a thread pair a row, each with half its
+// chunks, left every 32-byte sector half used by each instruction: the weight gradients ran 2-3x slower).
 template <int kN>
-__device__ __forceinline__ void load_mn_major(uint32_t stage, const cutlass::bfloat16_t* row, int col0, int n_end,
-                                              int pt, const cutlass::bfloat16_t* any_valid) {
+__device__ __forceinline__ void load_mn_major(uint32_t stage, const cutlass::bfloat16_t* lo,
+                                              const cutlass::bfloat16_t* hi, int col0, int n_end, int pt,
+                                              const cutlass::bfloat16_t* any_valid) {
   static_assert(kN == 128 || kN == 256, "a stage's MN extent");
-  constexpr int kPerThread = kN / 16;
-  const int kk = pt / 2, c0 = pt % 2 * kPerThread;
+  constexpr int kChunks = kN / kChunkElems;        // a row's chunks: 16 or 32
+  constexpr int kRowsAPass = kThreads / kChunks;   // 8 or 4
+  constexpr int kPasses = 64 / kRowsAPass;         // 8 or 16; the first half reads rows < 32 (lo)
+  const int c = pt % kChunks, r0 = pt / kChunks, col = col0 + c * kChunkElems;
+  const bool in = col < n_end;
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
-    const int c = c0 + j, col = col0 + c * kChunkElems;
-    copy_chunk(stage + mn_major_offset(kk, c), row != nullptr && col < n_end ? row + col : nullptr, any_valid);
+  for (int i = 0; i < kPasses; ++i) {
+    const int kk = r0 + kRowsAPass * i;
+    const auto from = reinterpret_cast<unsigned long long>(i < kPasses / 2 ? lo : hi);
+    const auto row = reinterpret_cast<const cutlass::bfloat16_t*>(__shfl_sync(0xffffffffu, from, kk % 32));
+    copy_chunk(stage + mn_major_offset(kk, c), in && row != nullptr ? row + col : nullptr, any_valid);
   }
 }
 #endif
