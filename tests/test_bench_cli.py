@@ -117,6 +117,38 @@ def test_grouped_ffn_kernels_only_table_names_the_library_and_the_output_crcs():
     assert lines[4] == "| ep64 | glm-5 | 2.000 (700) | - | - | 123 | - |"
 
 
+def test_grouped_ffn_records_a_case_out_of_device_memory_and_runs_the_rest(monkeypatch):
+    """A case that runs out of device memory (deepseek-v4-pro's ep2 slice on an 80 GB H100 did, in the FP8 weight
+    quantiser's autotuning) is recorded with the error and named under the table; the other cases still run. Any
+    other runtime error still stops the run."""
+    import jax
+
+    from mok_jax.bench import grouped_ffn as g
+
+    oom = "NOT_FOUND: All configs failed\nEXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory allocating 7.89GiB"
+    ran = []
+
+    def case(model, setting, timing_kw, num_sms, fp8, kernels_only):
+        ran.append(model)
+        if model == "glm-5":
+            raise jax.errors.JaxRuntimeError(oom)
+        if model == "broken":
+            raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+        return {"setting": setting, "model": model, "kernel_all_sms": {"ms": 2.0, "tflops": 700.0, "y_crc32": 1}}
+
+    monkeypatch.setattr(g, "_bench_case", case)
+    result = g.run(["kimi-k2", "glm-5", "deepseek-v4-pro"], ["ep2"], kernels_only=True)
+    assert ran == ["kimi-k2", "glm-5", "deepseek-v4-pro"]
+    kind = jax.devices()[0].device_kind
+    assert result["cases"][1] == {"model": "glm-5", "setting": "ep2", "error": f"out of memory on {kind}: "
+                                  "EXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory allocating 7.89GiB"}
+    lines = g.table(result).splitlines()
+    assert [line.split(" | ")[1] for line in lines[3:5]] == ["kimi-k2", "deepseek-v4-pro"]
+    assert lines[5] == f"- ep2 glm-5: not timed, {result['cases'][1]['error']}"
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        g.run(["broken"], ["ep2"], kernels_only=True)
+
+
 def test_list_models(capsys):
     assert cli.main(["--list-models"]) == 0
     out = capsys.readouterr().out
