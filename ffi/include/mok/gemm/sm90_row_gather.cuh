@@ -86,6 +86,19 @@ __device__ __forceinline__ void load_mn_major(uint32_t stage, const cutlass::bfl
     copy_chunk(stage + mn_major_offset(kk, c), in && row != nullptr ? row + col : nullptr, any_valid);
   }
 }
+// The thread-pair form of load_mn_major (lab): k index pt / 2 is one gathered row, of which thread pt copies chunks
+// [h, h + kN / 16) with h = pt % 2 * kN / 16.
+template <int kN>
+__device__ __forceinline__ void load_mn_major_pairs(uint32_t stage, const cutlass::bfloat16_t* row, int col0,
+                                                    int n_end, int pt, const cutlass::bfloat16_t* any_valid) {
+  constexpr int kPerThread = kN / 16;
+  const int kk = pt / 2, c0 = pt % 2 * kPerThread;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int c = c0 + j, col = col0 + c * kChunkElems;
+    copy_chunk(stage + mn_major_offset(kk, c), row != nullptr && col < n_end ? row + col : nullptr, any_valid);
+  }
+}
 #endif
 
 }  // namespace mok::gemm::row_gather
