@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make one tree for scripts/gpu_backward_ab.sh from a revision of this repository: ab/NAME with the revision's
-# mok_jax/, configs/ and tests/ and its native library, built here (the GPU machine cannot build it), so that the
-# tree can be carried to the GPU machine by name (ab/ is for such trees; keep it out of git).
+# mok_jax/, configs/, tests/, README.md and its native library, built here (the GPU machine cannot build it), so
+# that the tree can be carried to the GPU machine by name (ab/ is for such trees; keep it out of git).
 # Usage: bash scripts/ab_tree.sh NAME REV    (REV: a branch, tag or commit; the tree replaces ab/NAME)
 # The build runs in a temporary worktree of REV. SASS differs between build directories (compare SASS only between
 # libraries built in one directory); the bits and the speed do not.
@@ -19,5 +19,5 @@ PYTHON=${PYTHON:-$PWD/.venv/bin/python} bash "$src/scripts/build_native.sh" > "$
 rm -rf "ab/$name"
 mkdir -p "ab/$name/build/native"
 cp "$src/build/native/libmok_ffi.so" "ab/$name/build/native/"
-git archive "$commit" mok_jax configs tests | tar -x -C "ab/$name"
+git archive "$commit" mok_jax configs tests README.md | tar -x -C "ab/$name"  # README.md: the tests of its API
 echo "ab/$name: $(git log --oneline -1 "$commit")"
