@@ -236,7 +236,8 @@ def table(result: dict) -> str:
             lines.append(f"| {c['setting']} | {c['model']} | {k['ms']:.3f} ({k['tflops']:.0f}) | "
                          f"{f8['ms']:.3f} ({f8['tflops']:.0f}) | {f8['speedup_over_bf16']:.2f}x | "
                          f"{f8['sane_output']} |")
-    return "\n".join(lines + ([""] + _skipped(result) if _skipped(result) else []))
+    skipped = _skipped(result)
+    return "\n".join(lines + ([""] + skipped if skipped else []))
 
 
 def main(argv=None) -> int:

@@ -28,12 +28,7 @@ def expert_counts(topk_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     topk_idx: int32[T, k] -> (counts: int32[num_experts], num_invalid: int32[]) where num_invalid
     counts indices outside [0, num_experts) (they are not counted for any expert).
     """
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_LAYOUT_EXPERTS:
-        raise ValueError(f"num_experts must be a positive int, at most {MAX_LAYOUT_EXPERTS}, got {num_experts!r}")
-    if topk_idx.ndim != 2:
-        raise ValueError(f"topk_idx must be rank 2 [tokens, top_k], got shape {topk_idx.shape}")
-    if topk_idx.dtype != jnp.int32:
-        raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+    _check_ids_and_experts(topk_idx, num_experts)
     require_native("mok_jax.ops.expert_counts")
     out = (jax.ShapeDtypeStruct((num_experts,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     # vmap: "sequential" (a loop of unbatched calls): the op is pure and its handler takes topk_idx of rank 2
@@ -50,13 +45,18 @@ def layout_chunk(slots: int, num_experts: int) -> int:
     return max(32, -(-per_chunk // 32) * 32)
 
 
-def _check_layout_args(topk_idx, num_experts, block) -> None:
+def _check_ids_and_experts(topk_idx, num_experts) -> None:
+    """The arguments both kernels take (kMaxExpertsForCount in ffi/include/mok/routing.cuh bounds both)."""
     if getattr(topk_idx, "ndim", None) != 2:
         raise ValueError(f"topk_idx must be rank 2 [tokens, top_k], got shape {getattr(topk_idx, 'shape', None)}")
     if topk_idx.dtype != jnp.int32:
         raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_LAYOUT_EXPERTS:
         raise ValueError(f"num_experts must be an int in [1, {MAX_LAYOUT_EXPERTS}], got {num_experts!r}")
+
+
+def _check_layout_args(topk_idx, num_experts, block) -> None:
+    _check_ids_and_experts(topk_idx, num_experts)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     rows = topk_idx.shape[0] * topk_idx.shape[1] + block * num_experts
