@@ -258,6 +258,21 @@ def run_processes(argvs: list[list[str]], *, env: dict, cwd, timeout: float) -> 
     return [(p.returncode, out) for p, out in zip(procs, outs)]
 
 
+def ffi_calls(jaxpr, inside=()) -> list:
+    """(enclosing primitive names, eqn) of every ffi_call in ``jaxpr``, nested jaxprs (a cond's branches, a
+    shard_map's body) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ffi_call":
+            found.append((inside, eqn))
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += ffi_calls(sub, inside + (eqn.primitive.name,))
+    return found
+
+
 def bits(a) -> np.ndarray:
     """a's raw bits (16- or 32-bit elements), for bit-for-bit comparisons."""
     a = np.asarray(a)

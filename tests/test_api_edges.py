@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import mok_jax as mj
 import mok_jax.flax as mflax
-from helpers import GRAD_NAMES, fake_workspace, random_problem
+from helpers import GRAD_NAMES, fake_workspace, ffi_calls, random_problem
 from mok_jax import _native, reference
 from mok_jax.flax import LinenMoELayer, MoELayer
 from mok_jax.workspace import Workspace
@@ -39,20 +39,6 @@ def _fake_workspace(*, ep=1, max_tokens=64, hidden_size=64, top_k=4, num_experts
 
 
 # ----------------------------------------------------------------------------- 4a: vmap of the FFI ops
-
-
-def _ffi_calls(jaxpr, inside=()):
-    """(enclosing primitive names, eqn) of every ffi_call in ``jaxpr``, nested jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "ffi_call":
-            found.append((inside, eqn))
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found += _ffi_calls(sub, inside + (eqn.primitive.name,))
-    return found
 
 
 def _custom_calls(text: str, target: str) -> list[str]:
@@ -87,7 +73,7 @@ def test_vmap_grouped_ffn_and_routing_ops_lower_as_loops_of_unbatched_calls(monk
     args = (jax.ShapeDtypeStruct((B, M, H), jnp.bfloat16), jax.ShapeDtypeStruct((B, E), jnp.int32),
             jax.ShapeDtypeStruct((E, H, 2 * I), jnp.bfloat16), jax.ShapeDtypeStruct((E, I, H), jnp.bfloat16))
     f = jax.vmap(ffn, in_axes=(0, 0, None, None))
-    [(inside, eqn)] = _ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
+    [(inside, eqn)] = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
     assert inside == ("scan",) and eqn.params["vmap_method"] == "sequential"
     text = jax.jit(f).lower(*args).as_text()
     [call] = _custom_calls(text, "mok_grouped_ffn")
@@ -95,7 +81,7 @@ def test_vmap_grouped_ffn_and_routing_ops_lower_as_loops_of_unbatched_calls(monk
 
     g = jax.vmap(lambda i: rt.expert_counts(i, 16))
     idx = jax.ShapeDtypeStruct((B, 8, 4), jnp.int32)
-    [(inside, eqn)] = _ffi_calls(jax.make_jaxpr(g)(idx).jaxpr)
+    [(inside, eqn)] = ffi_calls(jax.make_jaxpr(g)(idx).jaxpr)
     assert inside == ("scan",) and eqn.params["vmap_method"] == "sequential"
     [call] = _custom_calls(jax.jit(g).lower(idx).as_text(), "mok_expert_counts")
     assert "(tensor<8x4xi32>)" in call
@@ -103,7 +89,7 @@ def test_vmap_grouped_ffn_and_routing_ops_lower_as_loops_of_unbatched_calls(monk
     # the layout: a batch of routings and of first experts, one unbatched call each
     h = jax.vmap(lambda i, f: tuple(rt.expert_layout(i, 16, first_expert=f)))
     first = jax.ShapeDtypeStruct((B,), jnp.int32)
-    [(inside, eqn)] = _ffi_calls(jax.make_jaxpr(h)(idx, first).jaxpr)
+    [(inside, eqn)] = ffi_calls(jax.make_jaxpr(h)(idx, first).jaxpr)
     assert inside == ("scan",) and eqn.params["vmap_method"] == "sequential"
     [call] = _custom_calls(jax.jit(h).lower(idx, first).as_text(), "mok_expert_layout")
     assert "(tensor<8x4xi32>, tensor<i32>)" in call
@@ -128,7 +114,7 @@ def test_vmap_comm_ops_lower_as_whole_calls_in_order(cpu_devices, monkeypatch):
                               check_vma=False))
     args = (jax.ShapeDtypeStruct((B, 2 * T, 64), jnp.bfloat16), jax.ShapeDtypeStruct((B, 2 * T, 8), jnp.int32),
             jax.ShapeDtypeStruct((B, 2 * T, 8), jnp.float32))
-    calls = _ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
+    calls = ffi_calls(jax.make_jaxpr(f)(*args).jaxpr)
     assert [e.params["target_name"] for _, e in calls] == ["mok_comm_dispatch", "mok_comm_combine"]
     assert all(inside[-1] == "scan" and e.params["vmap_method"] == "sequential" for inside, e in calls)
     text = f.lower(*args).as_text()
@@ -153,7 +139,7 @@ def test_vmap_megakernel_lowers_as_whole_calls_without_stacking_scratch(monkeypa
             jax.ShapeDtypeStruct((B, 1, T, k), jnp.float32), jax.ShapeDtypeStruct((1, L, H, 2 * I), jnp.bfloat16),
             jax.ShapeDtypeStruct((1, L, I, H), jnp.bfloat16))
     g = jax.vmap(f, in_axes=(0, 0, 0, None, None))
-    [(inside, eqn)] = _ffi_calls(jax.make_jaxpr(g)(*args).jaxpr)
+    [(inside, eqn)] = ffi_calls(jax.make_jaxpr(g)(*args).jaxpr)
     assert inside == ("scan",) and eqn.params["vmap_method"] == "sequential"
     text = jax.jit(g).lower(*args).as_text()
     [call] = _custom_calls(text, "mok_moe_forward")

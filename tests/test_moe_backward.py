@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GRAD_NAMES, random_problem, use_fused_ep_backward
+from helpers import GRAD_NAMES, ffi_calls, random_problem, use_fused_ep_backward
 
 import mok_jax as mj
 from mok_jax import _native, reference
@@ -153,18 +153,8 @@ def test_padded_layout_lowers_without_a_loop():
 
 
 def _ffi_targets(jaxpr) -> list[str]:
-    """The target of every ffi_call in ``jaxpr``, nested jaxprs (the branches of a cond, a shard_map's body)
-    included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "ffi_call":
-            found.append(eqn.params["target_name"])
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found += _ffi_targets(sub)
-    return found
+    """The target of every ffi_call in ``jaxpr``, nested jaxprs included."""
+    return [eqn.params["target_name"] for _, eqn in ffi_calls(jaxpr)]
 
 
 def test_op_layout_is_rank_layout_when_the_native_layout_is_switched_off(monkeypatch):
