@@ -8,14 +8,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHO
 LOGS=${OUT:-$PWD/out}; mkdir -p "$LOGS"
 MODEL=${MODEL:-kimi-k2}
 if [ -z "${SKIP_SECTIONS:-}" ]; then  # a few sections of both GEMMs
-  timeout ${NCU_LIMIT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:Fp8GroupedGemm" \
+  timeout ${NCU_LIMIT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:Fp8BlockScaledMainloop" \
     --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section LaunchStats -o "$LOGS/fp8_gemms" -f \
     python3 -m mok_jax.bench.grouped_ffn --models "$MODEL" --settings ep64 --samples 2 > "$LOGS/ncu_run.log" 2>&1
   echo "ncu exit $?"; tail -5 "$LOGS/ncu_run.log"
 fi
 if [ -n "${FULL:-}" ]; then  # every section of the first FP8 GEMM launch (gate/up), and its stalls per SASS instruction
-  timeout ${NCU_LIMIT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:Fp8GroupedGemm" \
+  timeout ${NCU_LIMIT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:Fp8BlockScaledMainloop" \
     --launch-count 1 --set full -o "$LOGS/fp8_gateup_full" -f \
     python3 -m mok_jax.bench.grouped_ffn --models "$MODEL" --settings ep64 --samples 2 > "$LOGS/ncu_full_run.log" 2>&1
   ncu --import "$LOGS/fp8_gateup_full.ncu-rep" --page source --csv --print-source sass > "$LOGS/fp8_gateup_sass.csv" 2>&1
@@ -44,7 +44,7 @@ for n, v in zip(names, vals):
 PY
 fi
 ncu --import "$LOGS/fp8_gemms.ncu-rep" --page details > "$LOGS/fp8_gemms_details.txt" 2>&1
-grep -E "Fp8GroupedGemm|Duration|Compute \(SM\) Throughput|Memory Throughput|Tensor|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Shared Memory|Registers" \
+grep -E "sm90_grouped_gemm_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Tensor|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Shared Memory|Registers" \
   "$LOGS/fp8_gemms_details.txt" | cut -c1-160 | head -80
 # then FP8 against bf16 without the profiler, every model (BENCH_MODELS='' skips it)
 BENCH_MODELS=${BENCH_MODELS-kimi-k2 glm-5 qwen3.5-397b-a17b deepseek-v4-pro}
