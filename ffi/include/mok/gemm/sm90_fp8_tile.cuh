@@ -238,13 +238,64 @@ struct Sm90Fp8TileT : Sm90TileBase {
 
   // ---- epilogues --------------------------------------------------------------------------------------
   // Where a tile's output goes (Sm90TileBase::TileStore), and for the quantised SwiGLU also the scales of column
-  // block col0 / 128 at out_scale[(col0 / 128) * scale_ld + row]. (TileLoad and the bf16 epilogue,
-  // store_regs<__nv_bfloat16> per half, are Sm90TileBase's.)
+  // block col0 / 128 at out_scale[(col0 / 128) * scale_ld + row]. (TileLoad is Sm90TileBase's.)
+  //
+  // Both epilogues store 16 bytes a thread. In the accumulator fragment the 4 lanes of a quad (lane / 4) share a
+  // row and hold 2 adjacent columns of each 8-column group; a store straight from it writes 4 (bf16) or 2 (e4m3)
+  // bytes a lane, 8 rows a warp instruction. ncu on qwen3.5-397b-a17b's ep64 down GEMM had those stores at 32% of
+  // its stall samples. So the quad first transposes its words (quad_transpose, two shuffles a word), and then each
+  // warp store writes 64 contiguous bytes of each of its 8 rows. Only the store pattern changes, not the bits.
   struct TileStore : Sm90TileBase::TileStore {
     float* out_scale = nullptr;  // SwiGLU only
     int64_t scale_ld = 0;
   };
   __device__ static float silu(float g) { return g / (1.0f + expf(-g)); }
+
+  // The quad's 4 x 4 words transposed: lane q holds w[j] = M[q][j] and gets M[j][q] (q = lane % 4). Two exchanges,
+  // across q's bit 0 and then bit 1, each moving the two words the lane does not keep (register-indexed by
+  // selects, not by a local array).
+  __device__ static void quad_transpose(uint32_t (&w)[4], int lane) {
+    const bool q0 = lane & 1, q1 = lane & 2;
+    CUTE_UNROLL
+    for (int j1 = 0; j1 < 2; ++j1) {  // within each 2 x 2 block
+      const uint32_t r = __shfl_xor_sync(0xffffffffu, q0 ? w[2 * j1] : w[2 * j1 + 1], 1);
+      if (q0) w[2 * j1] = r;
+      else w[2 * j1 + 1] = r;
+    }
+    CUTE_UNROLL
+    for (int j0 = 0; j0 < 2; ++j0) {  // the off-diagonal 2 x 2 blocks
+      const uint32_t r = __shfl_xor_sync(0xffffffffu, q1 ? w[j0] : w[2 + j0], 2);
+      if (q1) w[j0] = r;
+      else w[2 + j0] = r;
+    }
+  }
+
+  // out (bf16) = one half's 128 columns of `acc` from column col0 + col_off, rows masked by row_end, 16-byte chunks
+  // by n_out (a multiple of 8; the row pitch ld * 2 bytes and out a multiple of 16 bytes). Row half h of the
+  // thread holds word g (values 4g + 2h, 4g + 2h + 1) at columns 8g + 2q; after the transpose of words 4m .. 4m + 3
+  // the lane holds all 8 columns of group 4m + q.
+  __device__ static void store_bf16_half(const Accumulator& acc, const TileStore& st, int col_off, int wg, int t) {
+    const int lane = t % 32, warp = t / 32;
+    auto* out = static_cast<__nv_bfloat16*>(st.out);
+    const int row_h0 = st.row0 + kRowsPerConsumer * wg + 16 * warp + lane / 4;
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_h0 + 8 * h;
+      CUTE_UNROLL
+      for (int m = 0; m < 4; ++m) {
+        uint32_t w[4];
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * (4 * m + j) + 2 * h;
+          w[j] = Sm90TileT<>::pack_bf16x2(acc(i), acc(i + 1));
+        }
+        quad_transpose(w, lane);
+        const int col = st.col0 + col_off + 8 * (4 * m + lane % 4);
+        if (row < st.row_end && col < st.n_out)
+          *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
 
   // h = silu(gate) * up for the tile's 128 h columns (gate value i of total0 pairs with up value i of total1),
   // quantised with each row's amax over those 128 columns: the thread's own 32 values of the row, then the
@@ -270,15 +321,27 @@ struct Sm90Fp8TileT : Sm90TileBase {
     const float inv0 = 1.0f / sc0, inv1 = 1.0f / sc1;  // q = h * (1 / scale), as mok_jax.fp8 (kInvE4M3Max)
     const int row0 = st.row0 + kRowsPerConsumer * wg + 16 * warp + lane / 4, row1 = row0 + 8;
     auto* out = static_cast<uint8_t*>(st.out);
-    const int col_base = st.col0 + 2 * (lane % 4);
+    // Row half hr of the thread: word k = its e4m3 pairs of groups 2k, 2k + 1 (columns 16k + 2q and 16k + 8 + 2q);
+    // after the transpose of words 4s .. 4s + 3, word j holds lane j's pairs of groups 8s + 2q and 8s + 2q + 1,
+    // which the byte permutes put in column order: the 16 bytes from column 16 (4s + q).
     CUTE_UNROLL
-    for (int i = 0; i < 64; i += 2) {
-      const bool second_row = (i >> 1) & 1;
-      const float inv = second_row ? inv1 : inv0;
-      const int row = second_row ? row1 : row0;
-      const int col = col_base + 8 * (i >> 2);
-      const __nv_fp8x2_storage_t q = fp8_pack2(h[i], h[i + 1], inv);
-      if (row < st.row_end) *reinterpret_cast<__nv_fp8x2_storage_t*>(out + int64_t(row) * st.ld + col) = q;
+    for (int hr = 0; hr < 2; ++hr) {
+      const float inv = hr ? inv1 : inv0;
+      const int row = hr ? row1 : row0;
+      CUTE_UNROLL
+      for (int sblk = 0; sblk < 2; ++sblk) {
+        uint32_t w[4];
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * (2 * (4 * sblk + j)) + 2 * hr;  // value index of group 2k, k = 4 sblk + j
+          w[j] = uint32_t(fp8_pack2(h[i], h[i + 1], inv)) | (uint32_t(fp8_pack2(h[i + 4], h[i + 5], inv)) << 16);
+        }
+        quad_transpose(w, lane);
+        const uint4 v = make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                                   __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+        const int col = st.col0 + 16 * (4 * sblk + lane % 4);
+        if (row < st.row_end) *reinterpret_cast<uint4*>(out + int64_t(row) * st.ld + col) = v;
+      }
     }
     if (lane % 4 == 0) {
       float* scale = st.out_scale + int64_t(st.col0 / kFp8ScaleBlock) * st.scale_ld;

@@ -314,8 +314,8 @@ struct Fp8BlockScaledMainloop {
     if constexpr (kEpi == Epilogue::kSwiGLUQuant) {
       Tile::store_swiglu_quant(total0, total1, st, wg, t);
     } else {
-      Tile::store_regs<__nv_bfloat16>(total0, st, 0, wg, t);
-      Tile::store_regs<__nv_bfloat16>(total1, st, Tile::kHalfN, wg, t);
+      Tile::store_bf16_half(total0, st, 0, wg, t);
+      Tile::store_bf16_half(total1, st, Tile::kHalfN, wg, t);
     }
   }
 

@@ -138,12 +138,13 @@ struct Sm90TileBase {
     int32_t col0, n_out;
   };
 
-  // Out (float or bf16) straight from a wgmma accumulator's registers, two columns per store, columns from
-  // col0 + col_off on: fp32 (a bf16 tile's 256 columns, each warp store 8 rows x 32 bytes, whole sectors) or
-  // bf16 (one FP8 half of 128 columns). n_out must be even. Fragment (PTX ISA, m64nNk16 f32 D): value i of
+  // Out (float) straight from a wgmma accumulator's registers, two columns per store, columns from col0 + col_off
+  // on: each warp store writes 8 rows x 32 bytes, whole sectors. (An FP8 tile's bf16 halves go through
+  // Sm90Fp8TileT::store_bf16_half, 16 bytes a lane.) n_out must be even. Fragment (PTX ISA, m64nNk16 f32 D): value i of
   // thread (warp w, lane l) of the warpgroup sits at row 16w + l/4 + 8*((i/2)%2), column 8*(i/4) + 2*(l%4) + i%2.
   template <class Out, class Acc>
   __device__ static void store_regs(const Acc& acc, const TileStore& st, int col_off, int wg, int t) {
+    static_assert(std::is_same_v<Out, float>, "fp32 out only");
     constexpr int kValues = decltype(cute::size(std::declval<const Acc&>()))::value;
     auto* out = static_cast<Out*>(st.out);
     const int lane = t % 32, warp = t / 32;
@@ -154,11 +155,7 @@ struct Sm90TileBase {
       const int row = r_base + 8 * ((i >> 1) & 1);
       const int col = c_base + 8 * (i >> 2);
       if (row < st.row_end && col < st.n_out) {
-        if constexpr (std::is_same_v<Out, float>)
-          *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
-        else
-          *reinterpret_cast<__nv_bfloat162*>(out + int64_t(row) * st.ld + col) =
-              __floats2bfloat162_rn(acc(i), acc(i + 1));
+        *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
       }
     }
   }

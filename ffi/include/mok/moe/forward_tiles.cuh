@@ -171,8 +171,8 @@ __device__ __forceinline__ bool fp8_tile_item(const Plan& p, const RankParams& R
     gemm::fence_proxy_async_global();  // the DN tiles read h and its scales with TMA
   } else {
     const Fp8Tile::TileStore st{{R.recv, p.H, it.row0, it.row_end, it.n_block * kDnCols, p.H}};
-    Fp8Tile::store_regs<__nv_bfloat16>(total0, st, 0, wg, t);
-    Fp8Tile::store_regs<__nv_bfloat16>(total1, st, Fp8Tile::kHalfN, wg, t);
+    Fp8Tile::store_bf16_half(total0, st, 0, wg, t);
+    Fp8Tile::store_bf16_half(total1, st, Fp8Tile::kHalfN, wg, t);
   }
   return true;
 }
