@@ -1,6 +1,6 @@
 """Every markdown file of the repository points only at files inside the repository (issue 11, item 6).
 
-Scans each ``*.md`` file outside ``.venv``, ``build`` and hidden folders, and checks:
+Scans each ``*.md`` file outside ``.venv``, ``build``, ``ab`` and hidden folders, and checks:
 
 - Markdown links and images (``[text](target)``), reference definitions (``[name]: target``) and HTML
   ``href=``/``src=`` attributes. A relative target must exist in the repository, must not climb above its
@@ -26,8 +26,9 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-# Folders that hold local build outputs or tools, never part of a clone: not scanned, never a link target.
-IGNORED_DIRS = frozenset({".venv", "build", "out", "__pycache__", ".git", ".pytest_cache"})
+# Folders that hold local build outputs or tools, never part of a clone: not scanned, never a link target
+# (ab: scripts/ab_tree.sh's trees, each with a copy of README.md).
+IGNORED_DIRS = frozenset({".venv", "build", "out", "ab", "__pycache__", ".git", ".pytest_cache"})
 ALLOWED_SCHEMES = frozenset({"http", "https", "mailto"})
 # Absolute paths a text may name without pointing into someone's machine: directories every Linux system has.
 SYSTEM_ROOTS = ("/dev/", "/proc/", "/sys/", "/usr/", "/etc/", "/opt/", "/bin/", "/lib/")
