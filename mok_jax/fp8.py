@@ -177,11 +177,20 @@ class Fp8ExpertWeights(NamedTuple):
     down_scale: jax.Array
 
 
+# Weight elements (of gate_up) the quantiser takes in one step of its loop over the experts. XLA's temporaries (the
+# blocks in f32) grow with what one step holds: all experts at once took twice the bf16 weights' bytes on the CPU, and
+# on an 80 GB H100 deepseek-v4-pro's ep2 slice (25 GB of bf16 weights) ran out of memory in XLA's autotuning.
+QUANT_STEP_ELEMENTS = 1 << 27
+
+
 def quantize_expert_weights(gate_up: jax.Array, down: jax.Array) -> Fp8ExpertWeights:
     """gate_up [E, H, 2I], down [E, I, H] (bf16 or f32; H and I multiples of 128) -> Fp8ExpertWeights: E4M3
     values with one fp32 scale per 128 x 128 block (``quantize_weight_blocks``), each matrix transposed to
     the K-major layout of the FP8 kernels (``Fp8ExpertWeights``). Pure JAX, jit-able; done once per
-    optimizer step. A block never straddles gate and up because I is a multiple of 128."""
+    optimizer step. A block never straddles gate and up because I is a multiple of 128. The experts go
+    through in equal steps of at most ``QUANT_STEP_ELEMENTS`` gate_up elements (``lax.map``; one expert a step
+    when it alone is larger), so that the temporary memory is a step's, not the whole weights'; the bits do not
+    depend on the step."""
     gate_up = _check("gate_up", gate_up, 3)
     down = _check("down", down, 3)
     if gate_up.ndim != 3 or gate_up.shape[2] % 2:
@@ -194,6 +203,19 @@ def quantize_expert_weights(gate_up: jax.Array, down: jax.Array) -> Fp8ExpertWei
         raise ValueError(f"gate_up: hidden size H must be a positive multiple of {BLOCK}, got {hidden}")
     if inter % BLOCK or inter == 0:
         raise ValueError(f"gate_up: intermediate size I must be a positive multiple of {BLOCK}, got {inter}")
+    most = max(1, QUANT_STEP_ELEMENTS // (hidden * two_i))
+    if e <= most:
+        return _quantize_experts(gate_up, down)
+    # a divisor of E: lax.map's remainder step would concatenate the outputs, a temporary copy of all of them
+    step = max(d for d in range(1, most + 1) if e % d == 0)
+    steps = jax.lax.map(lambda w: _quantize_experts(*w),  # each step on [step, ...] arrays, as one-step's
+                        (gate_up.reshape(e // step, step, *gate_up.shape[1:]),
+                         down.reshape(e // step, step, *down.shape[1:])))
+    return Fp8ExpertWeights(*(a.reshape(e, *a.shape[2:]) for a in steps))
+
+
+def _quantize_experts(gate_up: jax.Array, down: jax.Array) -> Fp8ExpertWeights:
+    """quantize_expert_weights' arithmetic, for any leading dimensions (one expert or several)."""
     gq, gs = quantize_weight_blocks(gate_up)
     dq, ds = quantize_weight_blocks(down)
     t = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731

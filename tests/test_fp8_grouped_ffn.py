@@ -45,6 +45,39 @@ def test_quantize_expert_weights_layout():
     np.testing.assert_array_equal(np.asarray(w2.down).view(np.uint8), np.asarray(w.down).view(np.uint8))
 
 
+def test_quantize_expert_weights_in_steps_gives_the_same_bits_in_less_temporary_memory(monkeypatch):
+    """With QUANT_STEP_ELEMENTS at two and a half experts' gate_up, 6 experts go in 3 steps of 2, 5 experts in 5
+    steps of 1 (a divisor of E): every value and scale is the one-step quantiser's and a NaN block stays in its
+    expert. In 3 steps the compiled program's temporaries are less than half the one-step program's (on the CPU:
+    2.9 MB against 7.1)."""
+    _check_steps(monkeypatch, 6, check_memory=True)
+    _check_steps(monkeypatch, 5, check_memory=False)
+
+
+def _check_steps(monkeypatch, e, check_memory):
+    gate_up, down = _weights(jax.random.key(e), e, 256, 384)
+    gate_up = gate_up.at[3, 130, 700].set(jnp.nan)  # one 128 x 128 block of expert 3's up half
+
+    def run():
+        f = jax.jit(lambda g, d: fp8.quantize_expert_weights(g, d))  # a new function: traced again
+        return f(gate_up, down), f.lower(gate_up, down).compile().memory_analysis()
+
+    monkeypatch.setattr(fp8, "QUANT_STEP_ELEMENTS", 1 << 30)
+    whole, whole_mem = run()
+    monkeypatch.setattr(fp8, "QUANT_STEP_ELEMENTS", 5 * 256 * 768 // 2)
+    steps, steps_mem = run()
+    for name, a, b in zip(fp8.Fp8ExpertWeights._fields, whole, steps):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        a8, b8 = np.asarray(a), np.asarray(b)
+        if a8.dtype != np.float32:
+            a8, b8 = a8.view(np.uint8), b8.view(np.uint8)
+        np.testing.assert_array_equal(a8, b8, err_msg=name)
+    nan_scale = np.isnan(np.asarray(steps.gate_up_scale))  # [E, 2I/128, H/128]
+    assert nan_scale.sum() == 1 and nan_scale[3, 5, 1]
+    if check_memory and whole_mem is not None and steps_mem is not None:  # the backend reports its buffers
+        assert steps_mem.temp_size_in_bytes < 0.5 * whole_mem.temp_size_in_bytes, (steps_mem, whole_mem)
+
+
 @pytest.mark.parametrize("hidden,inter,match", [(200, 128, "hidden size H must be a positive multiple of 128"),
                                                 (256, 96, "intermediate size I must be a positive multiple of 128")])
 def test_quantize_expert_weights_rejects_sizes_off_the_block(hidden, inter, match):
