@@ -28,19 +28,39 @@ __global__ void occupy_sms_kernel(int64_t duration_ns, int32_t* started) {
   while (gemm::global_timer_ns() - t0 < uint64_t(duration_ns)) __nanosleep(10000);
 }
 
-// x [M, K] -> x_q [M, K], x_scale [K/128, M]: one warp per 1 x 128 tile, grid-stride.
+// x [M, K] -> x_q [M, K], x_scale [K/128, M]. x's 1 x 128 tiles are consecutive 128-value pieces of memory (tile t =
+// row t / (K/128), k block t % (K/128)); a warp quantises two at a time (fp8_quantize_tile_pair, 16 bytes a lane) and
+// loads kPairsInFlight pairs before it computes the first, grid-stride: 32 bytes a lane in flight, where the earlier
+// form (one tile a warp at a time) had 8.
+constexpr int kPairsInFlight = 2;
 __global__ void __launch_bounds__(256) fp8_quantize_rows_kernel(const __nv_bfloat16* __restrict__ x,
                                                                uint8_t* __restrict__ q, float* __restrict__ scale,
                                                                int64_t num_rows, int64_t k) {
   const int lane = threadIdx.x % 32;
   const int64_t blocks = k / gemm::kFp8ScaleBlock;
   const int64_t tiles = num_rows * blocks;
+  const int64_t pairs = (tiles + 1) / 2;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t tile = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; tile < tiles; tile += warps) {
-    const int64_t row = tile / blocks, kb = tile % blocks;
-    const int64_t offset = row * k + kb * gemm::kFp8ScaleBlock;
-    const float sc = gemm::fp8_quantize_tile_warp(x + offset, q + offset, lane);
-    if (lane == 0) scale[kb * num_rows + row] = sc;
+  const int64_t warp = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  for (int64_t p0 = warp * kPairsInFlight; p0 < pairs; p0 += warps * kPairsInFlight) {
+    uint4 raw[kPairsInFlight];
+#pragma unroll
+    for (int j = 0; j < kPairsInFlight; ++j) {
+      const int64_t tile = 2 * (p0 + j) + lane / 16;
+      raw[j] = tile < tiles ? *reinterpret_cast<const uint4*>(x + tile * gemm::kFp8ScaleBlock + 8 * (lane % 16))
+                            : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kPairsInFlight; ++j) {
+      if (p0 + j >= pairs) break;  // the same for the whole warp: its shuffles see every lane
+      float sc;
+      const uint2 v = gemm::fp8_quantize_tile_pair(raw[j], &sc);
+      const int64_t tile = 2 * (p0 + j) + lane / 16;
+      if (tile < tiles) {  // the second tile of the last pair may not exist
+        *reinterpret_cast<uint2*>(q + tile * gemm::kFp8ScaleBlock + 8 * (lane % 16)) = v;
+        if (lane % 16 == 0) scale[(tile % blocks) * num_rows + tile / blocks] = sc;
+      }
+    }
   }
 }
 
@@ -125,10 +145,12 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   if (p.precision == GroupedFfnPrecision::kBf16)
     return launch_gemm_pair<gemm::Bf16Mainloop<>, gemm::Epilogue::kSwiGLU>(p, p.x, grid, stream);
 
-  // Row quantisation of x: 8 warps (tiles) per block; a few waves of blocks per SM, grid-stride beyond.
+  // Row quantisation of x: 8 warps per block, 2 kPairsInFlight tiles a warp; a few waves of blocks per SM, grid-stride
+  // beyond.
   const int64_t m = p.num_rows, hidden = p.hidden;
   const int64_t tiles = m * (hidden / gemm::kFp8ScaleBlock);
-  const int64_t quant_blocks = std::min<int64_t>((tiles + 7) / 8, int64_t(grid) * 16);
+  const int64_t quant_blocks = std::min<int64_t>((tiles + 2 * 8 * kPairsInFlight - 1) / (2 * 8 * kPairsInFlight),
+                                                 int64_t(grid) * 16);
   fp8_quantize_rows_kernel<<<int(quant_blocks), 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(p.x), static_cast<uint8_t*>(p.scales.x_q), p.scales.x_scale, m, hidden);
   MOK_CUDA_RETURN_IF_ERROR(cudaGetLastError());

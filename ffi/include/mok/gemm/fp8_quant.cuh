@@ -26,22 +26,32 @@ __device__ __forceinline__ __nv_fp8x2_storage_t fp8_pack2(float a, float b, floa
   return __nv_cvt_float2_to_fp8x2(make_float2(a * inv, b * inv), __NV_SATFINITE, __NV_E4M3);
 }
 
-// One 1 x 128 tile of a bf16 row -> e4m3 with its scale, by one warp (4 values per lane): amax * (1/448) (1 for
-// an all-zero tile), q = e4m3_rn_satfinite(x / scale): mok_jax.fp8.quantize_rows, bit for bit (max is exact,
-// the division IEEE). Returns the scale (every lane).
-__device__ __forceinline__ float fp8_quantize_tile_warp(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ q,
-                                                        int lane) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + 4 * lane);
-  const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  float amax = fmaxf(fmaxf(fabsf(v01.x), fabsf(v01.y)), fmaxf(fabsf(v23.x), fabsf(v23.y)));
-  for (int d = 16; d >= 1; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+// Two consecutive 1 x 128 tiles of bf16 -> e4m3 with their scales, by one warp, 8 values a lane: lanes 0-15 hold the
+// first tile's 128 values, 16-31 the second's, 8 consecutive ones a lane (raw, loaded by the caller, so that the loads
+// of several pairs can be in flight together). Each half-warp's amax * (1/448) (1 for an all-zero tile) is its
+// tile's scale, q = e4m3_rn_satfinite(x / scale): mok_jax.fp8.quantize_rows, bit for bit (max is exact, the division
+// IEEE, each value converted alone), except in a tile with a NaN, whose scale fmaxf takes from the tile's other values
+// where jnp.max gives NaN; the NaN stays an E4M3 NaN either way. Returns the lane's 8 e4m3 values (for q + 8 lane from
+// the first tile's start) and sets *scale to its tile's scale.
+__device__ __forceinline__ uint2 fp8_quantize_tile_pair(const uint4 raw, float* scale) {
+  float v[8];
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int d = 8; d >= 1; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));  // the half-warp's
   const float sc = fp8_scale_of(amax);
   const float inv = 1.0f / sc;  // q = x * (1 / scale), as mok_jax.fp8 (kInvE4M3Max)
-  const __nv_fp8x2_storage_t q01 = fp8_pack2(v01.x, v01.y, inv);
-  const __nv_fp8x2_storage_t q23 = fp8_pack2(v23.x, v23.y, inv);
-  *reinterpret_cast<uint32_t*>(q + 4 * lane) = uint32_t(q01) | (uint32_t(q23) << 16);
-  return sc;
+  uint32_t packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) packed[i] = fp8_pack2(v[2 * i], v[2 * i + 1], inv);
+  *scale = sc;
+  return make_uint2(packed[0] | (packed[1] << 16), packed[2] | (packed[3] << 16));
 }
 
 }  // namespace mok::gemm
