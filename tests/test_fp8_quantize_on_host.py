@@ -18,4 +18,8 @@ def test_row_quantiser_on_the_host_gives_quantize_rows_bits():
     spec = importlib.util.spec_from_file_location("fp8_quantize_on_host", LAB)
     lab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lab)
+    try:
+        lab.cuda_include_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"no CUDA headers for the host build: {e}")
     assert lab.main(seed=1) == 6  # every case ran; each asserts its bits

@@ -145,8 +145,8 @@ cudaError_t launch_grouped_ffn(const GroupedFfnParams& p, cudaStream_t stream) {
   if (p.precision == GroupedFfnPrecision::kBf16)
     return launch_gemm_pair<gemm::Bf16Mainloop<>, gemm::Epilogue::kSwiGLU>(p, p.x, grid, stream);
 
-  // Row quantisation of x: 8 warps per block, 2 kPairsInFlight tiles a warp; a few waves of blocks per SM, grid-stride
-  // beyond.
+  // Row quantisation of x: 8 warps per block, 2 x kPairsInFlight tiles a warp at a time; a few waves of blocks per SM,
+  // grid-stride beyond.
   const int64_t m = p.num_rows, hidden = p.hidden;
   const int64_t tiles = m * (hidden / gemm::kFp8ScaleBlock);
   const int64_t quant_blocks = std::min<int64_t>((tiles + 2 * 8 * kPairsInFlight - 1) / (2 * 8 * kPairsInFlight),

@@ -141,17 +141,20 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 def cases(rng: np.random.Generator):
     """(x bits, blocks, what): odd and even tile counts, a grid that strides several times and one with idle warps,
-    zero tiles, saturating and tiny values, infinities and NaNs."""
+    zero tiles, -0, saturating and tiny values, infinities and NaNs (one value, a lane's 8, a whole tile)."""
     for rows, k, blocks in [(1, 128, 1), (3, 384, 1), (37, 256, 2), (64, 896, 5), (5, 128, 40)]:
         yield bf16_bits(rng.standard_normal((rows, k)) * 3.0), blocks, f"normal {rows} x {k}, {blocks} blocks"
-    x = rng.standard_normal((9, 384)) * 1e-3
+    x = rng.standard_normal((11, 384)) * 1e-3
+    x[1, 3] = -0.0
     x[2, :128] = 0.0                     # an all-zero tile: scale 1
     x[4, 128:256] *= 1e6                 # large values in one tile
     x[5, 7] = 1e-38                      # subnormal after the scale
     x[6, 300] = np.inf
     x[7, 5] = -np.inf
     x[8, 130] = np.nan
-    yield bf16_bits(x), 1, "zeros, large, tiny, inf and NaN"
+    x[9, 8:16] = np.nan                  # one lane's 8 values
+    x[10, 256:] = np.nan                 # an all-NaN tile
+    yield bf16_bits(x), 1, "zeros, -0, large, tiny, inf and NaN"
 
 
 def main(seed: int = 0) -> int:

@@ -287,7 +287,7 @@ struct Sm90Fp8TileT : Sm90TileBase {
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
           const int i = 4 * (4 * m + j) + 2 * h;
-          w[j] = Sm90TileT<>::pack_bf16x2(acc(i), acc(i + 1));
+          w[j] = pack_bf16x2(acc(i), acc(i + 1));
         }
         quad_transpose(w, lane);
         const int col = st.col0 + col_off + 8 * (4 * m + lane % 4);

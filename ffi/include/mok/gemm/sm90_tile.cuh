@@ -138,13 +138,18 @@ struct Sm90TileBase {
     int32_t col0, n_out;
   };
 
-  // Out (float) straight from a wgmma accumulator's registers, two columns per store, columns from col0 + col_off
-  // on: each warp store writes 8 rows x 32 bytes, whole sectors. (An FP8 tile's bf16 halves go through
-  // Sm90Fp8TileT::store_bf16_half, 16 bytes a lane.) n_out must be even. Fragment (PTX ISA, m64nNk16 f32 D): value i of
+  __device__ static uint32_t pack_bf16x2(float lo, float hi) {  // lo in the low half: the lower column
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+
+  // Out (float or bf16) straight from a wgmma accumulator's registers, two columns per store, columns from
+  // col0 + col_off on: fp32 (each warp store 8 rows x 32 bytes, whole sectors) or bf16 (4 bytes a lane: the
+  // dgrad_row_gather lab's; the FP8 tile's bf16 halves go through Sm90Fp8TileT::store_bf16_half, 16 bytes a lane).
+  // n_out must be even. Fragment (PTX ISA, m64nNk16 f32 D): value i of
   // thread (warp w, lane l) of the warpgroup sits at row 16w + l/4 + 8*((i/2)%2), column 8*(i/4) + 2*(l%4) + i%2.
   template <class Out, class Acc>
   __device__ static void store_regs(const Acc& acc, const TileStore& st, int col_off, int wg, int t) {
-    static_assert(std::is_same_v<Out, float>, "fp32 out only");
     constexpr int kValues = decltype(cute::size(std::declval<const Acc&>()))::value;
     auto* out = static_cast<Out*>(st.out);
     const int lane = t % 32, warp = t / 32;
@@ -155,7 +160,11 @@ struct Sm90TileBase {
       const int row = r_base + 8 * ((i >> 1) & 1);
       const int col = c_base + 8 * (i >> 2);
       if (row < st.row_end && col < st.n_out) {
-        *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
+        if constexpr (std::is_same_v<Out, float>)
+          *reinterpret_cast<float2*>(out + int64_t(row) * st.ld + col) = make_float2(acc(i), acc(i + 1));
+        else
+          *reinterpret_cast<__nv_bfloat162*>(out + int64_t(row) * st.ld + col) =
+              __floats2bfloat162_rn(acc(i), acc(i + 1));
       }
     }
   }
@@ -340,11 +349,6 @@ struct Sm90TileT : Sm90TileBase {
       CUTE_UNROLL
       for (int k = 0; k < N; ++k) h[k] = div_in_range_value(acc(i0 + k), x[k]) * acc(i0 + k + 64);
     }
-  }
-
-  __device__ static uint32_t pack_bf16x2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
   }
 
   // bf16 out through a per-warpgroup epilogue buffer (64 x 64, padded rows) into 16-byte row-masked stores.
