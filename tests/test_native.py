@@ -119,6 +119,38 @@ def test_missing_library_is_reported_once_and_xla_still_works(tmp_path):
 
 
 @pytest.mark.skipif(_native.library() is None, reason="the check is the native library's")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_raw_grouped_ffn_refuses_misaligned_pointers(precision):
+    """MokGroupedFfnRaw and MokFp8GroupedFfnRaw return -1 (unsupported, before any CUDA call) for a buffer that
+    TMA or a 16-byte access would fault on, and go on to the launch (without a GPU, a CUDA error; on a GPU that call
+    is not made) when every pointer is aligned. The pointers are never dereferenced on the host."""
+    import ctypes
+
+    lib = _native.library()
+    a16, a4 = 0x10000, 0x20004  # 16-byte and 4-byte (not 16) aligned addresses
+    names = ["x", "group_sizes", "gate_up", "down", "y", "h", "status"]
+    if precision == "fp8":
+        fn = lib.MokFp8GroupedFfnRaw
+        names = ["x", "group_sizes", "gate_up", "gate_up_scale", "down", "down_scale", "y", "h", "h_scale", "x_q",
+                 "x_scale", "status"]
+    else:
+        fn = lib.MokGroupedFfnRaw
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * len(names) + [ctypes.c_int64] * 4 + [ctypes.c_int32, ctypes.c_void_p]
+    word = {"group_sizes", "status", "gate_up_scale", "down_scale", "h_scale", "x_scale"}  # 4-byte words
+    good = {n: (a4 if n in word else a16) for n in names}
+
+    def call(ptrs):
+        return fn(*[ptrs[n] for n in names], 256, 256, 256, 4, 0, None)  # M, H, I, E, num_sms, stream
+
+    for name in names:
+        bad = dict(good, **{name: good[name] + (2 if name in word else 8)})
+        assert call(bad) == -1, f"{precision}: a misaligned {name} was not refused"
+    if not any(d.platform == "gpu" for d in jax.devices()):  # on a GPU it would launch on these fake pointers
+        assert call(good) != -1, f"{precision}: aligned pointers were refused"
+
+
+@pytest.mark.skipif(_native.library() is None, reason="the check is the native library's")
 def test_row_gather_offsets_are_cutes_layouts():
     """The row-gathering loader (mok/gemm/sm90_row_gather.cuh) writes each 16-byte chunk where a TMA box with the
     128-byte swizzle puts it: its hand-written offsets against CuTe's layouts of the same stages, every place."""

@@ -120,6 +120,18 @@ const char* grouped_ffn_unsupported(const GroupedFfnParams& p) {
     return "group_sizes: the number of experts E must be in [1, 1024]";
   if (p.hidden > INT_MAX / 2 || 2 * p.intermediate > INT_MAX) return "gate_up: H and 2I must be below 2^31";
   if (p.num_sms < 0) return "num_sms must be >= 0 (0 = all SMs)";
+  // TMA reads x (bf16), x_q, h and the weights from 16-byte aligned addresses, and the epilogues and the FP8 row
+  // quantiser move 16 bytes at a time; the scales and the counts are 4-byte words. (XLA's buffers always are; a raw
+  // caller's might not be, and would fault in the kernel.)
+  const auto aligned = [](const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  if (!aligned(p.x, 16) || !aligned(p.gate_up, 16) || !aligned(p.down, 16) || !aligned(p.y, 16) ||
+      !aligned(p.h, 16))
+    return "x, gate_up, down, y and h must be 16-byte aligned";
+  if (!aligned(p.group_sizes, 4) || !aligned(p.status, 4)) return "group_sizes and status must be 4-byte aligned";
+  if (p.precision == GroupedFfnPrecision::kFp8 &&
+      (!aligned(p.scales.x_q, 16) || !aligned(p.scales.gate_up_scale, 4) || !aligned(p.scales.down_scale, 4) ||
+       !aligned(p.scales.h_scale, 4) || !aligned(p.scales.x_scale, 4)))
+    return "x_q must be 16-byte aligned, and the scales 4-byte aligned";
   if (p.precision == GroupedFfnPrecision::kFp8) {  // whole scale blocks along both reductions
     if (p.hidden <= 0 || p.hidden % 128 != 0) return "x: hidden size H must be a positive multiple of 128";
     if (p.intermediate <= 0 || p.intermediate % 128 != 0)
