@@ -9,8 +9,8 @@
 
 Every output is poisoned first. A check of the code's logic where no GPU is lent, not of the GPU: the source is
 compiled by g++ (C++20) with CUDA's own host forms of the bf16 and E4M3 conversions, CuTe's host code,
-layout_on_host.py's shim of threads, blocks and warps, and host forms of the warp intrinsics the code calls
-(__shfl_xor_sync through a warp's shared slots, __byte_perm); intrinsics it only names abort if called.
+layout_on_host.py's shim of threads, blocks and warps (with its __shfl_xor_sync and __any_sync), and host forms of
+the other intrinsics the code calls (__byte_perm, __fmaf_rn, __ldg); intrinsics it only names abort if called.
 tests/test_fp8_grouped_ffn_gpu.py and tests/test_moe_fp8_gpu.py are the tests on the GPU. Run from the repository
 root:
 
@@ -44,27 +44,6 @@ _layout_on_host = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_layout_on_host)
 
 INTRINSICS = r"""
-template <class T>
-inline T __shfl_xor_sync(uint32_t, T x, int mask) {
-  static_assert(sizeof(T) == 4, "32-bit values");
-  ShimWarp& w = shim_warp();
-  const int lane = threadIdx.x % 32;
-  std::memcpy(&w.vals[lane], &x, 4);
-  w.bar->arrive_and_wait();
-  T r;
-  std::memcpy(&r, &w.vals[lane ^ mask], 4);
-  w.bar->arrive_and_wait();
-  return r;
-}
-inline int __any_sync(uint32_t, int p) {
-  ShimWarp& w = shim_warp();
-  w.vals[threadIdx.x % 32] = p != 0;
-  w.bar->arrive_and_wait();
-  int any = 0;
-  for (int l = 0; l < 32; ++l) any |= int(w.vals[l]);
-  w.bar->arrive_and_wait();
-  return any;
-}
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t v = (uint64_t(y) << 32) | x;
   uint32_t r = 0;
@@ -162,10 +141,7 @@ def cuda_include_dir() -> pathlib.Path:
 
 def build(tmp: pathlib.Path) -> ctypes.CDLL:
     cuda_include = cuda_include_dir()
-    # CUDA's headers (for the conversions) declare the runtime's types, which the shim would declare again
-    shim = "\n".join(line for line in _layout_on_host.SHIM.splitlines()
-                      if not re.search(r"cudaError_t|cudaStream_t|cudaSuccess|MOK_CUDA_RETURN_IF_ERROR", line))
-    (tmp / "shim.h").write_text(shim + INTRINSICS)
+    (tmp / "shim.h").write_text(_layout_on_host.THREAD_SHIM + INTRINSICS)  # CUDA's headers declare the runtime
     (tmp / "harness.cc").write_text(HARNESS.replace("KERNEL", kernel_source()))
     lib = tmp / "libfp8_host.so"
     subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-shared", "-w", f"-I{tmp}", f"-I{ROOT / 'ffi/include'}",

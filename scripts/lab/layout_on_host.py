@@ -2,10 +2,10 @@
 thread a host thread, against mok_jax.expert_layout's padded_layout and rank_layout, all four arrays bit for bit.
 
 A check of the kernels' logic where no GPU is lent, not of the GPU: the source is compiled by g++ (C++20) with a shim
-of the few CUDA features it uses (__syncthreads and __syncwarp as barriers, __match_any_sync and __shfl_up_sync
-through a warp's shared slots, shared-memory atomics), after textual rewrites (shared arrays, the launches) and a
-shim of mok/comm/ptx.cuh's lanemask register. It says nothing of the memory model, of timing or of the compiled SASS;
-tests/test_native_gpu.py is the test on the GPU. Run from the repository root:
+of the few CUDA features it uses (__syncthreads and __syncwarp as barriers, __match_any_sync, __shfl_up_sync and
+__reduce_add_sync through a warp's shared slots, shared-memory atomics), after textual rewrites (shared arrays, the
+launches) and a shim of mok/comm/ptx.cuh's lanemask register. It says nothing of the memory model, of timing or of
+the compiled SASS; tests/test_native_gpu.py is the test on the GPU. Run from the repository root:
 
     python scripts/lab/layout_on_host.py [seed]
 
@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 from mok_jax.expert_layout import padded_layout, rank_layout  # noqa: E402
 from mok_jax.ops.routing import layout_chunk  # noqa: E402
 
-SHIM = r"""
+# Threads, blocks and warps: every CUDA thread a host thread, a warp's lanes meeting at a barrier to exchange values
+# (shim_warp_exchange). Used alone by fp8_on_host.py, whose CUDA headers declare the runtime's types themselves.
+THREAD_SHIM = r"""
 #pragma once
 #include <atomic>
 #include <barrier>
@@ -42,9 +44,6 @@ SHIM = r"""
 #include <vector>
 using std::max;
 using std::min;
-typedef int cudaError_t;
-typedef void* cudaStream_t;
-constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1;
 #define __global__
 #define __device__
 #define __host__
@@ -60,30 +59,58 @@ inline int32_t* shim_static_smem() { return shim_block->stat.data(); }
 inline void __syncthreads() { shim_block->bar->arrive_and_wait(); }
 inline ShimWarp& shim_warp() { return shim_block->warps[threadIdx.x / 32]; }
 inline void __syncwarp() { shim_warp().bar->arrive_and_wait(); }
-inline uint32_t __match_any_sync(uint32_t, int32_t v) {
-  ShimWarp& w = shim_warp();
-  w.vals[threadIdx.x % 32] = uint32_t(v);
-  w.bar->arrive_and_wait();
-  uint32_t m = 0;
-  for (int l = 0; l < 32; ++l)
-    if (w.vals[l] == uint32_t(v)) m |= 1u << l;
-  w.bar->arrive_and_wait();
-  return m;
-}
-inline int32_t __shfl_up_sync(uint32_t, int32_t x, int o) {
+// Every lane of the warp posts its 32-bit value; read(vals, lane) runs once all are posted, before any is replaced.
+template <class Read>
+inline auto shim_warp_exchange(uint32_t mine, Read read) {
   ShimWarp& w = shim_warp();
   const int lane = threadIdx.x % 32;
-  w.vals[lane] = uint32_t(x);
+  w.vals[lane] = mine;
   w.bar->arrive_and_wait();
-  const int32_t r = lane >= o ? int32_t(w.vals[lane - o]) : x;
+  const auto r = read(w.vals, lane);
   w.bar->arrive_and_wait();
   return r;
+}
+inline uint32_t __match_any_sync(uint32_t, int32_t v) {
+  return shim_warp_exchange(uint32_t(v), [v](const uint32_t* vals, int) {
+    uint32_t m = 0;
+    for (int l = 0; l < 32; ++l)
+      if (vals[l] == uint32_t(v)) m |= 1u << l;
+    return m;
+  });
+}
+inline int32_t __shfl_up_sync(uint32_t, int32_t x, int o) {
+  return shim_warp_exchange(uint32_t(x), [x, o](const uint32_t* vals, int lane) {
+    return lane >= o ? int32_t(vals[lane - o]) : x;
+  });
+}
+template <class T>
+inline T __shfl_xor_sync(uint32_t, T x, int mask) {
+  static_assert(sizeof(T) == 4, "32-bit values");
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return shim_warp_exchange(bits, [mask](const uint32_t* vals, int lane) {
+    T r;
+    std::memcpy(&r, &vals[lane ^ mask], 4);
+    return r;
+  });
+}
+inline int __any_sync(uint32_t, int p) {
+  return shim_warp_exchange(uint32_t(p != 0), [](const uint32_t* vals, int) {
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= int(vals[l]);
+    return any;
+  });
+}
+inline int32_t __reduce_add_sync(uint32_t, int32_t v) {
+  return shim_warp_exchange(uint32_t(v), [](const uint32_t* vals, int) {
+    uint32_t sum = 0;
+    for (int l = 0; l < 32; ++l) sum += vals[l];
+    return int32_t(sum);
+  });
 }
 inline int __popc(uint32_t m) { return __builtin_popcount(m); }
 inline int32_t atomicAdd(int32_t* p, int32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline uint32_t shim_lanemask_lt() { return (1u << (threadIdx.x % 32)) - 1u; }
-inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { std::memset(p, v, n); return 0; }
-inline cudaError_t cudaGetLastError() { return 0; }
 template <class K, class... A>
 void shim_launch(K kernel, unsigned grid, unsigned threads, size_t smem, A... args) {
   for (unsigned b = 0; b < grid; ++b) {
@@ -107,11 +134,22 @@ void shim_launch(K kernel, unsigned grid, unsigned threads, size_t smem, A... ar
     for (auto& t : ts) t.join();
   }
 }
+"""
+
+# The CUDA runtime calls routing.cu makes, and mok/common.cuh's pieces it uses.
+RUNTIME_SHIM = r"""
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+constexpr int cudaSuccess = 0, cudaErrorInvalidValue = 1;
+inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) { std::memset(p, v, n); return 0; }
+inline cudaError_t cudaGetLastError() { return 0; }
 namespace mok {
 template <typename T> constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
 }  // namespace mok
 #define MOK_CUDA_RETURN_IF_ERROR(expr) do { cudaError_t e_ = (expr); if (e_) return e_; } while (0)
 """
+
+SHIM = THREAD_SHIM + RUNTIME_SHIM
 
 PTX_SHIM = r"""
 #pragma once
