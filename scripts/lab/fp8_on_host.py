@@ -160,13 +160,16 @@ def cutlass_include() -> pathlib.Path:
     return pathlib.Path(cutlass_library.__file__).parent / "source" / "include"
 
 
+# What every output holds before a run (a NaN in bf16 and f32; 0xA5 is a finite e4m3): an unwritten one shows.
+BF16_POISON, E4M3_POISON, SCALE_POISON = 0x7FA5, 0xA5, 0x7FC0DEAD
+
+
 def check_quantiser(lib, x: np.ndarray, blocks: int, what: str) -> None:
     """x: bf16 [rows, k] (as uint16). Runs the kernel on `blocks` blocks and compares with quantize_rows."""
     rows, k = x.shape
     x = np.ascontiguousarray(x, np.uint16)
-    q = np.full((rows, k), 0xA5, np.uint8)                      # poison: an unwritten byte shows
-    scale = np.full((k // 128, rows), np.nan, np.float32).view(np.uint32)
-    scale[...] = 0x7FC0DEAD
+    q = np.full((rows, k), E4M3_POISON, np.uint8)
+    scale = np.full((k // 128, rows), SCALE_POISON, np.uint32)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     lib.run_quantize(ptr(x), ptr(q), ptr(scale), rows, k, blocks)
     want_q, want_s = fp8.quantize_rows(jnp.asarray(x.view(jnp.bfloat16)))
@@ -184,7 +187,7 @@ def check_quantiser(lib, x: np.ndarray, blocks: int, what: str) -> None:
     assert ((q[~finite] & 0x7F) == 0x7F).all() and ((want_q[~finite] & 0x7F) == 0x7F).all(), f"{what}: NaN lost"
     bad = np.argwhere((scale != want_s) & tile_ok.T)
     assert bad.size == 0, f"{what}: x_scale differs at {bad[:3].tolist()}"
-    assert (scale != 0x7FC0DEAD).all(), f"{what}: a scale was not written"
+    assert (scale != SCALE_POISON).all(), f"{what}: a scale was not written"
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -207,9 +210,6 @@ def cases(rng: np.random.Generator):
     x[9, 8:16] = np.nan                  # one lane's 8 values
     x[10, 256:] = np.nan                 # an all-NaN tile
     yield bf16_bits(x), 1, "zeros, -0, large, tiny, inf and NaN"
-
-
-BF16_POISON, E4M3_POISON, SCALE_POISON = 0x7FA5, 0xA5, 0x7FC0DEAD
 
 
 def check_store_bf16(lib, src: np.ndarray, shape: tuple[int, int], row0: int, row_end: int, col0: int, n_out: int,
