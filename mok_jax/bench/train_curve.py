@@ -14,7 +14,10 @@ the balance term.
 
 The implementations (``IMPLEMENTATIONS``): ``xla`` and ``mok`` (MoELayer's implementation=) and ``mok-fp8``
 (implementation="mok", precision="fp8": the routed experts' forward in FP8 E4M3, quantised from the parameters in
-every call, the backward bf16). The mok ones need a CUDA GPU and the kernels; asked for without them the tool
+every call, the backward bf16). ``xla-fp8-st``, ``xla-fp8-dgrad`` and ``xla-fp8`` run the FP8 recipe's arithmetic in
+pure JAX on any machine (``mok_jax.bench.fp8_recipe``: each GEMM operand quantised with the recipe's tiles, the GEMM in
+f32): the FP8 forward with the bf16 backward that mok-fp8 trains with, with FP8 dgrads and bf16 weight gradients, and
+with everything in FP8 (issue 34's choice of the FP8 backward, by its loss curve). The mok ones need a CUDA GPU and the kernels; asked for without them the tool
 says why and exits 2 before training anything. SHAPE has H and I multiples of 128, as FP8 needs, so every
 implementation trains the same model.
 
@@ -48,7 +51,11 @@ SHAPE = ModelShape(name="train-curve", num_experts=8, top_k=2, hidden_size=256, 
 AUX_WEIGHT = 1e-2
 # --impl name -> the MoELayer arguments it trains with
 IMPLEMENTATIONS = {"xla": {"implementation": "xla"}, "mok": {"implementation": "mok"},
-                   "mok-fp8": {"implementation": "mok", "precision": "fp8"}}
+                   "mok-fp8": {"implementation": "mok", "precision": "fp8"},
+                   # the FP8 recipe's arithmetic in pure JAX (mok_jax.bench.fp8_recipe), by its backward
+                   "xla-fp8-st": {"implementation": "xla", "fp8_backward": "bf16"},
+                   "xla-fp8-dgrad": {"implementation": "xla", "fp8_backward": "fp8-dgrad"},
+                   "xla-fp8": {"implementation": "xla", "fp8_backward": "fp8"}}
 PROG = "python -m mok_jax.bench.train_curve"
 
 
@@ -94,9 +101,16 @@ class MoEModel(nnx.Module):
         layer = IMPLEMENTATIONS[impl]
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab, H), jnp.float32))
         self.norms = nnx.List([RMSNorm(H) for _ in range(layers)])
-        self.moes = nnx.List([
-            MoELayer(SHAPE, **layer, max_tokens=max_tokens if layer["implementation"] == "mok" else None, rngs=rngs)
-            for _ in range(layers)])
+        if "fp8_backward" in layer:
+            from mok_jax.bench.fp8_recipe import Fp8RecipeLayer
+
+            self.moes = nnx.List([Fp8RecipeLayer(SHAPE, backward=layer["fp8_backward"], rngs=rngs)
+                                  for _ in range(layers)])
+        else:
+            self.moes = nnx.List([
+                MoELayer(SHAPE, **layer, max_tokens=max_tokens if layer["implementation"] == "mok" else None,
+                         rngs=rngs)
+                for _ in range(layers)])
         self.final_norm = RMSNorm(H)
         self.head = nnx.Param(jax.random.normal(rngs.params(), (H, vocab), jnp.float32) * H ** -0.5)
 
