@@ -94,6 +94,9 @@ def test_recipe_layer_and_curve_names():
         == {"xla-fp8-st": "bf16", "xla-fp8-dgrad": "fp8-dgrad", "xla-fp8": "fp8"}
     with pytest.raises(ValueError, match="backward must be one of"):
         fp8_recipe.Fp8RecipeLayer(train_curve.SHAPE, backward="fp16", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="mesh must be None"):
+        fp8_recipe.Fp8RecipeLayer(train_curve.SHAPE, backward="fp8", mesh=jax.make_mesh((1,), ("ep",)),
+                                  rngs=nnx.Rngs(0))
     layer = fp8_recipe.Fp8RecipeLayer(train_curve.SHAPE, backward="fp8", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 128, train_curve.SHAPE.hidden_size), jnp.bfloat16)
     y, aux = layer(x, return_aux_loss=True)

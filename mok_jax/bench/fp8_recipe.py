@@ -160,6 +160,8 @@ class Fp8RecipeLayer(MoELayer):
     def __init__(self, shape, *, backward: str, **kwargs):
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+        if kwargs.get("mesh") is not None:
+            raise ValueError("Fp8RecipeLayer: mesh must be None (the recipe's layer runs every expert locally)")
         super().__init__(shape, implementation="xla", **kwargs)
         self.backward = backward
 
