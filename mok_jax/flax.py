@@ -223,6 +223,13 @@ class MoELayer(nnx.Module):
             y = jax.sharding.reshard(y, NamedSharding(mesh, P()))
         return jax.lax.reshape(y, (*lead, y.shape[-1]), out_sharding=NamedSharding(mesh, spec))
 
+    def _experts(self, tokens: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+        """The routed and shared experts and the combine of the routed tokens [T, H] -> [T, H]."""
+        if self.mesh is None:
+            return moe(tokens, idx, w, self.weights(), config=self.config, workspace=self.workspace)
+        return expert_parallel_moe(tokens, idx, w, self.weights(), mesh=self.mesh, config=self.config,
+                                   token_axes=self.token_axes, workspace=self.workspace)
+
     def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
         if x.shape[-1] != self.shape.hidden_size:
             raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
@@ -234,12 +241,7 @@ class MoELayer(nnx.Module):
         self._require_workspace(x, num_tokens)
         tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         idx, w, probs = self.route(tokens)
-        if self.mesh is None:
-            y = moe(tokens, idx, w, self.weights(), config=self.config, workspace=self.workspace)
-        else:
-            y = expert_parallel_moe(tokens, idx, w, self.weights(), mesh=self.mesh, config=self.config,
-                                    token_axes=self.token_axes, workspace=self.workspace)
-        y = self._unflatten(y, lead)
+        y = self._unflatten(self._experts(tokens, idx, w), lead)
         if return_aux_loss:
             return y, load_balancing_loss(probs, idx, self.shape.num_experts)
         return y

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mok_jax import fp8
-from mok_jax.flax import MoELayer, load_balancing_loss
+from mok_jax.flax import MoELayer
 from mok_jax.reference.experts import routed_sum, shared_expert, swiglu_backward
 
 __all__ = ["BACKWARDS", "Fp8RecipeLayer", "fake_quantize_columns", "fake_quantize_rows", "fake_quantize_weights",
@@ -52,29 +52,30 @@ def fake_quantize_weights(w: jax.Array) -> jax.Array:
     return fp8.dequantize_weight_blocks(*fp8.quantize_weight_blocks(w))
 
 
-def _row_tiles(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, int]:
-    """For expert-major rows with ``group_sizes``: each row's 128-row tile (tiles start at each group's first row and
-    never straddle two groups), and a static bound on the tile count."""
+def _padded_positions(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, int]:
+    """For expert-major rows with ``group_sizes``: each row's place in the same rows with every expert's group padded
+    to a multiple of 128 (so that 128-row tiles never straddle two experts), and the padded length. Rows past the
+    groups get the padded length: a place outside it."""
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
+    padded = -(-group_sizes // fp8.BLOCK) * fp8.BLOCK
+    padded_starts = jnp.cumsum(padded) - padded
     row = jnp.arange(num_rows)
-    group = jnp.searchsorted(ends, row, side="right")  # rows past the last group: group E (never read)
+    group = jnp.searchsorted(ends, row, side="right")  # rows past the last group: group E
     group_c = jnp.minimum(group, group_sizes.shape[0] - 1)
-    tiles_before = jnp.cumsum(-(-group_sizes // fp8.BLOCK)) - (-(-group_sizes // fp8.BLOCK))
-    tile = tiles_before[group_c] + (row - starts[group_c]) // fp8.BLOCK
-    bound = num_rows // fp8.BLOCK + group_sizes.shape[0]
-    return jnp.where(group < group_sizes.shape[0], tile, bound), bound
+    length = (num_rows // fp8.BLOCK + group_sizes.shape[0]) * fp8.BLOCK  # a static bound on sum(padded)
+    return jnp.where(group < group_sizes.shape[0], padded_starts[group_c] + row - starts[group_c], length), length
 
 
 def fake_quantize_columns(a: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """a [M, N] (expert-major rows, ``group_sizes``) -> f32: each 128 x 1 tile (128 rows of one expert by one column)
-    quantised to E4M3 with its own scale and back, as the FP8 weight gradients read their operands."""
-    a = a.astype(_F32)
-    tile, bound = _row_tiles(group_sizes, a.shape[0])
-    amax = jax.ops.segment_max(jnp.abs(a), tile, num_segments=bound + 1)  # [tiles, N]; empty tiles -inf
-    scale = fp8._scale_of(jnp.maximum(amax, 0.0))[tile]  # noqa: SLF001 - the recipe's scale, one definition
-    q = jnp.clip(a * (1.0 / scale), -fp8.E4M3_MAX, fp8.E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return q.astype(_F32) * scale
+    quantised to E4M3 with its own scale and back, as the FP8 weight gradients read their operands: ``fp8``'s
+    1 x 128 tiles of the transposed rows, each expert's group padded with zeros (which leave a tile's amax as it is).
+    Rows past the groups come back 0."""
+    pos, length = _padded_positions(group_sizes, a.shape[0])
+    padded = jnp.zeros((length, a.shape[1]), _F32).at[pos].set(a.astype(_F32), mode="drop")
+    q = fake_quantize_rows(padded.T).T
+    return q.at[pos].get(mode="fill", fill_value=0.0)
 
 
 def _weight_grad(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -165,13 +166,5 @@ class Fp8RecipeLayer(MoELayer):
         super().__init__(shape, implementation="xla", **kwargs)
         self.backward = backward
 
-    def __call__(self, x: jax.Array, *, return_aux_loss: bool = False):
-        if x.shape[-1] != self.shape.hidden_size:
-            raise ValueError(f"x must end in hidden_size={self.shape.hidden_size}, got shape {x.shape}")
-        lead = x.shape[:-1]
-        tokens = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        idx, w, probs = self.route(tokens)
-        y = recipe_moe(tokens, idx, w, self.weights(), self.backward).reshape(*lead, -1)
-        if return_aux_loss:
-            return y, load_balancing_loss(probs, idx, self.shape.num_experts)
-        return y
+    def _experts(self, tokens: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+        return recipe_moe(tokens, idx, w, self.weights(), self.backward)
