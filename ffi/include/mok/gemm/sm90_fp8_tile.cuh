@@ -48,6 +48,7 @@
 #include <cutlass/float8.h>
 
 #include "mok/gemm/fp8_quant.cuh"
+#include "mok/gemm/silu_math.cuh"
 #include "mok/gemm/sm90_sync.cuh"
 #include "mok/gemm/sm90_tile.cuh"
 
@@ -249,7 +250,9 @@ struct Sm90Fp8TileT : Sm90TileBase {
     float* out_scale = nullptr;  // SwiGLU only
     int64_t scale_ld = 0;
   };
-  __device__ static float silu(float g) { return g / (1.0f + expf(-g)); }
+  // SwiGLU values computed together (silu_math.cuh's swiglu_values, one range vote per group): the bf16 epilogue's
+  // sequence, so h has the bf16 path's f32 bits before it is quantised.
+  static constexpr int kSwiGLUGroup = 8;
 
   // The quad's 4 x 4 words transposed: lane q holds w[j] = M[q][j] and gets M[j][q] (q = lane % 4). Two exchanges,
   // across q's bit 0 and then bit 1, each moving the two words the lane does not keep (register-indexed by
@@ -307,10 +310,16 @@ struct Sm90Fp8TileT : Sm90TileBase {
     float h[64];
     float amax0 = 0.0f, amax1 = 0.0f;
     CUTE_UNROLL
-    for (int i = 0; i < 64; ++i) {
-      h[i] = silu(gate(i)) * up(i);
-      if ((i >> 1) & 1) amax1 = fmaxf(amax1, fabsf(h[i]));
-      else amax0 = fmaxf(amax0, fabsf(h[i]));
+    for (int i0 = 0; i0 < 64; i0 += kSwiGLUGroup) {
+      float hg[kSwiGLUGroup];
+      swiglu_values(gate, i0, up, i0, hg);
+      CUTE_UNROLL
+      for (int k = 0; k < kSwiGLUGroup; ++k) {
+        const int i = i0 + k;
+        h[i] = hg[k];
+        if ((i >> 1) & 1) amax1 = fmaxf(amax1, fabsf(h[i]));
+        else amax0 = fmaxf(amax0, fabsf(h[i]));
+      }
     }
     CUTE_UNROLL
     for (int d = 1; d < 4; d *= 2) {

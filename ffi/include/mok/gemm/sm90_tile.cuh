@@ -330,27 +330,6 @@ struct Sm90TileT : Sm90TileBase {
   // wgmma accumulator fragment (PTX ISA, m64nNk16 f32 D): value i of thread (warp w, lane l) of the
   // warpgroup sits at row 16w + l/4 + 8*((i/2)%2), column 8*(i/4) + 2*(l%4) + i%2. For SwiGLU the up
   // partner of gate column c (< 128) is column c + 128, i.e. value i + 64 of the same thread.
-  // h = silu(gate) * up for the gate values i0 .. i0 + N - 1 of the thread (silu(g) = g / (1 + exp(-g))): the range of
-  // all N divisions is checked first and voted across the warp, so the N values are in flight together instead of one
-  // per branch (silu_math.cuh); the bits are those of the plain expression either way.
-  template <int N>
-  __device__ static void swiglu_values(const Accumulator& acc, int i0, float (&h)[N]) {
-    float x[N];
-    bool exact = false;
-    CUTE_UNROLL
-    for (int k = 0; k < N; ++k) {
-      x[k] = sigmoid_denominator(acc(i0 + k));
-      exact |= !div_in_range(acc(i0 + k), x[k]);
-    }
-    if (__any_sync(0xffffffffu, exact)) {
-      CUTE_UNROLL
-      for (int k = 0; k < N; ++k) h[k] = acc(i0 + k) / x[k] * acc(i0 + k + 64);
-    } else {
-      CUTE_UNROLL
-      for (int k = 0; k < N; ++k) h[k] = div_in_range_value(acc(i0 + k), x[k]) * acc(i0 + k + 64);
-    }
-  }
-
   // bf16 out through a per-warpgroup epilogue buffer (64 x 64, padded rows) into 16-byte row-masked stores.
   template <bool kSwiGLU>
   __device__ static void store_bf16(const Accumulator& acc, uint32_t* buf, const TileStore& st, int wg, int t) {
@@ -367,7 +346,7 @@ struct Sm90TileT : Sm90TileBase {
       CUTE_UNROLL
       for (int j0 = 0; j0 < 32; j0 += kGroup) {
         float h[kGroup];
-        if constexpr (kSwiGLU) swiglu_values(acc, 32 * pass + j0, h);
+        if constexpr (kSwiGLU) swiglu_values(acc, 32 * pass + j0, acc, 32 * pass + j0 + 64, h);  // up: i + 64
         CUTE_UNROLL
         for (int j = j0; j < j0 + kGroup; j += 2) {
           const int i = 32 * pass + j;
